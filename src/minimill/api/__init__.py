@@ -1,0 +1,1 @@
+"""The HTTP surface: routers per resource, wire schemas, auth, OpenAI-style errors."""

@@ -1,0 +1,1 @@
+"""Benchmark commands: each prints its figure beside the figure it is compared with."""

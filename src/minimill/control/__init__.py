@@ -1,0 +1,1 @@
+"""Domain logic: request lifecycle, batches, files, leases + fencing, placement, metering."""

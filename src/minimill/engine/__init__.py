@@ -1,0 +1,1 @@
+"""The builtin engine ("the bus"): paged KV cache, continuous batching, throughput first."""

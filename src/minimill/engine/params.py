@@ -1,0 +1,94 @@
+"""Sampling parameters and request outputs: the engine's public plain-data types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class EngineError(Exception):
+    """Base class for errors raised to a caller of the engine."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """Bad input: empty prompt, max_tokens <= 0, prompt longer than the context, bad params."""
+
+
+class FinishReason(str, Enum):
+    """Why a request stopped; values are the OpenAI finish_reason strings."""
+
+    STOP = "stop"  # an eos token or a stop string
+    LENGTH = "length"  # max_tokens reached, or the context is full
+    ABORT = "abort"  # cancelled by the caller
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens. Sampling at output position i depends only on (seed, i, logits)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int | None = None  # None: no top-k cut
+    seed: int | None = None  # None: the engine draws one at admission and reports it
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False  # logprob of each chosen token
+    top_logprobs: int = 0  # how many alternatives per position (0..20)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise InvalidRequestError(f"top_k must be at least 1, got {self.top_k}")
+        if not 0 <= self.top_logprobs <= 20:
+            raise InvalidRequestError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    # (token_id, logprob) of the most likely alternatives, best first; empty unless asked.
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The whole result of one request (offline API), or the state so far (async API)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    # All generated tokens, including any that a resumed request was given as its checkpoint.
+    output_token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    seed: int
+    logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    """What the async engine yields per request per step: new tokens and text since last time."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    # Set on the last delta of a request.
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    seed: int = 0

@@ -1,0 +1,1 @@
+"""The worker: lease loop, heartbeats, checkpoints, engine adapters."""

@@ -1,0 +1,1 @@
+"""Model names to files, weight loading (GGUF and HF safetensors), tokenizer and chat template."""

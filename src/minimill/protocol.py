@@ -1,0 +1,118 @@
+"""Wire messages between a worker (fleet/) and the control plane (api/ serves, control/ decides).
+
+Workers pull: they ask for leases with their free capacity, heartbeat (extending leases and
+carrying checkpoints), and complete with the lease's fencing epoch. A site needs no inbound
+connectivity. All routes are under `/v1/fleet/` and authenticated with the site token as a
+Bearer key. Times are Unix seconds (float) from the control plane's clock.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+FLEET_PREFIX = "/v1/fleet"
+
+
+class ChoiceProgress(BaseModel):
+    """Generated-so-far state of one choice (of `n`) of a request."""
+
+    index: int = 0
+    token_ids: list[int] = Field(default_factory=list)
+    text: str = ""
+    # Set once this choice has finished ("stop" | "length").
+    finish_reason: str | None = None
+    # Logprob per generated token, when the request asked for logprobs.
+    logprobs: list[dict[str, Any]] | None = None
+
+
+class Checkpoint(BaseModel):
+    """Tokens generated so far, per choice; a resumed request continues from here."""
+
+    choices: list[ChoiceProgress] = Field(default_factory=list)
+    num_prompt_tokens: int = 0
+
+
+class LeaseRequest(BaseModel):
+    capacity: int = Field(ge=0, description="How many more requests this worker can take now.")
+    models: list[str] = Field(description="Model names this worker's engine serves.")
+    # Output tokens/s the worker measured recently; the control plane keeps it per site.
+    tokens_per_s: float | None = None
+
+
+class Lease(BaseModel):
+    request_id: str
+    lease_id: str
+    epoch: int = Field(description="Fencing epoch; completions and heartbeats must carry it.")
+    expires_at: float
+    kind: Literal["chat", "completion"]
+    model: str
+    # The OpenAI request body as the client sent it (already validated by the control plane).
+    body: dict[str, Any]
+    # Seed to sample with when the body has none, so a resumed request samples the same.
+    seed: int
+    checkpoint: Checkpoint | None = None
+    # Realtime streaming requests want fresh checkpoints often; others every checkpoint_interval_s.
+    stream: bool = False
+    checkpoint_interval_s: float = 2.0
+
+
+class LeaseResponse(BaseModel):
+    leases: list[Lease]
+    # Seconds a lease lives without a heartbeat.
+    lease_ttl_s: float
+
+
+class HeartbeatItem(BaseModel):
+    request_id: str
+    epoch: int
+    checkpoint: Checkpoint | None = None
+
+
+class HeartbeatRequest(BaseModel):
+    leases: list[HeartbeatItem]
+    tokens_per_s: float | None = None
+
+
+class HeartbeatResponse(BaseModel):
+    # request_id -> new expiry, for leases still held at the sent epoch.
+    extended: dict[str, float]
+    # Leases the worker no longer holds (stale epoch, expired, cancelled): abort them.
+    revoked: list[str]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class ErrorInfo(BaseModel):
+    # OpenAI error code, e.g. "context_length_exceeded", "invalid_request_error".
+    code: str
+    message: str
+    param: str | None = None
+
+
+class CompletionItem(BaseModel):
+    request_id: str
+    epoch: int
+    outcome: Literal["succeeded", "failed"]
+    # On success: every choice, finished.
+    choices: list[ChoiceProgress] = Field(default_factory=list)
+    usage: Usage | None = None
+    error: ErrorInfo | None = None
+
+
+class CompleteRequest(BaseModel):
+    results: list[CompletionItem]
+
+
+class RejectedCompletion(BaseModel):
+    request_id: str
+    reason: Literal["stale_epoch", "unknown_request", "already_completed"]
+
+
+class CompleteResponse(BaseModel):
+    accepted: list[str]
+    rejected: list[RejectedCompletion]
