@@ -14,6 +14,10 @@ from pathlib import Path
 
 import pytest
 
+# Several processes (tests, serve, workers) share two cores: OpenMP threads that spin while
+# waiting for work starve the other processes, so they sleep instead.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 DEFAULT_MODEL = "smollm2-135m"
 
 

@@ -1,0 +1,29 @@
+"""One entry point from a model name or path to a LoadedModel (GGUF file or HF directory)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from minimill.models.gguf_loader import load_gguf
+from minimill.models.hf_loader import load_hf_dir
+from minimill.models.registry import KNOWN_MODELS, pull_model, resolve_model
+from minimill.models.types import LoadedModel, ModelFileError, ModelNotPulledError
+
+
+def load_model(name_or_path: str, dtype: torch.dtype = torch.bfloat16, *,
+               auto_pull: bool = False) -> LoadedModel:
+    """Resolve and load a model; `auto_pull` fetches a known model that is not cached yet."""
+    try:
+        path = resolve_model(name_or_path)
+    except ModelNotPulledError:
+        if not auto_pull:
+            raise
+        path = pull_model(name_or_path)
+    name = name_or_path if name_or_path in KNOWN_MODELS else Path(path).name
+    if path.is_dir():
+        return load_hf_dir(path, dtype, name=name)
+    if path.suffix.lower() == ".gguf":
+        return load_gguf(path, dtype, name=name)
+    raise ModelFileError(f"{path}: not a .gguf file or a model directory")
