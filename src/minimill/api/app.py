@@ -1,0 +1,98 @@
+"""The control plane's HTTP app: routers, errors, and the background tasks of one process.
+
+Each process runs a janitor (reap expired leases, expire and finalize batches) and a progress
+poller for its waiting realtime requests. Every piece of state is in the store, so any number
+of these processes can serve one store, and any of them can be killed at any moment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from fastapi import FastAPI
+
+from minimill import __version__
+from minimill.api import errors
+from minimill.api.limits import UploadLimitMiddleware
+from minimill.api.progress import ProgressWatcher
+from minimill.api.routes import batches, chat, completions, files, fleet, models, sites
+from minimill.api.settings import Settings
+from minimill.control.config import ControlConfig
+from minimill.control.janitor import tick
+from minimill.control.store import Store, open_store
+
+__all__ = ["Settings", "create_app"]
+log = logging.getLogger("minimill.api")
+
+
+async def _janitor(store: Store, config: ControlConfig, interval_s: float) -> None:
+    while True:
+        try:
+            report = await anyio.to_thread.run_sync(tick, store, time.time(), config)
+            if report.reaped_leases or report.expired_batches:
+                log.info("janitor: %s", report)
+        except Exception:  # the store may be briefly unreachable; try again next tick
+            log.exception("janitor tick failed")
+        await asyncio.sleep(interval_s)
+
+
+def create_app(settings: Settings | None = None, store: Store | None = None) -> FastAPI:
+    """The app; `store` may be passed in (tests, or a caller that opened it already)."""
+    settings = settings or Settings()
+    config = settings.control_config()
+    owned = store is None
+    the_store = store if store is not None else open_store(settings.db)
+    watcher = ProgressWatcher(the_store, settings.poll_interval_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        tasks = [asyncio.create_task(watcher.run(), name="minimill-progress")]
+        if settings.run_janitor:
+            tasks.append(asyncio.create_task(
+                _janitor(the_store, config, settings.janitor_interval_s), name="minimill-janitor"))
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if owned:
+                the_store.close()
+
+    app = FastAPI(title="minimill", version=__version__, lifespan=lifespan,
+                  description="OpenAI-compatible token factory: chat, completions, files, "
+                              "batches; plus the fleet protocol for worker sites.")
+    app.state.store = the_store
+    app.state.config = config
+    app.state.settings = settings
+    app.state.watcher = watcher
+    errors.install(app)
+    app.add_middleware(UploadLimitMiddleware, max_file_bytes=settings.max_file_bytes)
+    for module in (models, chat, completions, files, batches, fleet, sites):
+        app.include_router(module.router)
+    _openapi_without_422(app)
+    return app
+
+
+def _openapi_without_422(app: FastAPI) -> None:
+    """Validation errors are 400 OpenAI error objects here, never FastAPI's 422."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,65 @@
+"""Dependencies as Annotated aliases: the store, settings, the caller's tenant or site."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from minimill.api.progress import ProgressWatcher
+from minimill.control.config import ControlConfig
+from minimill.control.errors import AuthenticationError
+from minimill.control.keys import authenticate
+from minimill.control.records import Site, Tenant
+from minimill.control.sites import authenticate_site
+from minimill.control.store import Store
+
+_bearer = HTTPBearer(auto_error=False, description="An API key (tenants) or site token "
+                     "(workers, /v1/fleet/ routes).")
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+def get_store(request: Request) -> Store:
+    store: Store = request.app.state.store
+    return store
+
+
+def get_config(request: Request) -> ControlConfig:
+    config: ControlConfig = request.app.state.config
+    return config
+
+
+def get_watcher(request: Request) -> ProgressWatcher:
+    watcher: ProgressWatcher = request.app.state.watcher
+    return watcher
+
+
+StoreDep = Annotated[Store, Depends(get_store)]
+ConfigDep = Annotated[ControlConfig, Depends(get_config)]
+WatcherDep = Annotated[ProgressWatcher, Depends(get_watcher)]
+
+
+def get_tenant(store: StoreDep, credentials: Credentials) -> Tenant:
+    if credentials is None:
+        raise AuthenticationError("You didn't provide an API key. Send it as 'Authorization: "
+                                  "Bearer YOUR_KEY' (minimill keys create --tenant NAME).",
+                                  code="missing_api_key")
+    tenant = authenticate(store, credentials.credentials)
+    if tenant is None:
+        raise AuthenticationError("Incorrect API key provided.", code="invalid_api_key")
+    return tenant
+
+
+def get_site(store: StoreDep, credentials: Credentials) -> Site:
+    if credentials is None:
+        raise AuthenticationError("A site token is required (minimill sites create NAME).",
+                                  code="missing_site_token")
+    site = authenticate_site(store, credentials.credentials)
+    if site is None:
+        raise AuthenticationError("Incorrect site token provided.", code="invalid_site_token")
+    return site
+
+
+TenantDep = Annotated[Tenant, Depends(get_tenant)]
+SiteDep = Annotated[Site, Depends(get_site)]

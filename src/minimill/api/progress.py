@@ -1,0 +1,75 @@
+"""Wake-ups for requests someone is waiting on (a realtime call or a stream).
+
+Progress arrives through the fleet routes of *some* control-plane process. When it is this
+process, the route pokes the waiter at once; otherwise one shared poller notices that the row's
+`version` changed (a single query for every watched request, every `poll_interval_s`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+
+import anyio
+
+from minimill.control.requests import versions
+from minimill.control.store import Store
+
+log = logging.getLogger("minimill.api")
+
+
+class Watch:
+    """One waiter's wake-up: set when its request's row may have changed."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.version = -1  # last version the poller saw
+        self.event = asyncio.Event()
+
+    async def wait(self, timeout_s: float) -> None:
+        """Return on the next wake-up, or after `timeout_s`; read the row after this."""
+        try:
+            await asyncio.wait_for(self.event.wait(), timeout_s)
+        except TimeoutError:
+            pass
+        self.event.clear()
+
+
+class ProgressWatcher:
+    def __init__(self, store: Store, poll_interval_s: float) -> None:
+        self.store = store
+        self.poll_interval_s = poll_interval_s
+        self._watches: dict[str, Watch] = {}
+
+    def watch(self, request_id: str) -> Watch:
+        watch = self._watches[request_id] = Watch(request_id)
+        return watch
+
+    def unwatch(self, watch: Watch) -> None:
+        if self._watches.get(watch.request_id) is watch:
+            del self._watches[watch.request_id]
+
+    def poke(self, request_ids: Iterable[str]) -> None:
+        """Progress arrived in this process (call from the event loop)."""
+        for request_id in request_ids:
+            watch = self._watches.get(request_id)
+            if watch is not None:
+                watch.event.set()
+
+    async def run(self) -> None:
+        """Poll the store for progress made through other processes, forever."""
+        while True:
+            if self._watches:
+                try:
+                    seen = await anyio.to_thread.run_sync(versions, self.store,
+                                                          list(self._watches))
+                except Exception:  # a store hiccup must not end the poller
+                    log.exception("progress poll failed")
+                    seen = {}
+                for request_id, version in seen.items():
+                    watch = self._watches.get(request_id)
+                    if watch is not None and watch.version != version:
+                        watch.version = version
+                        watch.event.set()
+            await asyncio.sleep(self.poll_interval_s)

@@ -1,0 +1,113 @@
+"""Realtime chat/completions calls: queue a row, wait for a worker's completion, answer.
+
+The call inserts a request row (tier realtime, or background for service_tier "flex") and
+waits: woken at once when the completion arrives through this process, else by the shared
+poller. A client that goes away cancels its request, so no worker keeps generating for nobody.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
+
+from minimill.api.progress import ProgressWatcher, Watch
+from minimill.api.streaming import WAKE_S, ChunkStream
+from minimill.control.bodies import ChatBody, CompletionBody, prepare_body
+from minimill.control.config import ControlConfig
+from minimill.control.errors import ConflictError, ControlError, RequestTimeoutError
+from minimill.control.records import Kind, RequestRecord, RequestStatus, Tenant
+from minimill.control.render import render_response, usage_dict
+from minimill.control.requests import cancel_request, get_request, submit
+from minimill.control.store import Store
+
+
+class WorkerReportedError(ControlError):
+    """The worker failed the request (e.g. context_length_exceeded): a 400 for the client."""
+
+
+def _raise_for(record: RequestRecord) -> None:
+    error = record.error or {}
+    if record.status == RequestStatus.FAILED:
+        failure = WorkerReportedError(str(error.get("message") or "the request failed"),
+                                      param=error.get("param"), code=error.get("code"))
+        if error.get("code") == "server_error":
+            failure.status_code, failure.error_type = 500, "server_error"
+        raise failure
+    if record.status == RequestStatus.EXPIRED:
+        raise RequestTimeoutError("No worker finished the request in time; try again later.",
+                                  code="timeout")
+    raise ConflictError("The request was cancelled.", code="cancelled")
+
+
+def _has_output(record: RequestRecord) -> bool:
+    return any(c.get("text") or c.get("token_ids")
+               for c in (record.checkpoint or {}).get("choices") or [])
+
+
+async def _wait(request: Request, store: Store, record: RequestRecord, watch: Watch,
+                done: Callable[[RequestRecord], bool]) -> RequestRecord | None:
+    """The row once `done` holds for it; None if the client went away first."""
+    while not done(record):
+        await watch.wait(WAKE_S)
+        if await request.is_disconnected():
+            return None
+        record = await anyio.to_thread.run_sync(get_request, store, record.tenant_id,
+                                                record.id)
+        if not record.terminal and time.time() > record.created_at + _timeout(request):
+            raise RequestTimeoutError("No worker finished the request in time; try again "
+                                      "later.", code="timeout")
+    return record
+
+
+def _timeout(request: Request) -> float:
+    config: ControlConfig = request.app.state.config
+    # The janitor expires the row at its deadline; this is the backstop without a janitor.
+    return config.realtime_timeout_s + 5.0
+
+
+async def serve_realtime(request: Request, kind: Kind, body: ChatBody | CompletionBody,
+                         store: Store, tenant: Tenant, config: ControlConfig,
+                         watcher: ProgressWatcher) -> Response | dict[str, Any]:
+    prepared = prepare_body(kind, body, config.served_models)
+    request_id = await anyio.to_thread.run_sync(submit, store, tenant.id, prepared,
+                                                time.time(), config)
+    watch = watcher.watch(request_id)
+    handed_over = False
+    record: RequestRecord | None = await anyio.to_thread.run_sync(get_request, store,
+                                                                   tenant.id, request_id)
+    try:
+        assert record is not None
+        if prepared.stream:
+            record = await _wait(request, store, record, watch,
+                                 lambda r: r.terminal or _has_output(r))
+            if record is None:
+                return Response(status_code=204)
+            if record.terminal and record.status != RequestStatus.SUCCEEDED:
+                _raise_for(record)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            stream = ChunkStream(request, store, watcher, watch, record, include_usage)
+            handed_over = True
+            return StreamingResponse(stream.events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        record = await _wait(request, store, record, watch, lambda r: r.terminal)
+        if record is None:
+            return Response(status_code=204)
+        if record.status != RequestStatus.SUCCEEDED:
+            _raise_for(record)
+        return render_response(kind, record.id, record.model or prepared.model,
+                               record.created_at, record.tier,
+                               (record.result or {}).get("choices", []),
+                               usage_dict(record.prompt_tokens, record.completion_tokens,
+                                          record.cost_usd))
+    finally:
+        if not handed_over:
+            watcher.unwatch(watch)
+            if record is None or not record.terminal:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(cancel_request, store, request_id,
+                                                   time.time(), "the client went away")

@@ -1,0 +1,38 @@
+"""Settings of the control plane's HTTP surface (pydantic-settings; env prefix MINIMILL_)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from minimill.control.config import DEFAULT_MODEL, ControlConfig
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MINIMILL_", extra="ignore")
+
+    # Store URL; None: SQLite under MINIMILL_HOME/data.
+    db: str | None = None
+    # Model names served (workers register the same names when they lease).
+    models: list[str] = Field(default_factory=lambda: [DEFAULT_MODEL])
+    max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1)
+    max_batch_lines: int = Field(default=50_000, ge=1)
+    lease_ttl_s: float = Field(default=30.0, gt=0)
+    checkpoint_interval_s: float = Field(default=2.0, gt=0)
+    stream_checkpoint_interval_s: float = Field(default=0.1, gt=0)
+    background_price_factor: float = Field(default=0.5, ge=0)
+    realtime_timeout_s: float = Field(default=600.0, gt=0)
+    # How often the janitor reaps leases and finalizes batches.
+    janitor_interval_s: float = Field(default=0.5, gt=0)
+    run_janitor: bool = True
+    # How often waiting realtime requests poll the store for progress made elsewhere.
+    poll_interval_s: float = Field(default=0.025, gt=0)
+
+    def control_config(self) -> ControlConfig:
+        return ControlConfig(
+            served_models=tuple(self.models), lease_ttl_s=self.lease_ttl_s,
+            checkpoint_interval_s=self.checkpoint_interval_s,
+            stream_checkpoint_interval_s=self.stream_checkpoint_interval_s,
+            max_batch_lines=self.max_batch_lines, max_file_bytes=self.max_file_bytes,
+            background_price_factor=self.background_price_factor,
+            realtime_timeout_s=self.realtime_timeout_s)

@@ -1,0 +1,27 @@
+"""Tunables of the control plane's domain logic (the API's Settings produce one of these)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True, slots=True)
+class ControlConfig:
+    # Model names workers serve under; requests for any other model are 404 model_not_found.
+    served_models: tuple[str, ...] = (DEFAULT_MODEL,)
+    # Seconds a lease lives without a heartbeat.
+    lease_ttl_s: float = 30.0
+    # How often workers checkpoint ordinary leases, and streaming ones (streams read them).
+    checkpoint_interval_s: float = 2.0
+    stream_checkpoint_interval_s: float = 0.1
+    # Batch input limits.
+    max_batch_lines: int = 50_000
+    max_file_bytes: int = 200 * 1024 * 1024
+    # Background work (batches, service_tier "flex") costs this fraction of realtime.
+    background_price_factor: float = 0.5
+    # A realtime request not finished this long after it arrived expires.
+    realtime_timeout_s: float = 600.0
+    # A janitor that started writing a batch's output files is presumed dead after this long.
+    finalize_claim_ttl_s: float = 300.0

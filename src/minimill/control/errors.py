@@ -1,0 +1,52 @@
+"""Typed domain errors; the API turns each into an OpenAI error object with its HTTP status."""
+
+from __future__ import annotations
+
+
+class ControlError(Exception):
+    """Base class: `message`, OpenAI `type`, optional `param` and `code`, and an HTTP status."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, *, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InvalidRequestError(ControlError):
+    """The request is malformed or asks for something unsupported (400)."""
+
+
+class NotFoundError(ControlError):
+    """No such object for this tenant (404); other tenants' objects are not found either."""
+
+    status_code = 404
+
+
+class ConflictError(ControlError):
+    """The object is in a state that does not allow the operation (409)."""
+
+    status_code = 409
+
+
+class PayloadTooLargeError(ControlError):
+    """An upload over the configured size limit (413)."""
+
+    status_code = 413
+
+
+class AuthenticationError(ControlError):
+    """A missing or unknown API key or site token (401)."""
+
+    status_code = 401
+
+
+class RequestTimeoutError(ControlError):
+    """A realtime request that no worker finished before its deadline (504)."""
+
+    status_code = 504
+    error_type = "timeout"

@@ -1,0 +1,81 @@
+"""Tenants and their API keys. A key is shown once; the store keeps only its SHA-256 hash."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+
+from sqlalchemy import insert, select
+from sqlalchemy.exc import IntegrityError
+
+from minimill.control.errors import ControlError, InvalidRequestError
+from minimill.control.records import Tenant, new_id
+from minimill.control.store import Store, StoreError, open_store
+from minimill.control.tables import api_keys, tenants
+
+KEY_PREFIX = "mm-"
+MAX_TENANT_NAME = 200
+
+
+def hash_secret(secret: str) -> str:
+    """Hex SHA-256: keys and tokens have 256 random bits, so no salt or slow hash is needed."""
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def ensure_tenant(store: Store, name: str) -> Tenant:
+    """The tenant called `name`, created if new (safe when two processes race)."""
+    name = name.strip()
+    if not name or len(name) > MAX_TENANT_NAME:
+        raise InvalidRequestError(f"a tenant name must have 1 to {MAX_TENANT_NAME} characters",
+                                  param="tenant")
+    for _ in range(2):
+        with store.read() as conn:
+            row = conn.execute(select(tenants.c.id).where(tenants.c.name == name)).first()
+        if row is not None:
+            return Tenant(id=row.id, name=name)
+        try:
+            with store.write() as conn:
+                tenant_id = new_id("ten_")
+                conn.execute(insert(tenants).values(id=tenant_id, name=name,
+                                                    created_at=time.time()))
+            return Tenant(id=tenant_id, name=name)
+        except IntegrityError:
+            continue  # another process created it first: read it back
+    raise RuntimeError(f"could not create tenant {name!r}")  # pragma: no cover
+
+
+def create_key(store: Store, tenant: str) -> str:
+    """A new API key for tenant `tenant` (a name; created if new). Returned once, never stored."""
+    owner = ensure_tenant(store, tenant)
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    with store.write() as conn:
+        conn.execute(insert(api_keys).values(id=new_id("key_"), tenant_id=owner.id,
+                                             key_hash=hash_secret(key), created_at=time.time()))
+    return key
+
+
+def authenticate(store: Store, key: str) -> Tenant | None:
+    """The tenant owning `key`, or None for an unknown key."""
+    if not key.startswith(KEY_PREFIX):
+        return None
+    query = (select(tenants.c.id, tenants.c.name)
+             .join(api_keys, api_keys.c.tenant_id == tenants.c.id)
+             .where(api_keys.c.key_hash == hash_secret(key)))
+    with store.read() as conn:
+        row = conn.execute(query).first()
+    return Tenant(id=row.id, name=row.name) if row else None
+
+
+def create_key_cli(tenant: str, db: str | None) -> str:
+    """`minimill keys create --tenant NAME [--db URL]`: works with or without a running serve."""
+    try:
+        store = open_store(db)
+    except StoreError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    try:
+        return create_key(store, tenant)
+    except ControlError as exc:
+        raise SystemExit(f"error: {exc.message}") from None
+    finally:
+        store.close()

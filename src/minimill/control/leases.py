@@ -1,0 +1,255 @@
+"""Leases with fencing: the control plane's side of the worker protocol (protocol.py).
+
+- `lease`: placement picks queued rows for the asking site; each becomes `leased` with a bumped
+  fencing epoch, a lease id and an expiry.
+- `heartbeat`: extends leases the site still holds at the sent epoch and stores checkpoints;
+  everything else is reported revoked.
+- `complete`: accepted only at the row's current epoch, from the site that holds (or last held)
+  it, while the row is not terminal: the first valid completion wins and each request completes
+  exactly once. Rejections are counted per site, with the tokens they wasted.
+- `reap_expired`: expired leases go back to `queued`, keeping their checkpoint.
+
+Every transition is a conditional UPDATE (on status and epoch), and PostgreSQL candidates are
+picked with `FOR UPDATE SKIP LOCKED`, so several control-plane processes can run these at once.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Literal
+
+from sqlalchemy import Connection, case, func, select, tuple_, update
+
+from minimill.control import metering
+from minimill.control.config import ControlConfig
+from minimill.control.placement import (
+    DEFAULT_POLICY,
+    Candidate,
+    Outage,
+    PlacementPolicy,
+    SiteState,
+    Snapshot,
+    place,
+)
+from minimill.control.records import (
+    TERMINAL_REQUEST_STATUSES,
+    RequestStatus,
+    Site,
+    Tier,
+    new_id,
+)
+from minimill.control.sites import touch_site
+from minimill.control.store import Store, retry_conflicts
+from minimill.control.tables import outages, requests, sites
+from minimill.protocol import (
+    Checkpoint,
+    CompleteRequest,
+    CompleteResponse,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    Lease,
+    LeaseRequest,
+    LeaseResponse,
+    RejectedCompletion,
+)
+
+# Most requests handed out by one lease call, whatever capacity a worker claims.
+MAX_LEASES_PER_CALL = 1024
+# Token counts reported by workers are clamped to what the store's integer columns hold.
+MAX_COUNT = 2**31 - 1
+RejectReason = Literal["stale_epoch", "unknown_request", "already_completed"]
+_QUEUED = RequestStatus.QUEUED.value
+_LEASED = RequestStatus.LEASED.value
+
+
+def _epoch_ok(epoch: int) -> bool:
+    """Epochs outside the column's range were never granted (and cannot be bound)."""
+    return 0 <= epoch <= MAX_COUNT
+
+
+def _count(value: int) -> int:
+    return min(max(value, 0), MAX_COUNT)
+
+
+def _generated(checkpoint: dict[str, Any] | None) -> int:
+    if not checkpoint:
+        return 0
+    return max((len(c.get("token_ids") or []) for c in checkpoint.get("choices") or []),
+               default=0)
+
+
+def _candidates(conn: Connection, tier: Tier, models: list[str], limit: int) -> list[Candidate]:
+    order = (requests.c.seq,) if tier == Tier.REALTIME else (requests.c.deadline, requests.c.seq)
+    query = (select(requests.c.id, requests.c.model, requests.c.seq, requests.c.deadline,
+                    requests.c.max_tokens, requests.c.checkpoint)
+             .where(requests.c.status == _QUEUED, requests.c.tier == tier.value,
+                    requests.c.model.in_(models))
+             .order_by(*order).limit(limit)
+             .with_for_update(skip_locked=True))
+    return [Candidate(request_id=r.id, tier=tier, model=r.model, seq=r.seq, deadline=r.deadline,
+                      remaining_tokens=None if r.max_tokens is None
+                      else max(r.max_tokens - _generated(r.checkpoint), 1))
+            for r in conn.execute(query)]
+
+
+def _site_states(conn: Connection) -> dict[str, SiteState]:
+    held: dict[str, int] = dict(conn.execute(select(requests.c.site_id, func.count())
+                             .where(requests.c.status == _LEASED)
+                             .group_by(requests.c.site_id)).all())
+    windows: dict[str, list[Outage]] = {}
+    for o in conn.execute(select(outages)):
+        windows.setdefault(o.site_id, []).append(Outage(o.start_at, o.end_at))
+    return {r.id: SiteState(site_id=r.id, price_per_hour=r.price_per_hour,
+                            tokens_per_s=r.tokens_per_s, in_flight=int(held.get(r.id, 0)),
+                            last_seen_at=r.last_seen_at, outages=tuple(windows.get(r.id, ())),
+                            free_capacity=r.free_capacity)
+            for r in conn.execute(select(sites))}
+
+
+@retry_conflicts
+def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: ControlConfig,
+          policy: PlacementPolicy = DEFAULT_POLICY) -> LeaseResponse:
+    """Grant the asking site up to `ask.capacity` leases, as placement decides."""
+    capacity = min(ask.capacity, MAX_LEASES_PER_CALL)
+    models = [m for m in ask.models if m]
+    expires_at = now + config.lease_ttl_s
+    lease_id = new_id("lse_")
+    with store.write() as conn:
+        picked: list[str] = []
+        rows: list[Any] = []
+        pool = (*_candidates(conn, Tier.REALTIME, models, capacity),
+                *_candidates(conn, Tier.BACKGROUND, models, capacity)) if capacity > 0 else ()
+        if pool:
+            states = _site_states(conn)
+            snapshot = Snapshot(site=states[site.id], capacity=capacity,
+                                models=frozenset(models), candidates=pool,
+                                sites=tuple(states.values()))
+            picked = place(snapshot, now, policy)
+        if picked:
+            rows = list(conn.execute(
+                update(requests)
+                .where(requests.c.id.in_(picked), requests.c.status == _QUEUED)
+                .values(status=_LEASED, epoch=requests.c.epoch + 1, lease_id=lease_id,
+                        site_id=site.id, lease_expires_at=expires_at, leased_at=now,
+                        attempts=requests.c.attempts + 1, version=requests.c.version + 1)
+                .returning(requests.c.id, requests.c.epoch, requests.c.kind, requests.c.model,
+                           requests.c.body, requests.c.seed, requests.c.checkpoint,
+                           requests.c.stream)).all())
+        touch_site(conn, site.id, now, config.lease_ttl_s, ask.tokens_per_s,
+                   free_capacity=min(ask.capacity, MAX_COUNT) - len(rows),
+                   leases_granted=sites.c.leases_granted + len(rows))
+    # Hand leases out in placement order (RETURNING order is unspecified).
+    rank = {request_id: i for i, request_id in enumerate(picked)}
+    leases = [Lease(request_id=r.id, lease_id=lease_id, epoch=r.epoch, expires_at=expires_at,
+                    kind=r.kind, model=r.model, body=r.body, seed=r.seed,
+                    checkpoint=Checkpoint.model_validate(r.checkpoint) if r.checkpoint else None,
+                    stream=bool(r.stream),
+                    checkpoint_interval_s=(config.stream_checkpoint_interval_s if r.stream
+                                           else config.checkpoint_interval_s))
+              for r in sorted(rows, key=lambda r: rank[r.id])]
+    return LeaseResponse(leases=leases, lease_ttl_s=config.lease_ttl_s)
+
+
+@retry_conflicts
+def heartbeat(store: Store, site: Site, beat: HeartbeatRequest, now: float,
+              config: ControlConfig) -> HeartbeatResponse:
+    """Extend the leases still held at their epochs; store checkpoints; report the rest."""
+    expires_at = now + config.lease_ttl_s
+    extended: set[str] = set()
+    plausible = [i for i in beat.leases if _epoch_ok(i.epoch)]
+    with store.write() as conn:
+        for start in range(0, len(plausible), 500):
+            part = plausible[start:start + 500]
+            held = conn.execute(
+                update(requests)
+                .where(requests.c.site_id == site.id, requests.c.status == _LEASED,
+                       tuple_(requests.c.id, requests.c.epoch).in_(
+                           [(i.request_id, i.epoch) for i in part]))
+                .values(lease_expires_at=expires_at)
+                .returning(requests.c.id)).scalars().all()
+            extended.update(held)
+        for item in beat.leases:
+            if item.checkpoint is not None and item.request_id in extended:
+                conn.execute(update(requests)
+                             .where(requests.c.id == item.request_id,
+                                    requests.c.epoch == item.epoch,
+                                    requests.c.status == _LEASED)
+                             .values(checkpoint=item.checkpoint.model_dump(mode="json"),
+                                     version=requests.c.version + 1))
+        touch_site(conn, site.id, now, config.lease_ttl_s, beat.tokens_per_s)
+    return HeartbeatResponse(
+        extended={i.request_id: expires_at for i in beat.leases if i.request_id in extended},
+        revoked=[i.request_id for i in beat.leases if i.request_id not in extended])
+
+
+@retry_conflicts
+def complete(store: Store, site: Site, done: CompleteRequest, now: float,
+             config: ControlConfig) -> CompleteResponse:
+    """Accept completions at the current epoch; reject stale ones and count them."""
+    accepted: list[str] = []
+    rejected: list[RejectedCompletion] = []
+    generated = wasted = 0
+    with store.write() as conn:
+        price = conn.execute(select(sites.c.price_per_hour, sites.c.tokens_per_s)
+                             .where(sites.c.id == site.id)).one()
+        per_token = metering.usd_per_token(price.price_per_hour, price.tokens_per_s)
+        factor = case((requests.c.tier == Tier.BACKGROUND.value,
+                       config.background_price_factor), else_=1.0)
+        for item in done.results:
+            tokens_out = _count(item.usage.completion_tokens if item.usage
+                                else sum(len(c.token_ids) for c in item.choices))
+            values: dict[str, Any] = {"finished_at": now, "lease_expires_at": None,
+                                      "version": requests.c.version + 1}
+            if item.outcome == "succeeded":
+                values.update(
+                    status=RequestStatus.SUCCEEDED.value,
+                    result={"choices": [c.model_dump(mode="json") for c in item.choices]},
+                    prompt_tokens=_count(item.usage.prompt_tokens) if item.usage else 0,
+                    completion_tokens=tokens_out, cost_usd=tokens_out * per_token * factor)
+            else:
+                error = item.error.model_dump() if item.error else {
+                    "code": "server_error", "message": "the worker reported a failure"}
+                values.update(status=RequestStatus.FAILED.value,
+                              error={**error, "source": "serving"})
+            hit = _epoch_ok(item.epoch) and conn.execute(
+                update(requests)
+                .where(requests.c.id == item.request_id, requests.c.epoch == item.epoch,
+                       requests.c.site_id == site.id,
+                       requests.c.status.in_([_LEASED, _QUEUED]))
+                .values(**values)).rowcount
+            if hit:
+                accepted.append(item.request_id)
+                generated += tokens_out
+                continue
+            status = conn.execute(select(requests.c.status)
+                                  .where(requests.c.id == item.request_id)).scalar()
+            reason: RejectReason = ("unknown_request" if status is None
+                      else "already_completed" if status in TERMINAL_REQUEST_STATUSES
+                      else "stale_epoch")
+            rejected.append(RejectedCompletion(request_id=item.request_id, reason=reason))
+            if reason != "unknown_request":
+                wasted += tokens_out
+        stale = sum(1 for r in rejected if r.reason != "unknown_request")
+        touch_site(
+            conn, site.id, now, config.lease_ttl_s,
+            completions=sites.c.completions + len(accepted),
+            tokens_generated=sites.c.tokens_generated + generated,
+            stale_completions=sites.c.stale_completions + stale,
+            wasted_tokens=sites.c.wasted_tokens + wasted)
+    return CompleteResponse(accepted=accepted, rejected=rejected)
+
+
+@retry_conflicts
+def reap_expired(store: Store, now: float) -> int:
+    """Send expired leases back to the queue with their checkpoints; returns how many."""
+    with store.write() as conn:
+        rows = conn.execute(
+            update(requests)
+            .where(requests.c.status == _LEASED, requests.c.lease_expires_at < now)
+            .values(status=_QUEUED, lease_id=None, lease_expires_at=None,
+                    version=requests.c.version + 1)
+            .returning(requests.c.site_id)).scalars().all()
+        for site_id, count in Counter(rows).items():
+            conn.execute(update(sites).where(sites.c.id == site_id)
+                         .values(leases_expired=sites.c.leases_expired + count))
+    return len(rows)

@@ -1,0 +1,173 @@
+"""The store: a SQLAlchemy engine on SQLite (embedded default) or PostgreSQL, and transactions.
+
+Domain modules call `store.write()` for a transaction that changes state and `store.read()` for
+a consistent read. On SQLite a write transaction starts with `BEGIN IMMEDIATE`, so it holds the
+write lock from its first read and never fails half-way on a busy snapshot; the busy timeout
+makes concurrent writers (several processes included) wait instead of failing. On PostgreSQL the
+domain code takes row locks (`FOR UPDATE SKIP LOCKED`) and makes every state transition a
+conditional UPDATE, so several control-plane processes can share one database.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
+
+from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
+
+from minimill.control.tables import metadata
+
+SQLITE_BUSY_TIMEOUT_S = 30.0
+# Any constant shared by every process: serializes concurrent schema creation on PostgreSQL.
+_SCHEMA_LOCK_KEY = 0x6D696E696D696C6C
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+# PostgreSQL's deadlock_detected and serialization_failure: the transaction may simply rerun.
+_RETRYABLE_SQLSTATES = {"40P01", "40001"}
+MAX_ATTEMPTS = 4
+
+
+def retry_conflicts(fn: Callable[P, R]) -> Callable[P, R]:
+    """Rerun a whole write operation that PostgreSQL aborted as a deadlock victim (two bulk
+    UPDATEs, e.g. a cancel and a completion, can lock the same rows in opposite orders).
+    The operation must be one transaction, so a rerun starts from a clean slate."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        for attempt in range(MAX_ATTEMPTS):
+            try:
+                return fn(*args, **kwargs)
+            except DBAPIError as exc:
+                state = getattr(exc.orig, "sqlstate", None)
+                if state not in _RETRYABLE_SQLSTATES or attempt + 1 == MAX_ATTEMPTS:
+                    raise
+                time.sleep(0.01 * 2**attempt)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    return wrapper
+
+
+class StoreError(Exception):
+    """The store URL is unusable (unknown scheme, unreachable server): the message says which."""
+
+
+def minimill_home() -> Path:
+    """MINIMILL_HOME (models/registry.py owns the rule; this falls back to the same rule)."""
+    try:
+        from minimill.models.registry import minimill_home as registry_home
+    except ImportError:  # pragma: no cover - only while models/ is not installed
+        import platformdirs
+
+        env = os.environ.get("MINIMILL_HOME")
+        return Path(env).expanduser() if env else Path(platformdirs.user_cache_dir("minimill"))
+    return registry_home()
+
+
+def default_url() -> str:
+    """SQLite file under MINIMILL_HOME/data (the directory is created)."""
+    data = minimill_home() / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{data / 'minimill.db'}"
+
+
+def normalize_url(url: str) -> str:
+    """Accept `postgresql://` (and `postgres://`) and pick the psycopg 3 driver for it."""
+    for prefix in ("postgresql://", "postgres://", "postgresql+psycopg2://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix):]
+    if url.startswith(("postgresql+psycopg://", "sqlite://")):
+        return url
+    raise StoreError(f"unsupported store URL {url!r}: use sqlite:///PATH or postgresql://...")
+
+
+def _sqlite_engine(url: str) -> Engine:
+    path = make_url(url).database
+    if path and path != ":memory:":
+        Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(
+        url, pool_size=8, max_overflow=32, pool_timeout=60,
+        connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S, "check_same_thread": False})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Take over transaction control from the driver so BEGIN IMMEDIATE is possible.
+        dbapi_conn.isolation_level = None
+        cursor = dbapi_conn.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        write = conn.get_execution_options().get("minimill_write", False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+    return engine
+
+
+class Store:
+    """Owns the engine; hands out transactions. Safe to share between threads."""
+
+    def __init__(self, engine: Engine, url: str) -> None:
+        self.engine = engine
+        self.url = url
+
+    @property
+    def dialect(self) -> str:
+        """"sqlite" or "postgresql"."""
+        return self.engine.dialect.name
+
+    @property
+    def is_postgres(self) -> bool:
+        return self.dialect == "postgresql"
+
+    @contextmanager
+    def write(self) -> Iterator[Connection]:
+        """A transaction that may change state; commits on success, rolls back on error."""
+        with self.engine.connect() as conn:
+            conn.execution_options(minimill_write=True)
+            with conn.begin():
+                yield conn
+
+    @contextmanager
+    def read(self) -> Iterator[Connection]:
+        """A read-only transaction (one consistent snapshot on both backends)."""
+        with self.engine.connect() as conn, conn.begin():
+            yield conn
+
+    def create_schema(self) -> None:
+        """Create missing tables; several processes may do this at once."""
+        with self.write() as conn:
+            if self.is_postgres:
+                conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_SCHEMA_LOCK_KEY})")
+            metadata.create_all(conn)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+def open_store(url: str | None = None) -> Store:
+    """Open (and create the tables of) the store at `url`; None: SQLite under MINIMILL_HOME."""
+    url = normalize_url(url or default_url())
+    if url.startswith("sqlite"):
+        engine = _sqlite_engine(url)
+    else:
+        engine = create_engine(url, pool_size=10, max_overflow=30, pool_pre_ping=True)
+    store = Store(engine, url)
+    try:
+        store.create_schema()
+    except Exception as exc:
+        store.close()
+        raise StoreError(f"cannot open the store at {make_url(url).render_as_string()}: "
+                         f"{exc}") from exc
+    return store

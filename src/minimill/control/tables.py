@@ -1,0 +1,194 @@
+"""The store's schema: one SQLAlchemy Core table per kind of state, portable SQLite/PostgreSQL.
+
+Times are Unix seconds (double precision) from the control plane's clock. JSON columns hold
+OpenAI bodies, checkpoints and results as sent. Secrets (API keys, site tokens) are stored only
+as SHA-256 hashes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Column,
+    Dialect,
+    Double,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    Table,
+    TypeDecorator,
+)
+from sqlalchemy import String as _String
+from sqlalchemy import Text as _Text
+
+metadata = MetaData()
+
+
+class String(TypeDecorator[str]):
+    """VARCHAR that only sends what both backends can store: no NUL (PostgreSQL text cannot
+    hold one) and no lone surrogates (not UTF-8). An id or name carrying them (from a fuzzer,
+    say) must be "not found", never a server error."""
+
+    impl = _String
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> Any:
+        if not isinstance(value, str):
+            return value
+        if "\x00" in value:
+            value = value.replace("\x00", "\ufffd")
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                value = value.encode("utf-8", "replace").decode("utf-8")
+        return value
+
+
+class Text(String):
+    impl = _Text
+    cache_ok = True
+
+# SQLite only autoincrements an INTEGER PRIMARY KEY (the rowid); PostgreSQL wants a bigint.
+SeqType = BigInteger().with_variant(Integer(), "sqlite")
+
+tenants = Table(
+    "tenants", metadata,
+    Column("id", String(40), primary_key=True),
+    Column("name", String(200), nullable=False, unique=True),
+    Column("created_at", Double, nullable=False),
+)
+
+api_keys = Table(
+    "api_keys", metadata,
+    Column("id", String(40), primary_key=True),
+    Column("tenant_id", String(40), nullable=False, index=True),
+    Column("key_hash", String(64), nullable=False, unique=True),
+    Column("created_at", Double, nullable=False),
+)
+
+files = Table(
+    "files", metadata,
+    Column("id", String(40), primary_key=True),
+    Column("tenant_id", String(40), nullable=False),
+    Column("purpose", String(40), nullable=False),
+    Column("filename", String(500), nullable=False),
+    Column("bytes", BigInteger, nullable=False),
+    Column("created_at", Double, nullable=False),
+    Index("ix_files_tenant_created", "tenant_id", "created_at"),
+)
+
+# File contents in chunks, so that a 200 MB file is neither one huge value nor read at once.
+file_chunks = Table(
+    "file_chunks", metadata,
+    Column("file_id", String(40), primary_key=True),
+    Column("seq", Integer, primary_key=True, autoincrement=False),
+    Column("data", LargeBinary, nullable=False),
+)
+
+batches = Table(
+    "batches", metadata,
+    Column("id", String(40), primary_key=True),
+    Column("tenant_id", String(40), nullable=False),
+    Column("endpoint", String(100), nullable=False),
+    Column("input_file_id", String(40), nullable=False),
+    Column("completion_window", String(20), nullable=False),
+    Column("status", String(20), nullable=False, index=True),
+    Column("created_at", Double, nullable=False),
+    Column("expires_at", Double, nullable=False),
+    Column("in_progress_at", Double),
+    Column("finalizing_at", Double),
+    Column("completed_at", Double),
+    Column("failed_at", Double),
+    Column("expired_at", Double),
+    Column("cancelling_at", Double),
+    Column("cancelled_at", Double),
+    # What finalizing turns into: completed, expired or cancelled.
+    Column("end_status", String(20)),
+    # When a janitor last started writing the output files (another may retry after a while).
+    Column("finalize_claimed_at", Double),
+    Column("output_file_id", String(40)),
+    Column("error_file_id", String(40)),
+    Column("errors", JSON),
+    Column("metadata", JSON),
+    Index("ix_batches_tenant_created", "tenant_id", "created_at"),
+)
+
+requests = Table(
+    "requests", metadata,
+    # Insertion order: FIFO within a tier.
+    Column("seq", SeqType, primary_key=True, autoincrement=True),
+    Column("id", String(40), nullable=False, unique=True),
+    Column("tenant_id", String(40), nullable=False),
+    Column("batch_id", String(40)),
+    Column("custom_id", Text),
+    Column("line_no", Integer),
+    Column("kind", String(20)),
+    Column("tier", String(20), nullable=False),
+    Column("model", String(200)),
+    Column("body", JSON),
+    Column("seed", BigInteger, nullable=False),
+    # Most tokens the request may generate (None: up to the context); placement estimates with it.
+    Column("max_tokens", Integer),
+    Column("stream", Boolean, nullable=False, default=False),
+    Column("status", String(20), nullable=False),
+    # Fencing epoch: bumped by every lease; heartbeats and completions must carry the current one.
+    Column("epoch", Integer, nullable=False, default=0),
+    Column("lease_id", String(40)),
+    Column("site_id", String(40)),
+    Column("lease_expires_at", Double),
+    Column("attempts", Integer, nullable=False, default=0),
+    # Bumped on every checkpoint and state change, so watchers notice progress cheaply.
+    Column("version", Integer, nullable=False, default=0),
+    Column("checkpoint", JSON),
+    Column("result", JSON),
+    Column("error", JSON),
+    Column("prompt_tokens", Integer, nullable=False, default=0),
+    Column("completion_tokens", Integer, nullable=False, default=0),
+    Column("cost_usd", Double, nullable=False, default=0.0),
+    Column("created_at", Double, nullable=False),
+    Column("leased_at", Double),
+    Column("finished_at", Double),
+    Column("deadline", Double, nullable=False),
+    Index("ix_requests_queue", "status", "tier", "deadline", "seq"),
+    Index("ix_requests_batch", "batch_id", "status"),
+    Index("ix_requests_lease_expiry", "status", "lease_expires_at"),
+    Index("ix_requests_site", "site_id", "status"),
+)
+
+sites = Table(
+    "sites", metadata,
+    Column("id", String(40), primary_key=True),
+    Column("name", String(200), nullable=False, unique=True),
+    Column("token_hash", String(64), nullable=False, unique=True),
+    Column("chip", String(100), nullable=False),
+    Column("price_per_hour", Double, nullable=False),
+    Column("tokens_per_s", Double),
+    Column("created_at", Double, nullable=False),
+    Column("first_seen_at", Double),
+    Column("last_seen_at", Double),
+    # Seconds the site was observed up (contact gaps shorter than the lease TTL count as up).
+    Column("up_s", Double, nullable=False, default=0.0),
+    Column("free_capacity", Integer, nullable=False, default=0),
+    Column("leases_granted", BigInteger, nullable=False, default=0),
+    Column("leases_expired", BigInteger, nullable=False, default=0),
+    Column("completions", BigInteger, nullable=False, default=0),
+    Column("stale_completions", BigInteger, nullable=False, default=0),
+    # Tokens generated and then discarded (stale completions).
+    Column("wasted_tokens", BigInteger, nullable=False, default=0),
+    Column("tokens_generated", BigInteger, nullable=False, default=0),
+)
+
+outages = Table(
+    "outages", metadata,
+    Column("id", SeqType, primary_key=True, autoincrement=True),
+    Column("site_id", String(40), nullable=False, index=True),
+    Column("start_at", Double, nullable=False),
+    Column("end_at", Double, nullable=False),
+    Column("created_at", Double, nullable=False),
+)

@@ -1,0 +1,243 @@
+"""Test harness for the API: a real uvicorn server in a thread, and a protocol-speaking site.
+
+`EchoSite` is a real client of the fleet protocol (lease, heartbeat with checkpoints, complete
+over HTTP with a site token). It answers without a model: each choice's text is the words of
+"echo <last message>", one word per token, so tests can predict every output. A prompt
+containing FAIL_CONTEXT is failed with context_length_exceeded, as an engine would.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+import uvicorn
+
+from minimill.api.app import Settings, create_app
+from minimill.control.keys import create_key
+from minimill.control.sites import create_site
+from minimill.control.store import Store, open_store
+
+MODEL = "smollm2-135m"
+BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+
+
+def fresh_pg_database(pg_server: str) -> str:
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(f"{pg_server}/postgres", autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return f"{pg_server}/{name}"
+
+
+class ServerThread:
+    """`create_app(settings)` served by uvicorn on a free port, in a daemon thread."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.app = create_app(settings)
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
+                                lifespan="on", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.time() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+@dataclass
+class ApiEnv:
+    """A running control plane plus credentials; `store` is the test's own handle on its DB."""
+
+    backend: str
+    db_url: str
+    server: ServerThread
+    store: Store
+    key: str
+    site_token: str
+
+    @property
+    def base_url(self) -> str:
+        return self.server.base_url
+
+    @property
+    def v1(self) -> str:
+        return self.server.base_url + "/v1"
+
+    def new_key(self, tenant: str) -> str:
+        return create_key(self.store, tenant)
+
+
+def start_env(backend: str, db_url: str, **settings: Any) -> ApiEnv:
+    defaults: dict[str, Any] = {"janitor_interval_s": 0.1, "lease_ttl_s": 5.0,
+                                "realtime_timeout_s": 60.0}
+    server = ServerThread(Settings(db=db_url, **{**defaults, **settings}))
+    store = open_store(db_url)
+    return ApiEnv(backend=backend, db_url=db_url, server=server, store=store,
+                  key=create_key(store, "tenant-a"),
+                  site_token=create_site(store, f"site-{uuid.uuid4().hex[:6]}", 0.36, "cpu"))
+
+
+def make_env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+             backend: str, **settings: Any) -> ApiEnv:
+    """A fresh store of the backend (SQLite file, or a new PostgreSQL database) and a server."""
+    if backend == "sqlite":
+        url = f"sqlite:///{tmp_path_factory.mktemp('db') / 'minimill.db'}"
+    else:
+        url = fresh_pg_database(request.getfixturevalue("pg_server"))
+    return start_env(backend, url, **settings)
+
+
+def stop_env(env: ApiEnv) -> None:
+    env.server.stop()
+    env.store.close()
+
+
+def reply_words(kind: str, body: dict[str, Any]) -> list[str]:
+    if kind == "chat":
+        source = str(body["messages"][-1].get("content") or "")
+    else:
+        prompt = body["prompt"]
+        source = prompt if isinstance(prompt, str) else str(prompt[0])
+    return ["echo"] + [f" {w}" for w in source.split()]
+
+
+@dataclass
+class EchoSite:
+    """A worker site that answers over the real protocol from its own thread."""
+
+    base_url: str
+    token: str
+    capacity: int = 64
+    tokens_per_s: float = 100.0
+    # Seconds between streamed tokens (streaming leases checkpoint after every token).
+    token_delay_s: float = 0.02
+    # Stop leasing after this many leases (None: no limit).
+    max_leases: int | None = None
+    completed: list[str] = field(default_factory=list)
+    rejected: list[dict[str, Any]] = field(default_factory=list)
+    leases_seen: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._client = httpx.Client(base_url=self.base_url + "/v1/fleet", timeout=30,
+                                    headers={"Authorization": f"Bearer {self.token}"})
+
+    def __enter__(self) -> EchoSite:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._client.close()
+
+    def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        resp = self._client.post(path, json=payload)
+        resp.raise_for_status()
+        answer: dict[str, Any] = resp.json()
+        return answer
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            room = self.capacity
+            if self.max_leases is not None:
+                room = min(room, self.max_leases - len(self.leases_seen))
+                if room <= 0:
+                    return
+            try:
+                leases = self._post("/lease", {"capacity": room, "models": [MODEL],
+                                               "tokens_per_s": self.tokens_per_s})["leases"]
+            except httpx.HTTPError:
+                time.sleep(0.1)  # the server is restarting or gone
+                continue
+            if not leases:
+                time.sleep(0.02)
+                continue
+            self.leases_seen.extend(leases)
+            results = [self._serve(lease) for lease in leases]
+            try:
+                answer = self._post("/complete", {"results": results})
+            except httpx.HTTPError:
+                continue
+            self.completed.extend(answer["accepted"])
+            self.rejected.extend(answer["rejected"])
+
+    def _serve(self, lease: dict[str, Any]) -> dict[str, Any]:
+        body, kind = lease["body"], lease["kind"]
+        base = {"request_id": lease["request_id"], "epoch": lease["epoch"]}
+        words = reply_words(kind, body)
+        if any("FAIL_CONTEXT" in w for w in words):
+            return {**base, "outcome": "failed", "error": {
+                "code": "context_length_exceeded", "param": "messages",
+                "message": "This model's maximum context length is 8192 tokens."}}
+        limit = body.get("max_completion_tokens") or body.get("max_tokens") or 10_000
+        stop = body.get("stop")
+        n_choices = int(body.get("n") or 1)
+        if kind == "completion" and isinstance(body["prompt"], list) \
+                and isinstance(body["prompt"][0], str):
+            n_choices *= len(body["prompt"])
+        if kind == "chat":
+            want_lp, top = bool(body.get("logprobs")), int(body.get("top_logprobs") or 0)
+        else:
+            want_lp, top = body.get("logprobs") is not None, int(body.get("logprobs") or 0)
+        tokens = words[:limit]
+        finish = "length" if len(words) > limit else "stop"
+        if stop and any(s in "".join(tokens) for s in ([stop] if isinstance(stop, str) else stop)):
+            finish = "stop"
+        resumed = {c["index"]: c for c in (lease.get("checkpoint") or {}).get("choices", [])}
+
+        def progress(i: int, upto: int) -> dict[str, Any]:
+            lps = ([{"token": t, "logprob": -0.5,
+                     "top_logprobs": [{"token": t, "logprob": -0.5}] * top}
+                    for t in tokens[:upto]] if want_lp else None)
+            return {"index": i, "token_ids": list(range(upto)), "text": "".join(tokens[:upto]),
+                    "logprobs": lps}
+
+        if lease.get("stream"):
+            for upto in range(1, len(tokens) + 1):
+                cp = {"choices": [progress(i, upto) for i in range(n_choices)],
+                      "num_prompt_tokens": 5}
+                self._post("/heartbeat", {"leases": [{**base, "checkpoint": cp}]})
+                time.sleep(self.token_delay_s)
+        # A resumed lease continues its checkpoint: the echo text is the same from any point.
+        assert all(r.get("text", "") == "".join(tokens)[:len(r.get("text", ""))]
+                   for r in resumed.values())
+        choices = [{**progress(i, len(tokens)), "finish_reason": finish}
+                   for i in range(n_choices)]
+        return {**base, "outcome": "succeeded", "choices": choices,
+                "usage": {"prompt_tokens": 5, "completion_tokens": len(tokens) * n_choices}}
+
+
+def wait_for(predicate: Any, timeout_s: float = 30.0, interval_s: float = 0.05) -> Any:
+    deadline = time.time() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.time() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {predicate}")
+        time.sleep(interval_s)
+
+
+def iter_lines(text: str) -> Iterator[dict[str, Any]]:
+    import json
+
+    for line in text.splitlines():
+        if line.strip():
+            yield json.loads(line)

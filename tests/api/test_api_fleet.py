@@ -1,0 +1,183 @@
+"""The fleet protocol over HTTP: site auth, fencing, expiry with checkpoints, realtime first."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+import uuid
+from typing import Any
+
+import httpx
+from api_harness import MODEL, ApiEnv, wait_for
+from openai import OpenAI
+
+from minimill.control.sites import create_site, list_sites
+
+SERVER_SETTINGS = {"lease_ttl_s": 1.0, "janitor_interval_s": 0.1}
+
+
+def fleet(env: ApiEnv, token: str | None = None) -> httpx.Client:
+    return httpx.Client(base_url=env.base_url + "/v1/fleet", timeout=30,
+                        headers={"Authorization": f"Bearer {token or env.site_token}"})
+
+
+def new_site(env: ApiEnv) -> tuple[str, str]:
+    name = f"site-{uuid.uuid4().hex[:6]}"
+    return name, create_site(env.store, name, 0.72, "cpu")
+
+
+def one_line_batch(client: OpenAI, content: str) -> str:
+    text = json.dumps({"custom_id": "only", "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": MODEL, "messages": [{"role": "user",
+                                                              "content": content}]}})
+    file_id = client.files.create(file=("in.jsonl", io.BytesIO(text.encode())),
+                                  purpose="batch").id
+    return client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                 completion_window="24h").id
+
+
+def lease_one(client: httpx.Client) -> dict[str, Any]:
+    leases = wait_for(lambda: client.post("/lease", json={"capacity": 1, "models": [MODEL]})
+                      .json()["leases"], timeout_s=10)
+    lease: dict[str, Any] = leases[0]
+    return lease
+
+
+def done(request_id: str, epoch: int, text: str) -> dict[str, Any]:
+    return {"results": [{"request_id": request_id, "epoch": epoch, "outcome": "succeeded",
+                         "choices": [{"index": 0, "text": text, "token_ids": [1, 2],
+                                      "finish_reason": "stop"}],
+                         "usage": {"prompt_tokens": 3, "completion_tokens": 2}}]}
+
+
+def test_fleet_routes_need_a_site_token(env: ApiEnv) -> None:
+    body = {"capacity": 1, "models": [MODEL]}
+    assert httpx.post(env.base_url + "/v1/fleet/lease", json=body).status_code == 401
+    with fleet(env, env.key) as tenant_key:
+        answer = tenant_key.post("/lease", json=body)
+    assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_site_token"
+    models = httpx.get(env.v1 + "/models", headers={"Authorization": f"Bearer {env.site_token}"})
+    assert models.status_code == 401
+    with fleet(env) as ok:
+        bad = ok.post("/lease", json={"capacity": -1, "models": [MODEL]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "capacity"
+
+
+def test_expired_lease_requeues_with_checkpoint_and_fences_the_zombie(
+        env: ApiEnv, client: OpenAI) -> None:
+    batch_id = one_line_batch(client, "fenced request")
+    zombie_name, zombie_token = new_site(env)
+    _, fresh_token = new_site(env)
+    with fleet(env, zombie_token) as zombie, fleet(env, fresh_token) as fresh:
+        first = lease_one(zombie)
+        checkpoint = {"choices": [{"index": 0, "token_ids": [11], "text": "echo"}],
+                      "num_prompt_tokens": 3}
+        beat = zombie.post("/heartbeat", json={"leases": [
+            {"request_id": first["request_id"], "epoch": first["epoch"],
+             "checkpoint": checkpoint}]}).json()
+        assert first["request_id"] in beat["extended"]
+        # The zombie goes silent past the lease TTL; the janitor requeues the request.
+        second = lease_one(fresh)
+        assert second["request_id"] == first["request_id"]
+        assert second["epoch"] == first["epoch"] + 1
+        assert second["checkpoint"]["choices"][0]["token_ids"] == [11]
+        assert second["checkpoint"]["choices"][0]["text"] == "echo"
+        late_beat = zombie.post("/heartbeat", json={"leases": [
+            {"request_id": first["request_id"], "epoch": first["epoch"]}]}).json()
+        assert late_beat == {"extended": {}, "revoked": [first["request_id"]]}
+        stale = zombie.post("/complete", json=done(first["request_id"], first["epoch"],
+                                                   "zombie")).json()
+        assert stale["rejected"] == [{"request_id": first["request_id"],
+                                      "reason": "stale_epoch"}]
+        ok = fresh.post("/complete", json=done(second["request_id"], second["epoch"],
+                                               "echo fresh")).json()
+        assert ok["accepted"] == [second["request_id"]]
+        again = fresh.post("/complete", json=done(second["request_id"], second["epoch"],
+                                                  "twice")).json()
+        assert again["rejected"][0]["reason"] == "already_completed"
+        unknown = fresh.post("/complete", json=done("req_nope", 1, "x")).json()
+        assert unknown["rejected"][0]["reason"] == "unknown_request"
+    batch = wait_for(lambda: (b := client.batches.retrieve(batch_id)).status == "completed"
+                     and b)
+    output = client.files.content(batch.output_file_id).text
+    assert json.loads(output)["response"]["body"]["choices"][0]["message"]["content"] == \
+        "echo fresh"
+    stats = {s.name: s for s in list_sites(env.store, time.time())}
+    assert stats[zombie_name].stale_completions == 1
+    assert stats[zombie_name].leases_expired == 1
+    assert stats[zombie_name].wasted_tokens == 2
+
+
+def test_completion_after_reap_at_same_epoch_is_accepted(env: ApiEnv, client: OpenAI) -> None:
+    """Nobody re-leased it: the late but still current answer is kept, not wasted."""
+    batch_id = one_line_batch(client, "slow site")
+    _, token = new_site(env)
+    with fleet(env, token) as slow:
+        held = lease_one(slow)
+        time.sleep(1.6)  # past the TTL: the janitor puts it back in the queue
+        answer = slow.post("/complete", json=done(held["request_id"], held["epoch"],
+                                                  "late")).json()
+    assert answer["accepted"] == [held["request_id"]]
+    assert wait_for(lambda: client.batches.retrieve(batch_id).status == "completed")
+
+
+def test_realtime_is_leased_before_background(env: ApiEnv, client: OpenAI) -> None:
+    batch_id = one_line_batch(client, "background work")
+    answers: list[Any] = []
+    caller = threading.Thread(target=lambda: answers.append(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "realtime"}])))
+    caller.start()
+    _, token = new_site(env)
+    with fleet(env, token) as site:
+        time.sleep(0.3)  # let the realtime request reach the queue
+        first = lease_one(site)
+        assert first["body"]["messages"][0]["content"] == "realtime"
+        site.post("/complete", json=done(first["request_id"], first["epoch"], "now"))
+        caller.join(timeout=30)
+        second = lease_one(site)
+        assert second["body"]["messages"][0]["content"] == "background work"
+        site.post("/complete", json=done(second["request_id"], second["epoch"], "later"))
+    assert answers[0].choices[0].message.content == "now"
+    assert wait_for(lambda: client.batches.retrieve(batch_id).status == "completed")
+
+
+def test_realtime_request_survives_a_lost_site(env: ApiEnv, client: OpenAI) -> None:
+    answers: list[Any] = []
+    caller = threading.Thread(target=lambda: answers.append(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "keep me"}])))
+    caller.start()
+    _, lost_token = new_site(env)
+    _, good_token = new_site(env)
+    with fleet(env, lost_token) as lost, fleet(env, good_token) as good:
+        gone = lease_one(lost)  # the lost site never answers nor heartbeats
+        again = lease_one(good)
+        assert again["request_id"] == gone["request_id"]
+        good.post("/complete", json=done(again["request_id"], again["epoch"], "survived"))
+    caller.join(timeout=30)
+    assert answers and answers[0].choices[0].message.content == "survived"
+
+
+def test_sites_as_json_and_self_announced_outages(env: ApiEnv, client: OpenAI) -> None:
+    name, token = new_site(env)
+    batch_id = one_line_batch(client, "not during the outage")
+    now = time.time()
+    with fleet(env, token) as dark:
+        announced = dark.post("/outages", json={"start_at": now - 1, "end_at": now + 600})
+        assert announced.status_code == 200 and announced.json()["site"] == name
+        bad = dark.post("/outages", json={"start_at": now, "end_at": now - 5})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "end"
+        assert dark.post("/lease", json={"capacity": 4, "models": [MODEL]}).json()[
+            "leases"] == []
+    listed = httpx.get(env.v1 + "/sites", headers={"Authorization": f"Bearer {env.key}"})
+    assert listed.status_code == 200
+    mine = {s["name"]: s for s in listed.json()["data"]}[name]
+    assert mine["status"] == "outage" and mine["price_per_hour"] == 0.72
+    assert mine["outages"] == [{"start_at": now - 1, "end_at": now + 600}]
+    assert httpx.get(env.v1 + "/sites").status_code == 401
+    _, other = new_site(env)
+    with fleet(env, other) as lit:
+        got = lease_one(lit)
+        lit.post("/complete", json=done(got["request_id"], got["epoch"], "elsewhere"))
+    assert wait_for(lambda: client.batches.retrieve(batch_id).status == "completed")

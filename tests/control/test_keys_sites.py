@@ -1,0 +1,134 @@
+"""Tenants, API keys, sites and outages; and the `keys`/`sites` commands as real processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from minimill.control.errors import ConflictError, InvalidRequestError, NotFoundError
+from minimill.control.keys import authenticate, create_key, ensure_tenant
+from minimill.control.leases import lease
+from minimill.control.sites import (
+    add_outage,
+    authenticate_site,
+    create_site,
+    list_sites,
+    parse_time,
+    touch_site,
+)
+from minimill.control.store import Store
+from minimill.control.tables import api_keys, sites
+from minimill.protocol import LeaseRequest
+
+
+def test_keys_authenticate_their_tenant_and_are_stored_hashed(store: Store) -> None:
+    a1, a2, b = create_key(store, "acme"), create_key(store, "acme"), create_key(store, "beta")
+    assert len({a1, a2, b}) == 3
+    ta1, ta2, tb = authenticate(store, a1), authenticate(store, a2), authenticate(store, b)
+    assert ta1 is not None and ta1 == ta2 and ta1.name == "acme"
+    assert tb is not None and tb.name == "beta"
+    assert authenticate(store, a1 + "x") is None and authenticate(store, "") is None
+    with store.read() as conn:
+        stored = [str(v) for row in conn.execute(select(api_keys)) for v in row]
+    assert not any(a1 in v or a1[3:] in v for v in stored)
+    assert ensure_tenant(store, "acme") == ta1
+    with pytest.raises(InvalidRequestError):
+        ensure_tenant(store, "  ")
+
+
+def test_sites_tokens_and_replacement(store: Store) -> None:
+    token = create_site(store, "edge-1", 0.2, "rx7900")
+    found = authenticate_site(store, token)
+    assert found is not None and (found.name, found.chip, found.price_per_hour) == (
+        "edge-1", "rx7900", 0.2)
+    with pytest.raises(ConflictError):
+        create_site(store, "edge-1", 0.2)
+    with pytest.raises(InvalidRequestError):
+        create_site(store, "edge-2", -1.0)
+    fresh = create_site(store, "edge-1", 0.3, "h100", replace=True)
+    assert authenticate_site(store, token) is None
+    replaced = authenticate_site(store, fresh)
+    assert replaced is not None and replaced.id == found.id and replaced.price_per_hour == 0.3
+    with store.read() as conn:
+        assert fresh not in str(conn.execute(select(sites)).all())
+
+
+def test_uptime_status_and_outages(store: Store) -> None:
+    token = create_site(store, "solar", 0.05)
+    site = authenticate_site(store, token)
+    assert site is not None
+    t0 = 1_000_000.0
+    assert list_sites(store, t0)[0].status == "new"
+    with store.write() as conn:
+        for t in (t0, t0 + 10, t0 + 20, t0 + 200, t0 + 210):  # a 180 s gap is down time
+            touch_site(conn, site.id, t, up_grace_s=30, tokens_per_s=80.0)
+    (status,) = list_sites(store, t0 + 210)
+    assert status.uptime == pytest.approx(30 / 210) and status.tokens_per_s == 80.0
+    assert status.status == "online" and status.usd_per_mtok == pytest.approx(
+        0.05 / 3600 / 80 * 1e6)
+    assert list_sites(store, t0 + 1000)[0].status == "offline"
+    add_outage(store, "solar", t0 + 300, t0 + 400)
+    (planned,) = list_sites(store, t0 + 350)
+    assert planned.status == "outage" and planned.outages == [
+        {"start_at": t0 + 300, "end_at": t0 + 400}]
+    with pytest.raises(NotFoundError):
+        add_outage(store, "nowhere", t0, t0 + 1)
+    with pytest.raises(InvalidRequestError):
+        add_outage(store, "solar", t0 + 5, t0)
+
+
+def test_site_in_outage_gets_no_work(store: Store) -> None:
+    from control_factory import CONFIG, MODEL, batch, chat_line, tenant
+
+    site = authenticate_site(store, create_site(store, "dark", 0.1))
+    assert site is not None
+    batch(store, tenant(store), [chat_line("a")])
+    now = time.time()
+    add_outage(store, "dark", now - 10, now + 100)
+    ask = LeaseRequest(capacity=4, models=[MODEL])
+    assert lease(store, site, ask, now, CONFIG).leases == []
+    assert len(lease(store, site, ask, now + 101, CONFIG).leases) == 1
+
+
+def test_parse_time() -> None:
+    assert parse_time("1970-01-01T00:01:00Z", "from") == 60.0
+    assert parse_time("1970-01-01T00:01:00", "from") == 60.0  # no zone: UTC
+    assert parse_time("1970-01-01T01:01:00+01:00", "from") == 60.0
+    with pytest.raises(InvalidRequestError):
+        parse_time("tomorrow", "from")
+
+
+def minimill(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "minimill.cli", *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_cli_keys_and_sites_commands(store_url: str, store: Store, tmp_path: Path) -> None:
+    key = minimill("keys", "create", "--tenant", "cli-team", "--db", store_url)
+    assert key.returncode == 0, key.stderr
+    owner = authenticate(store, key.stdout.strip())
+    assert owner is not None and owner.name == "cli-team"
+    token = minimill("sites", "create", "mill-a", "--price-per-hour", "0.25", "--chip", "mi300",
+                     "--db", store_url)
+    assert token.returncode == 0 and authenticate_site(store, token.stdout.strip())
+    again = minimill("sites", "create", "mill-a", "--db", store_url)
+    assert again.returncode != 0 and "already exists" in again.stderr
+    assert "Traceback" not in again.stderr
+    outage = minimill("sites", "outage", "add", "mill-a", "--from", "2030-01-01T00:00:00Z",
+                      "--to", "2030-01-01T06:00:00Z", "--db", store_url)
+    assert outage.returncode == 0, outage.stderr
+    bad = minimill("sites", "outage", "add", "mill-a", "--from", "soon", "--to", "later",
+                   "--db", store_url)
+    assert bad.returncode != 0 and "ISO 8601" in bad.stderr and "Traceback" not in bad.stderr
+    listed = minimill("sites", "list", "--json", "--db", store_url)
+    (row,) = json.loads(listed.stdout)
+    assert (row["name"], row["chip"], row["price_per_hour"]) == ("mill-a", "mi300", 0.25)
+    assert row["outages"][0]["end_at"] - row["outages"][0]["start_at"] == 6 * 3600
+    table = minimill("sites", "list", "--db", store_url)
+    assert table.returncode == 0 and "mill-a" in table.stdout and "mi300" in table.stdout

@@ -1,0 +1,184 @@
+"""Leases with fencing on a real store: lease, heartbeat, complete exactly once, reap."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from control_factory import CONFIG, MODEL, ask, batch, chat_line, site, success, tenant
+from sqlalchemy import select
+
+from minimill.control.bodies import ChatBody, prepare_body
+from minimill.control.leases import complete, heartbeat, lease, reap_expired
+from minimill.control.records import Kind, RequestStatus
+from minimill.control.requests import get_request, submit
+from minimill.control.sites import list_sites
+from minimill.control.store import Store, open_store
+from minimill.control.tables import requests
+from minimill.protocol import (
+    Checkpoint,
+    ChoiceProgress,
+    CompleteRequest,
+    CompletionItem,
+    ErrorInfo,
+    HeartbeatItem,
+    HeartbeatRequest,
+)
+
+
+def realtime(store: Store, owner_id: str, content: str, now: float, **body: object) -> str:
+    parsed = ChatBody.model_validate({"model": MODEL, "max_tokens": 4, **body,
+                                      "messages": [{"role": "user", "content": content}]})
+    return submit(store, owner_id, prepare_body(Kind.CHAT, parsed, [MODEL]), now, CONFIG)
+
+
+def test_realtime_first_then_background_by_deadline(store: Store) -> None:
+    owner, s = tenant(store), site(store)
+    now = time.time()
+    late = batch(store, owner, [chat_line("late")], now=now, window="48h")
+    early = batch(store, owner, [chat_line("early")], now=now + 1)
+    rt = realtime(store, owner.id, "urgent", now + 2)
+    got = lease(store, s, ask(capacity=2), now + 3, CONFIG).leases
+    assert got[0].request_id == rt
+    assert got[1].body["messages"][0]["content"] == "hi" and got[1].epoch == 1
+    rest = lease(store, s, ask(capacity=5), now + 3, CONFIG).leases
+    assert len(rest) == 1
+    with store.read() as conn:
+        batch_of = dict(conn.execute(select(requests.c.id, requests.c.batch_id)).all())
+    assert batch_of[got[1].request_id] == early.id and batch_of[rest[0].request_id] == late.id
+
+
+def test_lease_carries_seed_model_and_stream(store: Store) -> None:
+    owner, s = tenant(store), site(store)
+    now = time.time()
+    seeded = realtime(store, owner.id, "a", now, seed=42)
+    streamed = realtime(store, owner.id, "b", now, stream=True)
+    got = {g.request_id: g for g in lease(store, s, ask(), now, CONFIG).leases}
+    assert got[seeded].seed == 42 and got[seeded].model == MODEL
+    assert got[seeded].checkpoint_interval_s == CONFIG.checkpoint_interval_s
+    assert got[streamed].stream and got[streamed].checkpoint_interval_s == \
+        CONFIG.stream_checkpoint_interval_s
+    assert 0 <= got[streamed].seed < 2**63  # assigned at creation, the same on every lease
+
+
+def test_heartbeat_extends_stores_checkpoints_and_revokes(store: Store) -> None:
+    owner, s, other = tenant(store), site(store), site(store, "s2")
+    now = time.time()
+    rid = realtime(store, owner.id, "x", now)
+    (held,) = lease(store, s, ask(), now, CONFIG).leases
+    cp = Checkpoint(choices=[ChoiceProgress(index=0, token_ids=[5, 6], text="ab")],
+                    num_prompt_tokens=4)
+    beat = heartbeat(store, s, HeartbeatRequest(leases=[
+        HeartbeatItem(request_id=rid, epoch=held.epoch, checkpoint=cp)]), now + 5, CONFIG)
+    assert beat.extended == {rid: now + 5 + CONFIG.lease_ttl_s} and beat.revoked == []
+    assert get_request(store, owner.id, rid).checkpoint == cp.model_dump(mode="json")
+    for who, epoch in ((s, held.epoch + 1), (other, held.epoch), (s, 2**40)):
+        answer = heartbeat(store, who, HeartbeatRequest(leases=[
+            HeartbeatItem(request_id=rid, epoch=epoch)]), now + 6, CONFIG)
+        assert answer.revoked == [rid] and answer.extended == {}
+
+
+def test_completion_is_accepted_once_at_the_current_epoch(store: Store) -> None:
+    owner, s = tenant(store), site(store, price_per_hour=0.36)
+    now = time.time()
+    rid = realtime(store, owner.id, "x", now)
+    (held,) = lease(store, s, ask(tokens_per_s=100.0), now, CONFIG).leases
+    stale = complete(store, s, success(rid, held.epoch - 1), now, CONFIG)
+    assert [r.reason for r in stale.rejected] == ["stale_epoch"]
+    first = complete(store, s, success(rid, held.epoch, "first", tokens=4), now, CONFIG)
+    assert first.accepted == [rid]
+    again = complete(store, s, success(rid, held.epoch, "second"), now, CONFIG)
+    assert [r.reason for r in again.rejected] == ["already_completed"]
+    unknown = complete(store, s, success("req_missing", 1), now, CONFIG)
+    assert [r.reason for r in unknown.rejected] == ["unknown_request"]
+    done = get_request(store, owner.id, rid)
+    assert done.status == RequestStatus.SUCCEEDED
+    assert done.result is not None and done.result["choices"][0]["text"] == "first"
+    assert (done.prompt_tokens, done.completion_tokens) == (3, 4)
+    assert done.cost_usd == 4e-6  # 0.36 $/h at 100 tokens/s, realtime: 1e-6 $/token
+    (stats,) = list_sites(store, now)
+    assert (stats.completions, stats.stale_completions, stats.wasted_tokens) == (1, 2, 4)
+
+
+def test_failed_completion_keeps_the_worker_error(store: Store) -> None:
+    owner, s = tenant(store), site(store)
+    now = time.time()
+    rid = realtime(store, owner.id, "x", now)
+    (held,) = lease(store, s, ask(), now, CONFIG).leases
+    answer = complete(store, s, CompleteRequest(results=[CompletionItem(
+        request_id=rid, epoch=held.epoch, outcome="failed", error=ErrorInfo(
+            code="context_length_exceeded", message="too long", param="messages"))]),
+        now, CONFIG)
+    assert answer.accepted == [rid]
+    failed = get_request(store, owner.id, rid)
+    assert failed.status == RequestStatus.FAILED and failed.error is not None
+    assert failed.error["code"] == "context_length_exceeded"
+
+
+def test_reap_requeues_with_checkpoint_and_fences_the_old_holder(store: Store) -> None:
+    owner, zombie, fresh = tenant(store), site(store, "zombie"), site(store, "fresh")
+    now = time.time()
+    rid = realtime(store, owner.id, "x", now)
+    (first,) = lease(store, zombie, ask(), now, CONFIG).leases
+    cp = Checkpoint(choices=[ChoiceProgress(index=0, token_ids=[9], text="z")])
+    heartbeat(store, zombie, HeartbeatRequest(leases=[
+        HeartbeatItem(request_id=rid, epoch=first.epoch, checkpoint=cp)]), now, CONFIG)
+    assert reap_expired(store, now + CONFIG.lease_ttl_s - 1) == 0
+    assert reap_expired(store, now + CONFIG.lease_ttl_s + 1) == 1
+    assert get_request(store, owner.id, rid).status == RequestStatus.QUEUED
+    (second,) = lease(store, fresh, ask(), now + 20, CONFIG).leases
+    assert second.epoch == first.epoch + 1
+    assert second.checkpoint == cp
+    late = complete(store, zombie, success(rid, first.epoch, "zombie", tokens=7), now + 21,
+                    CONFIG)
+    assert [r.reason for r in late.rejected] == ["stale_epoch"]
+    assert complete(store, fresh, success(rid, second.epoch), now + 22, CONFIG).accepted
+    stats = {st.name: st for st in list_sites(store, now + 23)}
+    assert (stats["zombie"].leases_expired, stats["zombie"].stale_completions,
+            stats["zombie"].wasted_tokens) == (1, 1, 7)
+    assert stats["fresh"].completions == 1
+
+
+def test_concurrent_leasing_from_two_control_planes_never_double_leases(
+        store: Store, store_url: str) -> None:
+    """Two stores on one database stand for two control-plane processes."""
+    owner = tenant(store)
+    sites = [site(store, f"s{i}") for i in range(4)]
+    batch(store, owner, [chat_line(f"c{i}") for i in range(200)])
+    other = open_store(store_url)
+    granted: list[str] = []
+    lock = threading.Lock()
+
+    def drain(i: int) -> None:
+        handle = store if i % 2 else other
+        while True:
+            got = lease(handle, sites[i], ask(capacity=7), time.time(), CONFIG).leases
+            if not got:
+                return
+            with lock:
+                granted.extend(g.request_id for g in got)
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(drain, range(4)))
+    finally:
+        other.close()
+    assert len(granted) == 200 and len(set(granted)) == 200
+    with store.read() as conn:
+        epochs = conn.execute(select(requests.c.epoch)).scalars().all()
+    assert set(epochs) == {1}
+
+
+def test_absurd_worker_numbers_do_not_break_the_store(store: Store) -> None:
+    owner, s = tenant(store), site(store)
+    now = time.time()
+    rid = realtime(store, owner.id, "x", now)
+    (held,) = lease(store, s, ask(capacity=2**62, tokens_per_s=float("inf")), now,
+                    CONFIG).leases
+    huge = CompleteRequest(results=[CompletionItem(
+        request_id=rid, epoch=held.epoch, outcome="succeeded",
+        choices=[ChoiceProgress(index=0, text="x")],
+        usage={"prompt_tokens": 2**70, "completion_tokens": 2**70})])
+    assert complete(store, s, huge, now, CONFIG).accepted == [rid]
+    assert complete(store, s, success(rid, 2**70), now, CONFIG).rejected
