@@ -1,8 +1,25 @@
-"""Placement is a pure function of (snapshot, clock)."""
+"""Placement is a pure function of (snapshot, clock): cost, reliability, speed, outages,
+deadlines."""
 
 from __future__ import annotations
 
-from minimill.control.placement import Candidate, Outage, SiteState, Snapshot, place
+from dataclasses import replace
+
+import pytest
+
+from minimill.control import site_health
+from minimill.control.placement import (
+    DEFAULT_POLICY,
+    Backlog,
+    Candidate,
+    Outage,
+    SiteState,
+    Snapshot,
+    deadline_at_risk,
+    needs_backlog,
+    place,
+    reserved_slots,
+)
 from minimill.control.records import Tier
 
 NOW = 1_000_000.0
@@ -50,3 +67,153 @@ def test_outages_drain_the_site_ahead_of_time() -> None:
 def test_same_inputs_same_answer() -> None:
     s = snap(*[cand(f"c{i}", seq=i % 3, deadline=NOW + i) for i in range(20)], capacity=7)
     assert place(s, NOW) == place(s, NOW)
+
+
+# ---- cost, reliability, speed and deadlines: the asking site and its peers -----------------
+
+def peer(site_id: str, price: float = 0.1, tps: float | None = 100.0, free: int = 10, *,
+         seen: float = NOW, capacity_at: float | None = NOW, granted: int = 0,
+         expired: int = 0, outages: tuple[Outage, ...] = (),
+         models: frozenset[str] | None = frozenset({"m"})) -> SiteState:
+    return SiteState(site_id=site_id, price_per_hour=price, tokens_per_s=tps, in_flight=0,
+                     last_seen_at=seen, outages=outages, free_capacity=free,
+                     capacity_at=capacity_at, models=models, first_seen_at=seen - 3600,
+                     up_s=3600.0, leases_granted=granted, leases_expired=expired)
+
+
+def ask_as(me: SiteState, *candidates: Candidate, others: tuple[SiteState, ...] = (),
+           capacity: int = 10, backlog: tuple[Backlog, ...] = ()) -> list[str]:
+    return place(Snapshot(site=me, capacity=capacity, models=frozenset({"m"}),
+                          candidates=candidates, sites=(me, *others), backlog=backlog), NOW)
+
+
+def work(n: int, tier: Tier = Tier.BACKGROUND, tokens: int | None = 16,
+         deadline: float = NOW + 86400) -> list[Candidate]:
+    return [cand(f"{tier.value[0]}{i}", tier, seq=i, tokens=tokens, deadline=deadline)
+            for i in range(n)]
+
+
+def test_background_goes_to_the_cheap_site_while_it_has_room() -> None:
+    cheap, dear = peer("cheap", price=0.05, free=8), peer("dear", price=0.50)
+    queue = work(12)
+    assert ask_as(cheap, *queue, others=(dear,)) == [c.request_id for c in queue[:10]]
+    # The dear site leaves the cheap site's 8 free slots their work and takes the rest.
+    assert ask_as(dear, *queue, others=(cheap,)) == ["b8", "b9", "b10", "b11"]
+    assert ask_as(dear, *queue[:8], others=(cheap,)) == []
+    # A full cheap site: the dear one helps at once.
+    assert ask_as(dear, *queue[:8], others=(replace(cheap, free_capacity=0),)) == \
+        [c.request_id for c in queue[:8]]
+
+
+def test_a_cheap_site_that_went_quiet_or_dark_reserves_nothing() -> None:
+    cheap, dear = peer("cheap", price=0.05, free=8), peer("dear", price=0.50)
+    queue = work(4)
+    everything = [c.request_id for c in queue]
+    stale_report = replace(cheap, capacity_at=NOW - 6)  # its worker stopped asking
+    gone = replace(cheap, last_seen_at=NOW - 120, capacity_at=NOW - 120)
+    dark = replace(cheap, outages=(Outage(NOW - 1, NOW + 600),))
+    other_model = replace(cheap, models=frozenset({"x"}))
+    for other in (stale_report, gone, dark, other_model):
+        assert ask_as(dear, *queue, others=(other,)) == everything, other
+
+
+def test_nearly_equal_sites_share_the_queue() -> None:
+    a, b = peer("a", price=0.10), peer("b", price=0.104)  # 4% apart: within the tolerance
+    assert ask_as(b, *work(3), others=(a,)) == ["b0", "b1", "b2"]
+
+
+def test_expected_loss_makes_a_nominally_cheap_site_dear() -> None:
+    # Half its leases expired: each kept token costs it twice the sticker price.
+    flaky = peer("flaky", price=0.08, granted=80, expired=50)
+    solid = peer("solid", price=0.10)
+    assert site_health.loss_fraction(flaky, NOW, DEFAULT_POLICY) == pytest.approx(0.5)
+    assert site_health.effective_usd_per_mtok(flaky, NOW, DEFAULT_POLICY) == pytest.approx(
+        0.08 / 3600 / 100 * 1e6 / 0.5)
+    assert ask_as(solid, *work(3), others=(flaky,)) == ["b0", "b1", "b2"]
+    assert ask_as(flaky, *work(3), others=(solid,)) == []
+    # Without the losses the flaky site would be the cheap one.
+    healthy = replace(flaky, leases_expired=0)
+    assert ask_as(solid, *work(3), others=(healthy,)) == []
+
+
+def test_observed_downtime_counts_as_expected_loss() -> None:
+    # Seen for an hour, up for a quarter of it; an announced outage is not held against it.
+    patchy = replace(peer("patchy", price=0.05), up_s=900.0)
+    assert site_health.uptime(patchy, NOW, DEFAULT_POLICY) == pytest.approx(0.25)
+    assert site_health.loss_fraction(patchy, NOW, DEFAULT_POLICY) == pytest.approx(0.75)
+    announced = replace(patchy, outages=(Outage(NOW - 3600, NOW - 900),))
+    assert site_health.uptime(announced, NOW, DEFAULT_POLICY) == pytest.approx(1.0)
+    assert ask_as(peer("dear", price=0.15), *work(2), others=(patchy,)) == ["b0", "b1"]
+
+
+def test_no_work_that_would_not_finish_before_an_outage_nor_during_it() -> None:
+    soon = (Outage(NOW + 20, NOW + 600),)
+    queue = (cand("short", tokens=16), cand("long", seq=1, tokens=100))
+    draining = peer("cheap", price=0.05, outages=soon)
+    # The draining cheap site takes the short request only; the dear site gets the long one.
+    assert ask_as(draining, *queue, others=(peer("dear", price=0.5),)) == ["short"]
+    assert ask_as(peer("dear", price=0.5), *queue, others=(draining,)) == ["long"]
+    assert site_health.draining(draining, NOW, DEFAULT_POLICY)
+    during = replace(draining, outages=(Outage(NOW - 1, NOW + 600),))
+    assert ask_as(during, *queue) == []
+    assert not site_health.draining(during, NOW, DEFAULT_POLICY)
+    # 16 tokens at the assumed 2 tokens/s take 8 s: from 12 s before the outage, nothing fits.
+    assert ask_as(replace(draining, outages=(Outage(NOW + 7, NOW + 600),)), *queue) == []
+
+
+def test_realtime_goes_to_the_fastest_reliable_site_first() -> None:
+    fast, slow = peer("fast", tps=400.0, free=2), peer("slow", tps=100.0)
+    calls = work(3, Tier.REALTIME)
+    assert ask_as(fast, *calls, others=(slow,)) == ["r0", "r1", "r2"]
+    assert ask_as(slow, *calls, others=(fast,)) == ["r2"]  # only what the fast one has no room for
+    assert ask_as(slow, *calls, others=(replace(fast, free_capacity=0),)) == ["r0", "r1", "r2"]
+    # A fast site that loses work is not "reliable": the reliable slow one goes first.
+    unreliable = replace(fast, leases_granted=80, leases_expired=30)
+    assert ask_as(slow, *calls, others=(unreliable,)) == ["r0", "r1", "r2"]
+    assert ask_as(unreliable, *calls, others=(replace(slow, free_capacity=1),)) == ["r1", "r2"]
+
+
+def test_peers_run_realtime_before_their_background() -> None:
+    # The cheap, fast peer's two free slots go to the two realtime calls: background is left
+    # for the dear, slow asking site.
+    cheap_fast = peer("cheap", price=0.05, tps=400.0, free=2)
+    dear_slow = peer("dear", price=0.5, tps=100.0)
+    queue = (*work(2, Tier.REALTIME), *work(2))
+    assert ask_as(dear_slow, *queue, others=(cheap_fast,)) == ["b0", "b1"]
+
+
+def test_a_deadline_at_risk_lets_a_dear_site_help() -> None:
+    # The cheap site has slots for everything but makes 10 tokens/s: 50 requests of 100
+    # tokens take it 500 s. Per token it costs a fifth of the dear one.
+    cheap = peer("cheap", price=0.01, tps=10.0, free=100)
+    dear = peer("dear", price=0.5, tps=100.0)
+    soon, later = NOW + 60, NOW + 86400
+    queue = work(50, tokens=100, deadline=soon)
+
+    def backlog(deadline: float, leased_by_dear: int = 0) -> tuple[Backlog, ...]:
+        queued = Backlog(deadline, None, 50 - leased_by_dear, (50 - leased_by_dear) * 100, 0)
+        held = Backlog(deadline, "dear", leased_by_dear, leased_by_dear * 100, 0)
+        return (queued, held) if leased_by_dear else (queued,)
+
+    snapshot = Snapshot(site=dear, capacity=10, models=frozenset({"m"}),
+                        candidates=tuple(queue), sites=(dear, cheap), backlog=backlog(soon))
+    assert needs_backlog(snapshot, NOW)
+    assert deadline_at_risk(snapshot, NOW) == soon
+    assert ask_as(dear, *queue, others=(cheap,), backlog=backlog(soon)) == \
+        [f"b{i}" for i in range(10)]
+    # A day to go: no risk, the cheap site takes it all.
+    relaxed = [replace(c, deadline=later) for c in queue]
+    assert ask_as(dear, *relaxed, others=(cheap,), backlog=backlog(later)) == []
+    # Once the dear site holds enough of it, what is left fits the cheap site's time.
+    assert ask_as(dear, *queue[46:], others=(cheap,), backlog=backlog(soon, 46)) == []
+
+
+def test_reserved_slots_count_only_peers_that_go_first() -> None:
+    me = peer("me", price=0.1, tps=100.0)
+    others = (peer("cheaper", price=0.01, free=5), peer("faster", tps=1000.0, free=7),
+              peer("dearer", price=1.0, free=100), peer("cheap-but-stale", price=0.01,
+                                                        capacity_at=NOW - 60))
+    snapshot = Snapshot(site=me, capacity=4, models=frozenset({"m"}), candidates=(),
+                        sites=(me, *others))
+    assert reserved_slots(snapshot, NOW) == 12
+    assert not needs_backlog(replace(snapshot, sites=(me, others[2])), NOW)

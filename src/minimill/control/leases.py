@@ -1,7 +1,10 @@
 """Leases with fencing: the control plane's side of the worker protocol (protocol.py).
 
-- `lease`: placement picks queued rows for the asking site; each becomes `leased` with a bumped
-  fencing epoch, a lease id and an expiry.
+- `lease`: placement picks queued rows for the asking site from a snapshot (every site's state,
+  the head of the queue, and the background backlog when deadline risk matters); each pick
+  becomes `leased` with a bumped fencing epoch, a lease id and an expiry. The site row records
+  what the worker said (free capacity after the grant, when, its models, its rate) for the
+  placement of its peers' calls.
 - `heartbeat`: extends leases the site still holds at the sent epoch and stores checkpoints;
   everything else is reported revoked.
 - `complete`: accepted only at the row's current epoch, from the site that holds (or last held)
@@ -16,6 +19,7 @@ picked with `FOR UPDATE SKIP LOCKED`, so several control-plane processes can run
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from typing import Any, Literal
 
 from sqlalchemy import Connection, case, func, select, tuple_, update
@@ -24,12 +28,13 @@ from minimill.control import metering
 from minimill.control.config import ControlConfig
 from minimill.control.placement import (
     DEFAULT_POLICY,
+    Backlog,
     Candidate,
-    Outage,
     PlacementPolicy,
-    SiteState,
     Snapshot,
+    needs_backlog,
     place,
+    reserved_slots,
 )
 from minimill.control.records import (
     TERMINAL_REQUEST_STATUSES,
@@ -38,9 +43,10 @@ from minimill.control.records import (
     Tier,
     new_id,
 )
+from minimill.control.site_view import site_states
 from minimill.control.sites import touch_site
 from minimill.control.store import Store, retry_conflicts
-from minimill.control.tables import outages, requests, sites
+from minimill.control.tables import requests, sites
 from minimill.protocol import (
     Checkpoint,
     CompleteRequest,
@@ -55,6 +61,11 @@ from minimill.protocol import (
 
 # Most requests handed out by one lease call, whatever capacity a worker claims.
 MAX_LEASES_PER_CALL = 1024
+# Most queued requests (per tier) one lease call reads: its own capacity plus what the peers
+# that go before it will take.
+MAX_CANDIDATES = 4 * MAX_LEASES_PER_CALL
+# A worker's model list is recorded for placement; a list longer than this is cut.
+MAX_MODELS_RECORDED = 64
 # Token counts reported by workers are clamped to what the store's integer columns hold.
 MAX_COUNT = 2**31 - 1
 RejectReason = Literal["stale_epoch", "unknown_request", "already_completed"]
@@ -92,18 +103,45 @@ def _candidates(conn: Connection, tier: Tier, models: list[str], limit: int) -> 
             for r in conn.execute(query)]
 
 
-def _site_states(conn: Connection) -> dict[str, SiteState]:
-    held: dict[str, int] = dict(conn.execute(select(requests.c.site_id, func.count())
-                             .where(requests.c.status == _LEASED)
-                             .group_by(requests.c.site_id)).all())
-    windows: dict[str, list[Outage]] = {}
-    for o in conn.execute(select(outages)):
-        windows.setdefault(o.site_id, []).append(Outage(o.start_at, o.end_at))
-    return {r.id: SiteState(site_id=r.id, price_per_hour=r.price_per_hour,
-                            tokens_per_s=r.tokens_per_s, in_flight=int(held.get(r.id, 0)),
-                            last_seen_at=r.last_seen_at, outages=tuple(windows.get(r.id, ())),
-                            free_capacity=r.free_capacity)
-            for r in conn.execute(select(sites))}
+def _backlog(conn: Connection) -> tuple[Backlog, ...]:
+    """Unfinished background work per (deadline, holder), for placement's deadline risk."""
+    queued = requests.c.status == _QUEUED
+    holder = case((queued, None), else_=requests.c.site_id)
+    unbounded = func.sum(case((requests.c.max_tokens.is_(None), 1), else_=0))
+    rows = conn.execute(
+        select(requests.c.deadline, holder.label("holder"), func.count().label("n"),
+               func.coalesce(func.sum(requests.c.max_tokens), 0).label("tokens"),
+               unbounded.label("unbounded"))
+        .where(requests.c.tier == Tier.BACKGROUND.value,
+               requests.c.status.in_([_QUEUED, _LEASED]))
+        .group_by(requests.c.deadline, holder)).all()
+    return tuple(Backlog(deadline=r.deadline, site_id=r.holder, num_requests=int(r.n),
+                         max_tokens=int(r.tokens), num_unbounded=int(r.unbounded or 0))
+                 for r in rows)
+
+
+def policy_for(config: ControlConfig,
+               policy: PlacementPolicy = DEFAULT_POLICY) -> PlacementPolicy:
+    """A full site only heartbeats (every TTL/3): it counts as alive for at least one TTL."""
+    if config.lease_ttl_s <= policy.alive_within_s:
+        return policy
+    return replace(policy, alive_within_s=config.lease_ttl_s)
+
+
+def _snapshot(conn: Connection, site: Site, capacity: int, models: list[str], now: float,
+              policy: PlacementPolicy) -> Snapshot:
+    """The state placement decides on: every site, and enough of the queue to find what the
+    asking site gets after the peers that go before it take theirs."""
+    states = site_states(conn)
+    bare = Snapshot(site=states[site.id], capacity=capacity, models=frozenset(models),
+                    candidates=(), sites=tuple(states.values()))
+    if capacity <= 0:
+        return bare
+    window = min(capacity + reserved_slots(bare, now, policy), MAX_CANDIDATES)
+    pool = (*_candidates(conn, Tier.REALTIME, models, window),
+            *_candidates(conn, Tier.BACKGROUND, models, window))
+    backlog = _backlog(conn) if pool and needs_backlog(bare, now, policy) else ()
+    return replace(bare, candidates=pool, backlog=backlog)
 
 
 @retry_conflicts
@@ -114,17 +152,11 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
     models = [m for m in ask.models if m]
     expires_at = now + config.lease_ttl_s
     lease_id = new_id("lse_")
+    policy = policy_for(config, policy)
     with store.write() as conn:
-        picked: list[str] = []
         rows: list[Any] = []
-        pool = (*_candidates(conn, Tier.REALTIME, models, capacity),
-                *_candidates(conn, Tier.BACKGROUND, models, capacity)) if capacity > 0 else ()
-        if pool:
-            states = _site_states(conn)
-            snapshot = Snapshot(site=states[site.id], capacity=capacity,
-                                models=frozenset(models), candidates=pool,
-                                sites=tuple(states.values()))
-            picked = place(snapshot, now, policy)
+        snapshot = _snapshot(conn, site, capacity, models, now, policy)
+        picked = place(snapshot, now, policy) if snapshot.candidates else []
         if picked:
             rows = list(conn.execute(
                 update(requests)
@@ -135,8 +167,12 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
                 .returning(requests.c.id, requests.c.epoch, requests.c.kind, requests.c.model,
                            requests.c.body, requests.c.seed, requests.c.checkpoint,
                            requests.c.stream)).all())
+        # What the worker said, for the placement of its peers' lease calls; its measured
+        # rate covers a time in which it held what it held before this call.
         touch_site(conn, site.id, now, config.lease_ttl_s, ask.tokens_per_s,
-                   free_capacity=min(ask.capacity, MAX_COUNT) - len(rows),
+                   busy=snapshot.site.in_flight > 0,
+                   free_capacity=min(ask.capacity, MAX_COUNT) - len(rows), capacity_at=now,
+                   models=[m[:200] for m in models[:MAX_MODELS_RECORDED]],
                    leases_granted=sites.c.leases_granted + len(rows))
     # Hand leases out in placement order (RETURNING order is unspecified).
     rank = {request_id: i for i, request_id in enumerate(picked)}
@@ -176,7 +212,8 @@ def heartbeat(store: Store, site: Site, beat: HeartbeatRequest, now: float,
                                     requests.c.status == _LEASED)
                              .values(checkpoint=item.checkpoint.model_dump(mode="json"),
                                      version=requests.c.version + 1))
-        touch_site(conn, site.id, now, config.lease_ttl_s, beat.tokens_per_s)
+        touch_site(conn, site.id, now, config.lease_ttl_s, beat.tokens_per_s,
+                   busy=bool(extended))
     return HeartbeatResponse(
         extended={i.request_id: expires_at for i in beat.leases if i.request_id in extended},
         revoked=[i.request_id for i in beat.leases if i.request_id not in extended])

@@ -3,8 +3,11 @@
 A site's measured rate is output tokens per second of wall time for the whole site, with every
 prefill it did in that time included. So one site-hour buys `3600 * tokens_per_s` output tokens,
 and an output token costs `price_per_hour / (3600 * tokens_per_s)`; prompt tokens are paid for
-through that rate rather than priced twice. Background work (batches, service_tier "flex") is
-charged `background_price_factor` of that, since it fills capacity that would otherwise idle.
+through that rate rather than priced twice. The rate is the site's busy throughput (what it
+makes with work to do; sites.touch_site keeps it), so an idle hour does not raise the price.
+Background work (batches, service_tier "flex") is charged `background_price_factor` of that,
+since it fills capacity that would otherwise idle. Placement ranks sites by
+`effective_usd_per_mtok`, which also counts the work a site is expected to lose.
 """
 
 from __future__ import annotations
@@ -30,6 +33,14 @@ def usd_per_token(price_per_hour: float, tokens_per_s: float | None) -> float:
 
 def usd_per_mtok(price_per_hour: float, tokens_per_s: float | None) -> float:
     return usd_per_token(price_per_hour, tokens_per_s) * 1e6
+
+
+def effective_usd_per_mtok(price_per_hour: float, tokens_per_s: float | None,
+                           loss_fraction: float) -> float:
+    """$/Mtok counting expected lost work: a site that loses a fraction of what it runs pays
+    for that fraction and the work is done again elsewhere, so each kept token costs more."""
+    kept = min(max(1.0 - loss_fraction, 1e-6), 1.0)
+    return usd_per_mtok(price_per_hour, tokens_per_s) / kept
 
 
 def tier_factor(tier: Tier | str, background_price_factor: float) -> float:

@@ -2,19 +2,32 @@
 
 A pure function of (state snapshot, clock): no I/O, no `time.time()`. The live control plane
 (leases.py builds the snapshot from the store) and a simulator driving a virtual clock call the
-same code. Rules:
-- realtime before background; FIFO (arrival order) within realtime;
-- background by earliest deadline, then arrival order (batches with longer windows wait);
-- a site never gets a request it would not finish before its next announced outage, and none
-  at all during one (it drains ahead of time);
-- the snapshot carries every site's state so that cost- and reliability-aware rules can compare
-  the asking site with the others.
+same code. `place` answers for the asking site only, but it plans as if every live site took
+its share: a peer that should get a request before the asking site, and that reported free
+capacity a moment ago, will take it on its next lease call (a fraction of a second away), so
+the asking site leaves it. Rules:
+
+- Outages: a site in an announced outage gets nothing, and no site gets a request it would not
+  finish before its next announced outage (it drains ahead of time).
+- Realtime work (arrival order) goes to the fastest reliable site first: a slower site (or a
+  less reliable one) takes realtime only beyond the free capacity of faster reliable peers.
+- Background work (earliest deadline, then arrival order) goes to the cheapest effective $/Mtok
+  first (site_health.effective_usd_per_mtok: price over busy throughput, divided by the
+  fraction of work not expected to be lost): a dearer site takes it only beyond the free
+  capacity of cheaper live peers...
+- ...unless a deadline is at risk: when the sites cheaper than the asking one cannot finish the
+  background work due by some deadline in time (its tokens over their expected throughput,
+  with a safety factor), the asking site takes that work first, whatever its price.
+- A peer counts as faster or cheaper only by more than `tolerance`: measurements are noisy, and
+  equal sites should share the queue rather than wait for each other.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+from minimill.control import site_health
 from minimill.control.records import Tier
 
 
@@ -38,17 +51,39 @@ class Outage:
 
 @dataclass(frozen=True, slots=True)
 class SiteState:
+    """A registered site: what its worker last said, and its health counters."""
+
     site_id: str
     price_per_hour: float
-    tokens_per_s: float | None  # measured output tokens/s of the whole site
+    tokens_per_s: float | None  # busy output tokens/s of the whole site (None: not measured)
     in_flight: int  # requests it holds leases on
-    last_seen_at: float | None
-    outages: tuple[Outage, ...] = ()
-    free_capacity: int = 0  # what its worker last said it could still take
+    last_seen_at: float | None  # last lease, heartbeat or completion call
+    outages: tuple[Outage, ...] = ()  # announced outages, past ones included
+    free_capacity: int = 0  # what its worker said it could still take, less what it got
+    capacity_at: float | None = None  # when it said so (its last lease call)
+    models: frozenset[str] | None = None  # models its worker serves (None: never asked)
+    first_seen_at: float | None = None
+    up_s: float = 0.0  # seconds observed up (see site_health.uptime)
+    leases_granted: int = 0
+    leases_expired: int = 0
 
     def current_or_next_outage(self, now: float) -> Outage | None:
         upcoming = [o for o in self.outages if o.end_at > now]
         return min(upcoming, key=lambda o: o.start_at) if upcoming else None
+
+    def serves(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+
+@dataclass(frozen=True, slots=True)
+class Backlog:
+    """Unfinished background work sharing one deadline: queued (site_id None) or leased."""
+
+    deadline: float
+    site_id: str | None
+    num_requests: int
+    max_tokens: int  # sum of max_tokens over the requests that have one
+    num_unbounded: int  # requests without max_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +93,8 @@ class Snapshot:
     models: frozenset[str]  # models its engine serves
     candidates: tuple[Candidate, ...]
     sites: tuple[SiteState, ...] = field(default=())  # every registered site
+    # Background backlog, for deadline risk; leases.py fills it only when `needs_backlog`.
+    backlog: tuple[Backlog, ...] = field(default=())
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,33 +103,160 @@ class PlacementPolicy:
     stream_tokens_per_s: float = 2.0
     # Tokens assumed for a request without max_tokens.
     default_remaining_tokens: int = 512
+    # A site heard from this recently is alive (about one lease TTL).
+    alive_within_s: float = 30.0
+    # Free capacity reported this recently is still there: idle workers ask several times a
+    # second, so a quiet one is gone (dead, frozen, cut off) and its work goes elsewhere.
+    capacity_fresh_s: float = 5.0
+    # A peer must be cheaper (or faster) by more than this fraction to go first.
+    tolerance: float = 0.15
+    # Realtime prefers sites expected to lose at most this fraction of their work.
+    reliable_max_loss: float = 0.1
+    # Expected loss is capped here, so that effective cost stays finite.
+    max_loss: float = 0.9
+    # Leases assumed granted (and not lost) before any were: a new site is not judged on 2.
+    prior_leases: int = 20
+    # A deadline is at risk when the work due by it needs more than 1/this of the time left.
+    deadline_safety: float = 1.25
 
     def estimated_seconds(self, candidate: Candidate) -> float:
-        tokens = candidate.remaining_tokens
-        if tokens is None:
-            tokens = self.default_remaining_tokens
-        return max(tokens, 1) / self.stream_tokens_per_s
+        return max(self.tokens(candidate), 1) / self.stream_tokens_per_s
+
+    def tokens(self, candidate: Candidate) -> int:
+        if candidate.remaining_tokens is None:
+            return self.default_remaining_tokens
+        return candidate.remaining_tokens
+
+    @property
+    def drain_horizon_s(self) -> float:
+        """How long before an outage placement starts holding work back from a site."""
+        return self.default_remaining_tokens / self.stream_tokens_per_s
 
 
 DEFAULT_POLICY = PlacementPolicy()
 
 
+def _fits(site: SiteState, candidate: Candidate, now: float, policy: PlacementPolicy) -> bool:
+    """Would `site` finish `candidate` before its next outage (and is it up now)?"""
+    outage = site.current_or_next_outage(now)
+    return outage is None or now + policy.estimated_seconds(candidate) <= outage.start_at
+
+
+def _faster(peer: SiteState, me: SiteState, now: float, policy: PlacementPolicy) -> bool:
+    """Does `peer` come before `me` for realtime work (reliable first, then faster)?"""
+    peer_reliable = site_health.loss_fraction(peer, now, policy) <= policy.reliable_max_loss
+    me_reliable = site_health.loss_fraction(me, now, policy) <= policy.reliable_max_loss
+    if peer_reliable != me_reliable:
+        return peer_reliable
+    return (site_health.busy_tokens_per_s(peer)
+            > site_health.busy_tokens_per_s(me) * (1 + policy.tolerance))
+
+
+def _cheaper(peer: SiteState, me: SiteState, now: float, policy: PlacementPolicy) -> bool:
+    return (site_health.effective_usd_per_mtok(peer, now, policy) * (1 + policy.tolerance)
+            < site_health.effective_usd_per_mtok(me, now, policy))
+
+
+def _peers(snapshot: Snapshot) -> list[SiteState]:
+    return [s for s in snapshot.sites if s.site_id != snapshot.site.site_id]
+
+
+def needs_backlog(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLICY) -> bool:
+    """Whether deadline risk can change the answer: some live peer is cheaper."""
+    return any(site_health.alive(p, now, policy) and _cheaper(p, snapshot.site, now, policy)
+               for p in _peers(snapshot))
+
+
+def reserved_slots(snapshot: Snapshot, now: float,
+                   policy: PlacementPolicy = DEFAULT_POLICY) -> int:
+    """Free capacity of peers that go before the asking site: how far past its own capacity
+    the queue must be read to find what it would get."""
+    me = snapshot.site
+    return sum(site_health.free_slots(p, now, policy) for p in _peers(snapshot)
+               if _faster(p, me, now, policy) or _cheaper(p, me, now, policy))
+
+
+def deadline_at_risk(snapshot: Snapshot, now: float,
+                     policy: PlacementPolicy = DEFAULT_POLICY) -> float | None:
+    """The latest deadline whose background work the live sites cheaper than the asking one
+    cannot finish in time (None: none at risk). Work counted: queued, and leased to them."""
+    if not snapshot.backlog:
+        return None
+    me = snapshot.site
+    cheaper = [p for p in _peers(snapshot)
+               if site_health.alive(p, now, policy) and _cheaper(p, me, now, policy)]
+    rate = sum(site_health.expected_tokens_per_s(p, now, policy) for p in cheaper)
+    theirs = {p.site_id for p in cheaper}
+    due: dict[float, int] = {}
+    for b in snapshot.backlog:
+        if b.site_id is None or b.site_id in theirs:
+            tokens = b.max_tokens + b.num_unbounded * policy.default_remaining_tokens
+            due[b.deadline] = due.get(b.deadline, 0) + tokens
+    at_risk, total = None, 0
+    for deadline in sorted(due):
+        total += due[deadline]
+        needed_s = total / rate if rate > 0 else math.inf
+        if now + needed_s * policy.deadline_safety > deadline:
+            at_risk = deadline
+    return at_risk
+
+
+class _Plan:
+    """Free slots of the peers that go before the asking site, consumed in placement order."""
+
+    def __init__(self, peers: list[SiteState], now: float, policy: PlacementPolicy) -> None:
+        self.now, self.policy = now, policy
+        self.slots = {p.site_id: site_health.free_slots(p, now, policy) for p in peers}
+
+    def give(self, peers: list[SiteState], candidate: Candidate) -> bool:
+        """Hand `candidate` to the first of `peers` that has room and can run it."""
+        for peer in peers:
+            if (self.slots[peer.site_id] > 0 and peer.serves(candidate.model)
+                    and _fits(peer, candidate, self.now, self.policy)):
+                self.slots[peer.site_id] -= 1
+                return True
+        return False
+
+
 def place(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLICY) -> list[str]:
     """Request ids to lease to `snapshot.site`, best first, at most `snapshot.capacity`."""
-    if snapshot.capacity <= 0:
+    me = snapshot.site
+    if snapshot.capacity <= 0 or site_health.in_outage(me, now):
         return []
-    outage = snapshot.site.current_or_next_outage(now)
-    if outage is not None and outage.start_at <= now:
-        return []
-    servable = [c for c in snapshot.candidates if c.model in snapshot.models]
-    realtime = sorted((c for c in servable if c.tier == Tier.REALTIME), key=lambda c: c.seq)
-    background = sorted((c for c in servable if c.tier != Tier.REALTIME),
+    peers = [p for p in _peers(snapshot) if site_health.free_slots(p, now, policy) > 0]
+    faster = sorted((p for p in peers if _faster(p, me, now, policy)),
+                    key=lambda p: (site_health.loss_fraction(p, now, policy)
+                                   > policy.reliable_max_loss,
+                                   -site_health.busy_tokens_per_s(p), p.site_id))
+    cheaper = sorted((p for p in peers if _cheaper(p, me, now, policy)),
+                     key=lambda p: (site_health.effective_usd_per_mtok(p, now, policy),
+                                    p.site_id))
+    plan = _Plan(peers, now, policy)
+    urgent_until = deadline_at_risk(snapshot, now, policy)
+
+    def mine(candidate: Candidate) -> bool:
+        return candidate.model in snapshot.models and _fits(me, candidate, now, policy)
+
+    realtime = sorted((c for c in snapshot.candidates if c.tier == Tier.REALTIME),
+                      key=lambda c: c.seq)
+    background = sorted((c for c in snapshot.candidates if c.tier != Tier.REALTIME),
                         key=lambda c: (c.deadline, c.seq))
     picked: list[str] = []
-    for candidate in (*realtime, *background):
+    for candidate in realtime:
+        if len(picked) >= snapshot.capacity:
+            return picked
+        if plan.give(faster, candidate):
+            continue
+        if mine(candidate):
+            picked.append(candidate.request_id)
+        else:  # a cheaper peer will run it, realtime before its background
+            plan.give(cheaper, candidate)
+    for candidate in background:
         if len(picked) >= snapshot.capacity:
             break
-        if outage is not None and now + policy.estimated_seconds(candidate) > outage.start_at:
+        urgent = urgent_until is not None and candidate.deadline <= urgent_until
+        if not urgent and plan.give(cheaper, candidate):
             continue
-        picked.append(candidate.request_id)
+        if mine(candidate):
+            picked.append(candidate.request_id)
     return picked

@@ -1,4 +1,9 @@
-"""The site registry: sites, their tokens, health counters, outages; and the `sites` CLI."""
+"""The site registry: sites, their tokens, health counters, outages; and the `sites` CLI.
+
+Writes live here (registration, contact from workers, outages); the read side (placement's
+SiteState snapshot, the operators' SiteStatus list) is site_view.py, the definitions of uptime,
+expected loss and effective cost are site_health.py.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ import math
 import secrets
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import UTC, datetime
 from typing import Any
 
@@ -17,13 +22,14 @@ from sqlalchemy.exc import IntegrityError
 from minimill.control import metering
 from minimill.control.errors import ConflictError, ControlError, InvalidRequestError, NotFoundError
 from minimill.control.keys import hash_secret
-from minimill.control.records import RequestStatus, Site, new_id
+from minimill.control.records import Site, new_id
+from minimill.control.site_view import SiteStatus, list_sites
 from minimill.control.store import Store, StoreError, open_store
-from minimill.control.tables import outages, requests, sites
+from minimill.control.tables import outages, sites
 
 TOKEN_PREFIX = "mms-"
-# A site unheard of for longer than this is shown offline (a few lease TTLs).
-OFFLINE_AFTER_S = 90.0
+# A full site's stored throughput moves this fraction of the way to each new measurement.
+RATE_SMOOTHING = 0.5
 
 
 def _site(row: Any) -> Site:
@@ -69,10 +75,21 @@ def authenticate_site(store: Store, token: str) -> Site | None:
 
 
 def touch_site(conn: Connection, site_id: str, now: float, up_grace_s: float,
-               tokens_per_s: float | None = None, **more: Any) -> None:
+               tokens_per_s: float | None = None, *, busy: bool = True, **more: Any) -> None:
     """Record contact from a site: last seen, observed up time, measured throughput, plus any
     `more` column values (counters). Callers touch the site row after the request rows, so
-    every transaction locks rows in one order (batches, requests, sites): no deadlocks."""
+    every transaction locks rows in one order (batches, requests, sites): no deadlocks.
+
+    `tokens_per_s` is what the worker measured over its recent past; the registry keeps the
+    site's *busy* throughput, since an idle or half-empty site measures its load, not what it
+    can do (and pricing it by that would starve it of the work that would show its speed):
+    - the first measurement is taken as it is;
+    - later ones count only when the site holds work (`busy`): while its worker said it was
+      full (no free capacity at its last lease call), the stored rate moves half way to the
+      measurement, so it can go down as well as up; while it had room, a measurement only
+      raises the stored rate (a half-empty site is at least that fast).
+    Measurements below metering.MIN_TOKENS_PER_S are noise and ignored.
+    """
     gap = now - sites.c.last_seen_at
     values: dict[str, Any] = {
         "last_seen_at": now,
@@ -81,8 +98,17 @@ def touch_site(conn: Connection, site_id: str, now: float, up_grace_s: float,
             ((sites.c.last_seen_at.is_not(None)) & (gap > 0) & (gap <= up_grace_s), gap),
             else_=0.0),
     }
-    if tokens_per_s is not None and math.isfinite(tokens_per_s) and tokens_per_s >= 0:
-        values["tokens_per_s"] = tokens_per_s
+    if (tokens_per_s is not None and math.isfinite(tokens_per_s)
+            and tokens_per_s >= metering.MIN_TOKENS_PER_S):
+        old = sites.c.tokens_per_s
+        if busy:
+            values["tokens_per_s"] = case(
+                (old.is_(None), tokens_per_s),
+                (sites.c.free_capacity <= 0, old + RATE_SMOOTHING * (tokens_per_s - old)),
+                (old < tokens_per_s, tokens_per_s),
+                else_=old)
+        else:
+            values["tokens_per_s"] = func.coalesce(old, tokens_per_s)
     values.update(more)
     conn.execute(update(sites).where(sites.c.id == site_id).values(**values))
 
@@ -109,60 +135,6 @@ def add_outage(store: Store, site_name: str, start_at: float, end_at: float) -> 
             raise NotFoundError(f"no site named {site_name!r}", param="site")
         conn.execute(insert(outages).values(site_id=site_id, start_at=start_at, end_at=end_at,
                                             created_at=time.time()))
-
-
-@dataclass(frozen=True, slots=True)
-class SiteStatus:
-    """A site as operators see it (`minimill sites list`, and the API's JSON)."""
-
-    name: str
-    status: str  # online | offline | new | outage
-    chip: str
-    price_per_hour: float
-    tokens_per_s: float | None
-    uptime: float | None  # observed fraction of time up since first contact
-    usd_per_mtok: float
-    in_flight: int
-    leases_granted: int
-    leases_expired: int
-    completions: int
-    stale_completions: int
-    wasted_tokens: int
-    tokens_generated: int
-    last_seen_at: float | None
-    outages: list[dict[str, float]]
-
-
-def list_sites(store: Store, now: float) -> list[SiteStatus]:
-    with store.read() as conn:
-        rows = conn.execute(select(sites).order_by(sites.c.name)).all()
-        held: dict[str, int] = dict(conn.execute(
-            select(requests.c.site_id, func.count()).where(
-                requests.c.status == RequestStatus.LEASED).group_by(requests.c.site_id)).all())
-        windows = conn.execute(select(outages).where(outages.c.end_at > now)
-                               .order_by(outages.c.start_at)).all()
-    out = []
-    for row in rows:
-        mine = [{"start_at": o.start_at, "end_at": o.end_at} for o in windows
-                if o.site_id == row.id]
-        if any(o["start_at"] <= now for o in mine):
-            status = "outage"
-        elif row.last_seen_at is None:
-            status = "new"
-        else:
-            status = "online" if now - row.last_seen_at <= OFFLINE_AFTER_S else "offline"
-        span = now - row.first_seen_at if row.first_seen_at is not None else 0.0
-        uptime = min(1.0, row.up_s / span) if span > 0 else None
-        out.append(SiteStatus(
-            name=row.name, status=status, chip=row.chip, price_per_hour=row.price_per_hour,
-            tokens_per_s=row.tokens_per_s, uptime=uptime,
-            usd_per_mtok=metering.usd_per_mtok(row.price_per_hour, row.tokens_per_s),
-            in_flight=int(held.get(row.id, 0)), leases_granted=row.leases_granted,
-            leases_expired=row.leases_expired, completions=row.completions,
-            stale_completions=row.stale_completions, wasted_tokens=row.wasted_tokens,
-            tokens_generated=row.tokens_generated, last_seen_at=row.last_seen_at,
-            outages=mine))
-    return out
 
 
 def _cli_store(db: str | None) -> Store:
@@ -198,18 +170,31 @@ def list_sites_cli(db: str | None, json_out: bool) -> None:
 
     table = Table(title="minimill sites")
     for column in ("site", "status", "chip", "$/hour", "tokens/s", "uptime", "$/Mtok",
-                   "in flight", "leases", "expired", "stale", "wasted tok"):
+                   "eff $/Mtok", "in flight", "free", "leases", "expired", "stale",
+                   "wasted tok", "next outage (UTC)"):
         table.add_column(column, no_wrap=True, justify="left" if column in (
-            "site", "status", "chip") else "right")
+            "site", "status", "chip", "next outage (UTC)") else "right")
     for s in statuses:
         table.add_row(
             s.name, s.status, s.chip, f"{s.price_per_hour:.4f}",
             "-" if s.tokens_per_s is None else f"{s.tokens_per_s:.1f}",
             "-" if s.uptime is None else f"{s.uptime:.1%}", f"{s.usd_per_mtok:.4f}",
-            str(s.in_flight), str(s.leases_granted), str(s.leases_expired),
-            str(s.stale_completions), str(s.wasted_tokens))
+            f"{s.effective_usd_per_mtok:.4f}", str(s.in_flight), str(s.free_capacity),
+            str(s.leases_granted), str(s.leases_expired), str(s.stale_completions),
+            str(s.wasted_tokens), _next_outage(s))
     # Piped output is not cut to 80 columns: every site's row stays on one line.
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    Console(width=None if sys.stdout.isatty() else 240).print(table)
+
+
+def _next_outage(status: SiteStatus) -> str:
+    if not status.outages:
+        return "-"
+    first = min(status.outages, key=lambda o: o["start_at"])
+
+    def moment(t: float) -> str:
+        return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M")
+
+    return f"{moment(first['start_at'])} to {moment(first['end_at'])}"
 
 
 def add_outage_cli(site: str, start: str, end: str, db: str | None) -> None:

@@ -168,13 +168,18 @@ sites = Table(
     Column("token_hash", String(64), nullable=False, unique=True),
     Column("chip", String(100), nullable=False),
     Column("price_per_hour", Double, nullable=False),
+    # Busy output tokens/s (see sites.touch_site), as its worker measured it.
     Column("tokens_per_s", Double),
     Column("created_at", Double, nullable=False),
     Column("first_seen_at", Double),
     Column("last_seen_at", Double),
     # Seconds the site was observed up (contact gaps shorter than the lease TTL count as up).
     Column("up_s", Double, nullable=False, default=0.0),
+    # What its worker said in its last lease call (free capacity less what it was granted,
+    # when, and the models it serves): placement's view of the peers of an asking site.
     Column("free_capacity", Integer, nullable=False, default=0),
+    Column("capacity_at", Double),
+    Column("models", JSON),
     Column("leases_granted", BigInteger, nullable=False, default=0),
     Column("leases_expired", BigInteger, nullable=False, default=0),
     Column("completions", BigInteger, nullable=False, default=0),

@@ -6,20 +6,37 @@ import time
 from dataclasses import asdict
 
 from fastapi import APIRouter
+from pydantic import Field
 
-from minimill.api.deps import SiteDep, StoreDep, TenantDep
+from minimill.api.deps import ConfigDep, SiteDep, StoreDep, TenantDep
 from minimill.api.errors import error_responses
-from minimill.api.schemas import OutageCreate, OutageCreated, SiteList, SiteObject
+from minimill.api.schemas import OutageCreate, OutageCreated, SiteObject
+from minimill.api.schemas import SiteList as _SiteList
+from minimill.control.leases import policy_for
 from minimill.control.sites import add_outage, list_sites
 from minimill.protocol import FLEET_PREFIX
 
 router = APIRouter(tags=["sites"], responses=error_responses(400, 401))
 
 
-@router.get("/v1/sites", response_model=SiteList)
-def get_sites(store: StoreDep, _tenant: TenantDep) -> SiteList:
-    return SiteList(data=[SiteObject.model_validate(asdict(s))
-                          for s in list_sites(store, time.time())])
+class SiteHealthObject(SiteObject):
+    """A site with the health figures placement ranks it by (site_health.py defines them)."""
+
+    status: str = Field(description="new | online | draining | outage | offline")
+    expected_loss: float = Field(description="Fraction of placed work expected to be lost.")
+    effective_usd_per_mtok: float = Field(
+        description="usd_per_mtok / (1 - expected_loss): background work goes to the lowest.")
+    free_capacity: int = Field(description="What its worker last said it could still take.")
+
+
+class SiteHealthList(_SiteList):
+    data: list[SiteHealthObject]  # type: ignore[assignment]
+
+
+@router.get("/v1/sites", response_model=SiteHealthList)
+def get_sites(store: StoreDep, config: ConfigDep, _tenant: TenantDep) -> SiteHealthList:
+    statuses = list_sites(store, time.time(), policy_for(config))
+    return SiteHealthList(data=[SiteHealthObject.model_validate(asdict(s)) for s in statuses])
 
 
 @router.post(FLEET_PREFIX + "/outages", response_model=OutageCreated)

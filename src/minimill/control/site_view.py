@@ -1,0 +1,106 @@
+"""The site registry's read side: SiteState snapshots for placement, SiteStatus for operators.
+
+Both come from the same rows (sites, their announced outages, the leases they hold), and every
+derived number (uptime, expected loss, effective $/Mtok, status) comes from site_health, so
+what `minimill sites list` shows is what placement decides with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, func, select
+
+from minimill.control import metering, site_health
+from minimill.control.placement import DEFAULT_POLICY, Outage, PlacementPolicy, SiteState
+from minimill.control.records import RequestStatus
+from minimill.control.store import Store
+from minimill.control.tables import outages, requests, sites
+
+_LEASED = RequestStatus.LEASED.value
+
+
+def _state(row: Any, held: int, windows: list[Outage]) -> SiteState:
+    models = row.models if isinstance(row.models, list) else None
+    return SiteState(
+        site_id=row.id, price_per_hour=row.price_per_hour, tokens_per_s=row.tokens_per_s,
+        in_flight=held, last_seen_at=row.last_seen_at,
+        outages=tuple(sorted(windows, key=lambda o: o.start_at)),
+        free_capacity=row.free_capacity, capacity_at=row.capacity_at,
+        models=frozenset(str(m) for m in models) if models is not None else None,
+        first_seen_at=row.first_seen_at, up_s=row.up_s,
+        leases_granted=row.leases_granted, leases_expired=row.leases_expired)
+
+
+def _load(conn: Connection) -> list[tuple[Any, SiteState]]:
+    held: dict[str, int] = dict(conn.execute(
+        select(requests.c.site_id, func.count()).where(requests.c.status == _LEASED)
+        .group_by(requests.c.site_id)).all())
+    windows: dict[str, list[Outage]] = {}
+    for o in conn.execute(select(outages.c.site_id, outages.c.start_at, outages.c.end_at)):
+        windows.setdefault(o.site_id, []).append(Outage(o.start_at, o.end_at))
+    return [(r, _state(r, int(held.get(r.id, 0)), windows.get(r.id, [])))
+            for r in conn.execute(select(sites).order_by(sites.c.name))]
+
+
+def site_states(conn: Connection) -> dict[str, SiteState]:
+    """Every registered site as placement sees it, by site id."""
+    return {state.site_id: state for _, state in _load(conn)}
+
+
+@dataclass(frozen=True, slots=True)
+class SiteStatus:
+    """A site as operators see it (`minimill sites list`, and the API's JSON)."""
+
+    name: str
+    status: str  # new | online | draining | outage | offline
+    chip: str
+    price_per_hour: float
+    tokens_per_s: float | None  # busy throughput its worker measured
+    uptime: float | None  # observed fraction of time up since first contact (site_health)
+    usd_per_mtok: float  # at its busy throughput
+    expected_loss: float  # fraction of placed work expected to be lost (site_health)
+    effective_usd_per_mtok: float  # usd_per_mtok / (1 - expected_loss): placement's ranking
+    in_flight: int
+    free_capacity: int  # what its worker last said it could still take
+    leases_granted: int
+    leases_expired: int  # lost work: leases that ran out (their requests resumed elsewhere)
+    completions: int
+    stale_completions: int  # completions rejected for a stale fencing epoch
+    wasted_tokens: int  # tokens of rejected completions: generated, then discarded
+    tokens_generated: int
+    last_seen_at: float | None
+    outages: list[dict[str, float]]  # announced outages not yet over
+
+
+def site_status(state: SiteState, now: float, policy: PlacementPolicy = DEFAULT_POLICY) -> str:
+    """new (never seen), outage (in an announced one), offline (silent longer than
+    `alive_within_s`), draining (an outage starts within the drain horizon), else online."""
+    if site_health.in_outage(state, now):
+        return "outage"
+    if state.last_seen_at is None:
+        return "new"
+    if not site_health.alive(state, now, policy):
+        return "offline"
+    return "draining" if site_health.draining(state, now, policy) else "online"
+
+
+def list_sites(store: Store, now: float,
+               policy: PlacementPolicy = DEFAULT_POLICY) -> list[SiteStatus]:
+    with store.read() as conn:
+        loaded = _load(conn)
+    return [SiteStatus(
+        name=row.name, status=site_status(state, now, policy), chip=row.chip,
+        price_per_hour=row.price_per_hour, tokens_per_s=row.tokens_per_s,
+        uptime=site_health.uptime(state, now, policy),
+        usd_per_mtok=metering.usd_per_mtok(row.price_per_hour, row.tokens_per_s),
+        expected_loss=site_health.loss_fraction(state, now, policy),
+        effective_usd_per_mtok=site_health.effective_usd_per_mtok(state, now, policy),
+        in_flight=state.in_flight, free_capacity=max(row.free_capacity, 0),
+        leases_granted=row.leases_granted, leases_expired=row.leases_expired,
+        completions=row.completions, stale_completions=row.stale_completions,
+        wasted_tokens=row.wasted_tokens, tokens_generated=row.tokens_generated,
+        last_seen_at=row.last_seen_at,
+        outages=[{"start_at": o.start_at, "end_at": o.end_at} for o in state.outages
+                 if o.end_at > now]) for row, state in loaded]
