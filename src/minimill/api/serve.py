@@ -1,0 +1,206 @@
+"""`minimill serve`: the control plane (uvicorn, in this process) plus one local worker process.
+
+The local worker is an ordinary `minimill worker` subprocess that reaches the control plane over
+loopback HTTP with the "local" site's token, exactly as a remote site would. This process
+supervises it (restarts it if it dies) and stops it on SIGINT/SIGTERM. Every start prints a
+fresh API key of tenant "default" with a copy-pasteable hint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import uvicorn
+
+from minimill.api.settings import Settings
+
+log = logging.getLogger("minimill.serve")
+LOCAL_SITE = "local"
+DEFAULT_TENANT = "default"
+WORKER_STOP_GRACE_S = 20.0  # SIGTERM, then this long to checkpoint, then SIGKILL
+RESTART_BACKOFF_MAX_S = 30.0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal capture: serve handles signals itself, so that it can stop
+    the worker before exiting (uvicorn would re-raise SIGTERM and die on the spot)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _model_path(model: str) -> str:
+    from minimill.models.registry import KNOWN_MODELS, pull_model, resolve_model
+
+    if model in KNOWN_MODELS:
+        return str(pull_model(model, progress=True))
+    return str(resolve_model(model))
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything else so a busy port fails fast and clearly."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"error: cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+def _chip() -> str:
+    return "cuda" if shutil.which("nvidia-smi") else "cpu"
+
+
+def _print_key(key: str, host: str, port: int, model: str) -> None:
+    shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    base = f"http://{shown_host}:{port}/v1"
+    print(f"minimill serve: API key for tenant '{DEFAULT_TENANT}' (new each start):\n"
+          f"  export OPENAI_BASE_URL={base}\n"
+          f"  export OPENAI_API_KEY={key}\n"
+          f"  python -c \"from openai import OpenAI; print(OpenAI().chat.completions.create("
+          f"model='{model}', messages=[{{'role': 'user', 'content': 'Hi'}}])"
+          f".choices[0].message.content)\"", flush=True)
+
+
+def _loopback_url(host: str, port: int) -> str:
+    """Where the local worker reaches the control plane: loopback unless bound elsewhere."""
+    if host in ("0.0.0.0", "::", "", "localhost", "127.0.0.1"):
+        return f"http://127.0.0.1:{port}"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _worker_command(server: str, model: str, dtype: str, price_per_hour: float,
+                    chip: str) -> list[str]:
+    return [sys.executable, "-m", "minimill.cli", "worker",
+            "--server", server, "--site", LOCAL_SITE,
+            "--price-per-hour", str(price_per_hour), "--chip", chip,
+            "--engine", "builtin", "--model", model, "--dtype", dtype]
+
+
+class WorkerSupervisor:
+    """Runs the local worker process; restarts it with backoff when it dies unasked."""
+
+    def __init__(self, command: list[str], token: str) -> None:
+        self.command = command
+        self.env = {**os.environ, "MINIMILL_SITE_TOKEN": token,
+                    "MINIMILL_PARENT_PID": str(os.getpid())}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.stopping = False
+
+    async def run(self) -> None:
+        delay = 1.0
+        while not self.stopping:
+            started = time.monotonic()
+            self.proc = subprocess.Popen(self.command, env=self.env)
+            code = await asyncio.to_thread(self.proc.wait)
+            if self.stopping:
+                return
+            if time.monotonic() - started > 60:
+                delay = 1.0  # it ran a good while: this is a fresh failure
+            log.warning("local worker exited with status %s; restarting in %.0fs", code, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RESTART_BACKOFF_MAX_S)
+
+    def stop(self) -> None:
+        self.stopping = True
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=WORKER_STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            log.warning("local worker did not stop in %.0fs; killing it", WORKER_STOP_GRACE_S)
+            proc.kill()
+            proc.wait()
+
+
+async def _serve(server: _Server, sock: socket.socket,
+                 supervisor: WorkerSupervisor | None) -> None:
+    loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        # A terminal's Ctrl-C reaches the worker too: it must not be restarted meanwhile.
+        if supervisor is not None:
+            supervisor.stopping = True
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    worker_task: asyncio.Task[None] | None = None
+    try:
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.05)
+        if supervisor is not None and server.started:
+            worker_task = asyncio.create_task(supervisor.run())
+        await serving
+    finally:
+        if supervisor is not None:
+            # Stop the worker while the control plane still answers its final checkpoints...
+            supervisor.stopping = True
+            await asyncio.to_thread(supervisor.stop)
+        if worker_task is not None:
+            worker_task.cancel()
+            await asyncio.gather(worker_task, return_exceptions=True)
+
+
+def run_serve(*, host: str, port: int, db: str | None, model: str, dtype: str,
+              local_worker: bool, price_per_hour: float) -> None:
+    """Serve the OpenAI-compatible API on host:port, plus one local worker serving `model`."""
+    logging.basicConfig(level=os.environ.get("MINIMILL_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s serve %(levelname)s %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per call is noise
+    from minimill.api.app import create_app
+    from minimill.control.errors import ControlError
+    from minimill.control.keys import create_key
+    from minimill.control.sites import create_site
+    from minimill.control.store import StoreError, open_store
+    from minimill.models.types import ModelError
+
+    sock = _bind(host, port)
+    try:
+        if local_worker:
+            log.info("model %s: %s", model, _model_path(model))
+        settings = Settings(db=db, models=[model]) if db else Settings(models=[model])
+        store = open_store(settings.db)
+    except (ModelError, StoreError) as exc:
+        sock.close()
+        raise SystemExit(f"error: {exc}") from None
+    try:
+        key = create_key(store, DEFAULT_TENANT)
+        chip = _chip()
+        token = create_site(store, LOCAL_SITE, price_per_hour, chip, replace=True)
+    except ControlError as exc:
+        store.close()
+        sock.close()
+        raise SystemExit(f"error: {exc.message}") from None
+    _print_key(key, host, port, model)
+    app = create_app(settings, store=store)
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                    timeout_graceful_shutdown=5))
+    command = _worker_command(_loopback_url(host, port), model, dtype, price_per_hour, chip)
+    supervisor = WorkerSupervisor(command, token) if local_worker else None
+    log.info("control plane on http://%s:%d/v1 (store %s)%s", host, port, store.url,
+             ", starting the local worker" if local_worker else "")
+    try:
+        asyncio.run(_serve(server, sock, supervisor))
+    finally:
+        store.close()
+        sock.close()

@@ -1,0 +1,129 @@
+"""Adapter for the builtin engine (`minimill.engine.AsyncEngine`) in the worker's process."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from minimill.engine.params import EngineError, InvalidRequestError, TokenLogprob
+from minimill.fleet.choices import ChoiceJob
+from minimill.fleet.engines import ChoiceUpdate, EngineStartError, JobError
+
+# Context length used when the engine does not say; SmolLM2 and most small models have >= 2048.
+_FALLBACK_CONTEXT = 2048
+
+
+def error_code(exc: InvalidRequestError) -> str:
+    """OpenAI's code for an engine rejection: too-long prompts get their own code."""
+    text = str(exc).lower()
+    if "context" in text or "too long" in text or "exceeds" in text:
+        return "context_length_exceeded"
+    return "invalid_request_error"
+
+
+def flatten_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages whose content is a list of parts become plain text, as chat templates expect."""
+    flat = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            text = "".join(p.get("text", "") for p in content
+                           if isinstance(p, dict) and p.get("type", "text") == "text")
+            message = {**message, "content": text}
+        elif content is None:
+            message = {**message, "content": ""}
+        flat.append(message)
+    return flat
+
+
+class BuiltinEngineAdapter:
+    """Runs every choice as one request of a shared AsyncEngine (continuous batching)."""
+
+    def __init__(self, engine: Any, model_names: list[str]) -> None:
+        self._engine = engine
+        self._models = model_names
+        self._tokenizer = engine.tokenizer
+
+    @classmethod
+    async def start(cls, *, model: str, dtype: str) -> BuiltinEngineAdapter:
+        from minimill.engine.async_engine import AsyncEngine
+        from minimill.models.types import ModelError
+
+        try:
+            engine = AsyncEngine(model, dtype=dtype)
+        except (ModelError, EngineError, ValueError, OSError) as exc:
+            raise EngineStartError(f"cannot start the builtin engine for {model!r}: {exc}") \
+                from exc
+        return cls(engine, [model])
+
+    @property
+    def models(self) -> list[str]:
+        return list(self._models)
+
+    @property
+    def capacity(self) -> int:
+        return int(self._engine.max_num_seqs)
+
+    @property
+    def default_max_tokens(self) -> int:
+        # The engine stops with "length" when the context is full, so the context is the limit.
+        value = getattr(getattr(self._engine, "config", None), "max_model_len", None)
+        return value if isinstance(value, int) and value > 0 else _FALLBACK_CONTEXT
+
+    def _prompt(self, job: ChoiceJob) -> str | list[int]:
+        if job.kind == "chat":
+            assert job.messages is not None  # choice_jobs sets messages for chat
+            rendered = self._tokenizer.apply_chat_template(
+                flatten_content(job.messages), add_generation_prompt=True)
+            # The template spells out its special tokens: encode it without adding more.
+            return list(self._tokenizer.encode(rendered, add_special_tokens=False))
+        assert job.prompt is not None  # choice_jobs sets prompt for completions
+        return job.prompt
+
+    def _resume_ids(self, job: ChoiceJob) -> list[int]:
+        if job.resume is None:
+            return []
+        if job.resume.token_ids:
+            return list(job.resume.token_ids)
+        # A checkpoint written by an HTTP-engine site carries only text.
+        return list(self._tokenizer.encode(job.resume.text)) if job.resume.text else []
+
+    def _logprob_dicts(self, items: list[TokenLogprob]) -> list[dict[str, Any]]:
+        # Each token's own text, specials included, as OpenAI's logprobs show it.
+        def decode(ids: list[int]) -> str:
+            return str(self._tokenizer.token_to_str(ids[0]))
+
+        return [{
+            "token_id": lp.token_id,
+            "token": decode([lp.token_id]),
+            "logprob": lp.logprob,
+            "top_logprobs": [{"token_id": t, "token": decode([t]), "logprob": v}
+                             for t, v in lp.top],
+        } for lp in items]
+
+    async def generate(self, job: ChoiceJob) -> AsyncIterator[ChoiceUpdate]:
+        try:
+            prompt = self._prompt(job)
+            stream = self._engine.generate(job.engine_request_id, prompt, job.params,
+                                           resume_token_ids=self._resume_ids(job))
+            async for delta in stream:
+                reason = delta.finish_reason.value if delta.finish_reason is not None else None
+                yield ChoiceUpdate(
+                    new_token_ids=list(delta.new_token_ids), new_text=delta.new_text,
+                    num_new_tokens=len(delta.new_token_ids),
+                    logprobs=self._logprob_dicts(delta.logprobs) if delta.logprobs else None,
+                    finish_reason=reason, num_prompt_tokens=delta.num_prompt_tokens)
+        except InvalidRequestError as exc:
+            raise JobError(error_code(exc), str(exc)) from exc
+
+    def abort(self, engine_request_id: str) -> None:
+        self._engine.abort(engine_request_id)
+
+    def tokens_per_s(self) -> float | None:
+        value = self._engine.recent_output_tok_s()
+        return float(value) if value else None
+
+    async def close(self) -> None:
+        # close() joins the engine thread: keep the event loop free meanwhile.
+        await asyncio.to_thread(self._engine.close)

@@ -1,0 +1,99 @@
+"""The worker's HTTP client for the control plane's fleet routes (protocol.py), with retries.
+
+Network trouble (refused, reset, timeouts, 5xx, 429) is retried with capped exponential backoff
+and jitter: a site that is cut off keeps generating and keeps its unsent results. A 401/403
+means the site token is wrong: that is final and raised as `SiteAuthError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import TypeVar
+
+import httpx
+from pydantic import BaseModel
+
+from minimill.protocol import (
+    FLEET_PREFIX,
+    CompleteRequest,
+    CompleteResponse,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    LeaseRequest,
+    LeaseResponse,
+)
+
+log = logging.getLogger("minimill.worker")
+R = TypeVar("R", bound=BaseModel)
+
+
+class SiteAuthError(RuntimeError):
+    """The control plane rejected the site token (HTTP 401/403)."""
+
+
+class ControlPlaneUnavailable(RuntimeError):
+    """One call failed for a passing reason; the caller decides when to try again."""
+
+
+class Backoff:
+    """Capped exponential backoff with full jitter; `reset` after a success."""
+
+    def __init__(self, base_s: float = 0.2, cap_s: float = 5.0) -> None:
+        self.base_s, self.cap_s, self.failures = base_s, cap_s, 0
+
+    def next_delay(self) -> float:
+        self.failures += 1
+        return random.uniform(0.5, 1.0) * min(self.cap_s, self.base_s * 2 ** (self.failures - 1))
+
+    def reset(self) -> None:
+        self.failures = 0
+
+
+class ControlPlaneClient:
+    """One call per method; each raises ControlPlaneUnavailable rather than retrying itself,
+    so the worker's loops keep their own rhythm (heartbeats must not wait behind a lease call).
+    """
+
+    def __init__(self, server: str, token: str, timeout_s: float = 10.0) -> None:
+        self._client = httpx.AsyncClient(
+            base_url=server.rstrip("/") + FLEET_PREFIX,
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=httpx.Timeout(timeout_s),
+            limits=httpx.Limits(max_connections=8))
+
+    async def _post(self, path: str, message: BaseModel, response_type: type[R]) -> R:
+        try:
+            resp = await self._client.post(path, content=message.model_dump_json(),
+                                           headers={"Content-Type": "application/json"})
+        except httpx.HTTPError as exc:
+            raise ControlPlaneUnavailable(f"{path}: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code in (401, 403):
+            raise SiteAuthError(f"the control plane rejected this site's token "
+                                f"(HTTP {resp.status_code}): {resp.text[:300]}")
+        if resp.status_code >= 400:
+            raise ControlPlaneUnavailable(f"{path}: HTTP {resp.status_code}: {resp.text[:300]}")
+        try:
+            return response_type.model_validate_json(resp.content)
+        except ValueError as exc:
+            raise ControlPlaneUnavailable(f"{path}: unreadable answer: {exc}") from exc
+
+    async def lease(self, request: LeaseRequest) -> LeaseResponse:
+        return await self._post("/lease", request, LeaseResponse)
+
+    async def heartbeat(self, request: HeartbeatRequest) -> HeartbeatResponse:
+        return await self._post("/heartbeat", request, HeartbeatResponse)
+
+    async def complete(self, request: CompleteRequest) -> CompleteResponse:
+        return await self._post("/complete", request, CompleteResponse)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+async def sleep_backoff(backoff: Backoff, what: str, exc: Exception) -> None:
+    delay = backoff.next_delay()
+    if backoff.failures in (1, 5) or backoff.failures % 20 == 0:
+        log.warning("%s failed (%s); retrying in %.1fs", what, exc, delay)
+    await asyncio.sleep(delay)

@@ -1,0 +1,97 @@
+"""The engine adapter interface a worker drives, and the factory that picks one.
+
+An adapter turns a `ChoiceJob` into a stream of `ChoiceUpdate`s. Two adapters exist: the builtin
+engine (token ids; checkpoints carry ids and text) and any OpenAI-compatible server over HTTP
+(text; checkpoints carry text). Both resume from a checkpoint's `ChoiceProgress`: the builtin
+one from its token ids (or, when a text-only checkpoint came from an HTTP site, the text's
+tokenization), the HTTP one from its text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from minimill.fleet.choices import ChoiceJob
+
+
+class EngineStartError(RuntimeError):
+    """The engine could not be started or reached (bad model, unreachable server)."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine failed, not the request (a remote server down, 5xx): another site may run it."""
+
+
+class JobError(Exception):
+    """One job failed for a reason that belongs to the request; `code` is OpenAI's error code."""
+
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+@dataclass(slots=True)
+class ChoiceUpdate:
+    """New output of one choice since the previous update."""
+
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    # How many tokens this update adds; equals len(new_token_ids) when ids are known.
+    num_new_tokens: int = 0
+    # One dict per new token: token_id (if known), token, logprob, top_logprobs.
+    logprobs: list[dict[str, Any]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" on the last update
+    num_prompt_tokens: int = 0  # 0 when not known yet
+
+
+class EngineAdapter(Protocol):
+    """What the worker needs from an engine."""
+
+    @property
+    def models(self) -> list[str]:
+        """Model names this engine serves (the names the control plane routes by)."""
+        ...
+
+    @property
+    def capacity(self) -> int:
+        """Sequences it can run at once with a full batch (the worker leases up to this)."""
+        ...
+
+    @property
+    def default_max_tokens(self) -> int:
+        """Limit used when a request sets none (the rest of the context)."""
+        ...
+
+    def generate(self, job: ChoiceJob) -> AsyncIterator[ChoiceUpdate]:
+        """Run one choice from its resume point; raise JobError for request-level failures."""
+        ...
+
+    def abort(self, engine_request_id: str) -> None:
+        """Stop a running job; its iterator ends (or raises) soon after."""
+        ...
+
+    def tokens_per_s(self) -> float | None:
+        """Output tokens/s measured recently, or None before any measurement."""
+        ...
+
+    async def close(self) -> None:
+        """Release the engine (stop its loop, close connections)."""
+        ...
+
+
+async def open_engine(engine: str, *, model: str, dtype: str,
+                      capacity: int) -> EngineAdapter:
+    """'builtin' loads `model` into the builtin engine; an http(s) URL uses that server."""
+    if engine == "builtin":
+        from minimill.fleet.builtin_engine import BuiltinEngineAdapter
+
+        return await BuiltinEngineAdapter.start(model=model, dtype=dtype)
+    if engine.startswith(("http://", "https://")):
+        from minimill.fleet.http_engine import HttpEngineAdapter
+
+        return await HttpEngineAdapter.start(engine, model=model, capacity=capacity)
+    raise EngineStartError(
+        f"--engine must be 'builtin' or an OpenAI-compatible base URL, got {engine!r}")

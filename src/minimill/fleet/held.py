@@ -1,0 +1,173 @@
+"""One lease a worker holds: its choices' progress, the task that generates them, its result.
+
+Progress per choice starts from the lease's checkpoint and grows with every engine update; the
+worker sends it as the lease's checkpoint. When every choice has finished the lease turns into a
+`CompletionItem` (succeeded, or failed with an OpenAI error code).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from minimill.fleet.choices import BodyError, ChoiceJob, choice_jobs, resumed_token_count
+from minimill.fleet.engines import EngineAdapter, EngineUnavailableError, JobError
+from minimill.protocol import (
+    Checkpoint,
+    ChoiceProgress,
+    CompletionItem,
+    ErrorInfo,
+    HeartbeatItem,
+    Lease,
+    Usage,
+)
+
+log = logging.getLogger("minimill.worker")
+# How often a streaming request's progress goes to the control plane (it streams from there).
+STREAM_CHECKPOINT_S = 0.1
+
+
+class Tally:
+    """Tokens the engine produced for this worker (resumed tokens not counted), all leases."""
+
+    def __init__(self) -> None:
+        self.generated_tokens = 0
+
+
+class HeldLease:
+    """State of one held lease; `run` generates every choice and sets `result`."""
+
+    def __init__(self, lease: Lease, adapter: EngineAdapter, tally: Tally | None = None) -> None:
+        self.lease = lease
+        self.adapter = adapter
+        self.tally = tally or Tally()
+        resumed = lease.checkpoint.choices if lease.checkpoint else []
+        self.progress: dict[int, ChoiceProgress] = {c.index: c.model_copy(deep=True)
+                                                   for c in resumed}
+        self.num_tokens: dict[int, int] = {}
+        self.num_prompt_tokens = lease.checkpoint.num_prompt_tokens if lease.checkpoint else 0
+        self.jobs: list[ChoiceJob] = []
+        self.result: CompletionItem | None = None
+        self.engine_failed = False  # the engine, not the request, failed: let the lease lapse
+        self.task: asyncio.Task[None] | None = None
+        self.dirty = False  # progress changed since the last checkpoint sent
+        self.last_checkpoint_at = time.monotonic()
+        self.checkpoint_interval_s = (STREAM_CHECKPOINT_S if lease.stream
+                                      else max(0.1, lease.checkpoint_interval_s))
+
+    @property
+    def request_id(self) -> str:
+        return self.lease.request_id
+
+    @property
+    def resumed_tokens(self) -> int:
+        """Tokens this lease's checkpoint already holds (0 for a fresh request)."""
+        if self.lease.checkpoint is None:
+            return 0
+        return sum(len(c.token_ids) or (1 if c.text else 0)
+                   for c in self.lease.checkpoint.choices)
+
+    @property
+    def num_running(self) -> int:
+        """Sequences this lease occupies in the engine (its unfinished choices)."""
+        if self.task is None or self.task.done():
+            return 0
+        return sum(1 for j in self.jobs if self.progress[j.index].finish_reason is None) or 1
+
+    def checkpoint(self) -> Checkpoint:
+        """The progress so far. It shares the live per-choice state (no copies): callers
+        serialize it at once, before the event loop runs generation again."""
+        return Checkpoint.model_construct(
+            choices=[self.progress[i] for i in sorted(self.progress)],
+            num_prompt_tokens=self.num_prompt_tokens)
+
+    def heartbeat_item(self, with_checkpoint: bool) -> HeartbeatItem:
+        checkpoint = self.checkpoint() if with_checkpoint and self.progress else None
+        if checkpoint is not None:
+            self.dirty = False
+            self.last_checkpoint_at = time.monotonic()
+        return HeartbeatItem(request_id=self.request_id, epoch=self.lease.epoch,
+                             checkpoint=checkpoint)
+
+    def checkpoint_due(self, now: float) -> bool:
+        return self.dirty and now - self.last_checkpoint_at >= self.checkpoint_interval_s
+
+    def start(self, on_done: Callable[[HeldLease], None]) -> None:
+        self.task = asyncio.create_task(self._run(on_done), name=f"lease-{self.request_id}")
+
+    def _fail(self, code: str, message: str, param: str | None = None) -> None:
+        self.result = CompletionItem(request_id=self.request_id, epoch=self.lease.epoch,
+                                     outcome="failed",
+                                     error=ErrorInfo(code=code, message=message, param=param))
+
+    async def _run(self, on_done: Callable[[HeldLease], None]) -> None:
+        try:
+            self.jobs = choice_jobs(self.lease, self.adapter.default_max_tokens)
+            for job in self.jobs:
+                self.progress.setdefault(job.index, ChoiceProgress(index=job.index))
+                self.num_tokens[job.index] = resumed_token_count(job)
+            if self.resumed_tokens:
+                log.debug("lease %s epoch %d resumes from a checkpoint of %d tokens",
+                          self.request_id, self.lease.epoch, self.resumed_tokens)
+            await asyncio.gather(*(self._run_choice(j) for j in self.jobs
+                                   if self.progress[j.index].finish_reason is None))
+            self._succeed()
+        except BodyError as exc:
+            self._fail("invalid_request_error", str(exc), exc.param)
+        except JobError as exc:
+            self._fail(exc.code, str(exc), exc.param)
+        except EngineUnavailableError as exc:
+            log.warning("engine unavailable for %s: %s", self.request_id, exc)
+            self.engine_failed = True
+        except asyncio.CancelledError:
+            self._abort_engine()
+            raise
+        except Exception as exc:
+            # An engine bug must not kill the worker; the request fails with a server error.
+            log.exception("request %s failed in the engine", self.request_id)
+            self._fail("server_error", f"the engine failed: {type(exc).__name__}: {exc}")
+        finally:
+            if self.result is not None or self.engine_failed:
+                self._abort_engine()
+            on_done(self)
+
+    def _abort_engine(self) -> None:
+        for job in self.jobs:
+            if self.progress.get(job.index) is None or \
+                    self.progress[job.index].finish_reason is None:
+                self.adapter.abort(job.engine_request_id)
+
+    async def _run_choice(self, job: ChoiceJob) -> None:
+        state = self.progress[job.index]
+        async for update in self.adapter.generate(job):
+            if update.num_prompt_tokens:
+                self.num_prompt_tokens = update.num_prompt_tokens
+            if update.new_token_ids:
+                state.token_ids.extend(update.new_token_ids)
+            if update.new_text:
+                state.text += update.new_text
+            if update.logprobs:
+                state.logprobs = [*(state.logprobs or []), *update.logprobs]
+            self.num_tokens[job.index] += update.num_new_tokens
+            self.tally.generated_tokens += update.num_new_tokens
+            if update.finish_reason is not None:
+                state.finish_reason = update.finish_reason
+            self.dirty = True
+        if state.finish_reason is None:
+            # The stream ended without saying why (e.g. a server that omits it): a length stop.
+            state.finish_reason = "length"
+
+    def _succeed(self) -> None:
+        self.result = CompletionItem(
+            request_id=self.request_id, epoch=self.lease.epoch, outcome="succeeded",
+            choices=[self.progress[i] for i in sorted(self.progress)],  # final: no more writes
+            usage=Usage(prompt_tokens=self.num_prompt_tokens,
+                        completion_tokens=sum(self.num_tokens.values())))
+
+    def cancel(self) -> None:
+        """Stop generating (revoked lease, shutdown); the result, if any, is dropped."""
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+        self._abort_engine()

@@ -1,0 +1,268 @@
+"""The worker's loops over the leases it holds (see fleet/worker.py for the process around them).
+
+The lease loop asks for as many requests as the engine has free sequences; the heartbeat loop
+extends every lease each ttl/3 and sends checkpoints (every lease's checkpoint_interval_s, every
+100 ms for streaming ones); the completion loop sends finished results in batches with their
+epoch, keeping any it could not deliver until the control plane accepts or rejects them. A
+stale-epoch rejection means another site owns the request now: the result is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from minimill.fleet.client import (
+    Backoff,
+    ControlPlaneClient,
+    ControlPlaneUnavailable,
+    sleep_backoff,
+)
+from minimill.fleet.engines import EngineAdapter
+from minimill.fleet.held import HeldLease, Tally
+from minimill.protocol import (
+    CompleteRequest,
+    CompletionItem,
+    HeartbeatItem,
+    HeartbeatRequest,
+    Lease,
+    LeaseRequest,
+)
+
+log = logging.getLogger("minimill.worker")
+
+IDLE_POLL_S = 0.2  # lease poll interval when the control plane had nothing
+BUSY_POLL_S = 0.05  # shortest gap between lease calls while slots free up
+COMPLETE_BATCH_S = 0.03  # results wait this long to share one POST
+MAX_COMPLETIONS_PER_POST = 256
+ENGINE_COOLDOWN_S = 5.0  # no new leases for this long after the engine failed
+
+
+class Worker:
+    """Holds leases and runs the three loops until `stop()`."""
+
+    def __init__(self, client: ControlPlaneClient, adapter: EngineAdapter, *, capacity: int,
+                 drain_timeout_s: float = 10.0, stats_every_s: float = 0.0) -> None:
+        self.client = client
+        self.adapter = adapter
+        self.capacity = capacity
+        self.drain_timeout_s = drain_timeout_s
+        self.stats_every_s = stats_every_s  # > 0: log the token counter this often
+        self.held: dict[str, HeldLease] = {}
+        self.outbox: dict[str, CompletionItem] = {}
+        self.lease_ttl_s = 30.0
+        self.stopping = asyncio.Event()
+        self._wake_lease = asyncio.Event()
+        self._wake_complete = asyncio.Event()
+        self._engine_cooldown_until = 0.0
+        self._last_full_heartbeat = time.monotonic()
+        self.stats = {"leased": 0, "succeeded": 0, "failed": 0, "rejected": 0, "revoked": 0}
+        self.tally = Tally()
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    def free_capacity(self) -> int:
+        busy = sum(h.num_running for h in self.held.values())
+        return max(0, self.capacity - busy)
+
+    def _on_lease_done(self, held: HeldLease) -> None:
+        if self.held.get(held.request_id) is not held:
+            return  # revoked or replaced meanwhile
+        if held.result is not None:
+            self.outbox[held.request_id] = held.result
+            self._wake_complete.set()
+        elif held.engine_failed:
+            # Stop heartbeating it: the lease lapses and the request resumes on another site.
+            del self.held[held.request_id]
+            self._engine_cooldown_until = time.monotonic() + ENGINE_COOLDOWN_S
+        self._wake_lease.set()
+
+    def _take(self, lease: Lease) -> HeldLease:
+        old = self.held.pop(lease.request_id, None)
+        if old is not None:  # re-leased to us at a newer epoch: the old run is stale
+            old.cancel()
+        self.outbox.pop(lease.request_id, None)
+        held = HeldLease(lease, self.adapter, self.tally)
+        self.held[lease.request_id] = held
+        self.stats["leased"] += 1
+        held.start(self._on_lease_done)
+        return held
+
+    def _drop(self, request_id: str) -> None:
+        held = self.held.pop(request_id, None)
+        if held is not None:
+            held.cancel()
+        self.outbox.pop(request_id, None)
+
+    # ---- loops ---------------------------------------------------------------------------------
+    async def _wait(self, event: asyncio.Event, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            pass
+        event.clear()
+
+    async def lease_loop(self) -> None:
+        backoff = Backoff()
+        while not self.stopping.is_set():
+            free = self.free_capacity()
+            if free <= 0 or time.monotonic() < self._engine_cooldown_until:
+                await self._wait(self._wake_lease, IDLE_POLL_S)
+                continue
+            try:
+                resp = await self.client.lease(LeaseRequest(
+                    capacity=free, models=self.adapter.models,
+                    tokens_per_s=self.adapter.tokens_per_s()))
+            except ControlPlaneUnavailable as exc:
+                await sleep_backoff(backoff, "lease", exc)
+                continue
+            backoff.reset()
+            self.lease_ttl_s = resp.lease_ttl_s
+            if self.stopping.is_set():
+                break  # those leases lapse and go to another site
+            taken = [self._take(lease) for lease in resp.leases]
+            resumed = [h for h in taken if h.resumed_tokens]
+            if resumed:
+                log.info("leased %d requests; %d resume from checkpoints (%d tokens): %s",
+                         len(taken), len(resumed), sum(h.resumed_tokens for h in resumed),
+                         " ".join(h.request_id for h in resumed[:8])
+                         + (" ..." if len(resumed) > 8 else ""))
+            await asyncio.sleep(BUSY_POLL_S)
+            if not resp.leases:
+                await self._wait(self._wake_lease, IDLE_POLL_S)
+
+    def _heartbeat_items(self, force_all: bool) -> list[HeartbeatItem]:
+        now = time.monotonic()
+        full = force_all or now - self._last_full_heartbeat >= self.lease_ttl_s / 3
+        items = []
+        for held in self.held.values():
+            due = held.checkpoint_due(now) or (force_all and held.dirty)
+            if full or due:
+                items.append(held.heartbeat_item(with_checkpoint=due))
+        if full:
+            self._last_full_heartbeat = now
+        return items
+
+    async def heartbeat_once(self, force_all: bool = False) -> None:
+        items = self._heartbeat_items(force_all)
+        if not items:
+            return
+        resp = await self.client.heartbeat(HeartbeatRequest(
+            leases=items, tokens_per_s=self.adapter.tokens_per_s()))
+        sent = {i.request_id: i.epoch for i in items}
+        revoked = [r for r in resp.revoked
+                   if r in self.held and self.held[r].lease.epoch == sent.get(r)]
+        for request_id in revoked:
+            self._drop(request_id)
+        if revoked:
+            self.stats["revoked"] += len(revoked)
+            log.info("%d leases revoked (cancelled, expired or taken over); aborted them",
+                     len(revoked))
+            self._wake_lease.set()
+
+    async def heartbeat_loop(self) -> None:
+        backoff = Backoff(cap_s=2.0)
+        while True:
+            streaming = any(h.lease.stream for h in self.held.values())
+            await asyncio.sleep(0.1 if streaming else 0.25)
+            try:
+                await self.heartbeat_once()
+                backoff.reset()
+            except ControlPlaneUnavailable as exc:
+                await sleep_backoff(backoff, "heartbeat", exc)
+
+    async def complete_once(self) -> None:
+        items = list(self.outbox.values())[:MAX_COMPLETIONS_PER_POST]
+        if not items:
+            return
+        resp = await self.client.complete(CompleteRequest(results=items))
+        sent = {i.request_id: i for i in items}
+        for request_id in resp.accepted:
+            item = sent.get(request_id)
+            if item is not None:
+                self.stats["succeeded" if item.outcome == "succeeded" else "failed"] += 1
+                self._settle(item)
+        for rejection in resp.rejected:
+            item = sent.get(rejection.request_id)
+            if item is not None:
+                self.stats["rejected"] += 1
+                log.info("completion of %s (epoch %d) rejected: %s; result dropped",
+                         rejection.request_id, item.epoch, rejection.reason)
+                self._settle(item)
+
+    def _settle(self, item: CompletionItem) -> None:
+        if self.outbox.get(item.request_id) is item:
+            del self.outbox[item.request_id]
+        held = self.held.get(item.request_id)
+        if held is not None and held.lease.epoch == item.epoch:
+            del self.held[item.request_id]
+            self._wake_lease.set()
+
+    async def complete_loop(self) -> None:
+        backoff = Backoff()
+        while True:
+            await self._wait(self._wake_complete, 1.0)
+            await asyncio.sleep(COMPLETE_BATCH_S)
+            while self.outbox:
+                try:
+                    await self.complete_once()
+                    backoff.reset()
+                except ControlPlaneUnavailable as exc:
+                    await sleep_backoff(backoff, "complete", exc)
+
+    async def stats_loop(self, every_s: float) -> None:
+        """Log the token counter often, so that a benchmark can count work a kill -9 lost."""
+        while True:
+            await asyncio.sleep(every_s)
+            log.info("stats generated_tokens=%d held=%d", self.tally.generated_tokens,
+                     len(self.held))
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def stop(self) -> None:
+        if not self.stopping.is_set():
+            log.info("stopping: no new leases; finishing %d running requests", len(self.held))
+            self.stopping.set()
+            self._wake_lease.set()
+
+    async def run(self) -> None:
+        loops = [asyncio.create_task(c) for c in
+                 (self.heartbeat_loop(), self.complete_loop())]
+        if self.stats_every_s > 0:
+            loops.append(asyncio.create_task(self.stats_loop(self.stats_every_s)))
+        lease_task = asyncio.create_task(self.lease_loop())
+        stop_task = asyncio.create_task(self.stopping.wait())
+        try:
+            # A loop only ends early by raising (e.g. SiteAuthError): surface that at once.
+            await asyncio.wait([stop_task, lease_task, *loops],
+                               return_when=asyncio.FIRST_COMPLETED)
+            for task in (lease_task, *loops):
+                if task.done() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+            await lease_task
+            await self._drain()
+        finally:
+            stop_task.cancel()
+            lease_task.cancel()
+            for task in loops:
+                task.cancel()
+            await asyncio.gather(lease_task, *loops, return_exceptions=True)
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.drain_timeout_s
+        while time.monotonic() < deadline and any(
+                h.result is None for h in self.held.values()):
+            await asyncio.sleep(0.1)
+        unfinished = [h for h in self.held.values() if h.result is None]
+        for held in unfinished:
+            held.cancel()
+        if unfinished:
+            log.info("checkpointing %d unfinished requests before exit", len(unfinished))
+            for held in unfinished:
+                held.dirty = True
+            try:
+                await self.heartbeat_once(force_all=True)
+            except ControlPlaneUnavailable as exc:
+                log.warning("final checkpoint not delivered: %s", exc)
+        flush_deadline = time.monotonic() + 5.0
+        while self.outbox and time.monotonic() < flush_deadline:
+            await asyncio.sleep(0.05)

@@ -1,0 +1,61 @@
+"""Durability: kill -9 the whole `serve` (control plane and worker) in the middle of a batch,
+start it again on the same MINIMILL_HOME, and the batch completes with every line once."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from serve_process import Serve, chat_line, read_jsonl
+
+pytestmark = pytest.mark.slow
+NUM_LINES = 200
+
+
+def test_kill9_mid_batch_then_restart_loses_nothing(e2e_home: Path, tmp_path: Path) -> None:
+    lines = [chat_line(f"d-{i:03d}", f"Describe city number {i} in a sentence.",
+                       max_tokens=16) for i in range(NUM_LINES)]
+    path = tmp_path / "durable.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+
+    first = Serve(e2e_home).start_and_wait()
+    try:
+        client = first.client()
+        uploaded = client.files.create(file=path.open("rb"), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id,
+                                      endpoint="/v1/chat/completions", completion_window="24h")
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            counts = client.batches.retrieve(batch.id).request_counts
+            if counts is not None and counts.completed >= 5:
+                break
+            time.sleep(0.1)
+        before = client.batches.retrieve(batch.id)
+        assert before.status == "in_progress"
+        assert before.request_counts is not None
+        assert before.request_counts.completed < NUM_LINES
+    finally:
+        first.kill9()  # the control plane and its worker, mid-batch, without warning
+
+    second = Serve(e2e_home, port=first.port).start_and_wait()
+    try:
+        client = second.client()
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            done = client.batches.retrieve(batch.id)
+            if done.status in ("completed", "failed", "expired", "cancelled"):
+                break
+            time.sleep(0.5)
+        assert done.status == "completed"
+        out = read_jsonl(client.files.content(done.output_file_id).read()) \
+            if done.output_file_id else []
+        errors = read_jsonl(client.files.content(done.error_file_id).read()) \
+            if done.error_file_id else []
+        ids = [r["custom_id"] for r in out + errors]
+        assert sorted(ids) == sorted(f"d-{i:03d}" for i in range(NUM_LINES))  # each once
+        assert errors == []
+        assert done.request_counts is not None
+        assert done.request_counts.completed == NUM_LINES
+    finally:
+        second.stop()

@@ -1,0 +1,170 @@
+"""Chaos: a control plane and 3 worker processes on loopback run a batch of 500 requests while a
+driver kill -9s a random worker every few seconds (and restarts it), and freezes another past
+its lease expiry (SIGSTOP), then thaws it. Nothing is lost or duplicated, every request
+succeeds, every interrupted request's text starts with its last checkpoint, and the frozen
+worker's late results are rejected.
+
+Each worker talks through a recording loopback proxy, which sees every checkpoint the control
+plane accepted and every completion it accepted or rejected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from fleet_checks import accepted_checkpoints, batch_records, wait_until
+from proxy import FleetProxy, fleet_proxy
+from serve_process import Serve, Worker, chat_line, free_port
+
+from minimill.bench.fleet_bench import generated_tokens_in_log
+
+pytestmark = pytest.mark.slow
+NUM_LINES = 500
+NUM_WORKERS = 3
+KILL_EVERY_S = 5.0
+FREEZE_S = 6.0  # longer than the lease TTL (4 s in these tests)
+
+
+class ChaosDriver:
+    """Kills a random worker every KILL_EVERY_S and restarts it; once, freezes another."""
+
+    def __init__(self, workers: list[Worker], proxies: list[FleetProxy]) -> None:
+        self.workers, self.proxies = workers, proxies
+        self.random = random.Random(4)
+        self.kills = 0
+        self.frozen: int | None = None
+        self.thawed_at = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(KILL_EVERY_S):
+            if self.frozen is None:
+                self._freeze(self._busiest())
+            victim = self.random.randrange(len(self.workers))
+            self.workers[victim].kill9()
+            self.kills += 1
+            self.workers[victim].start()
+
+    def _busiest(self) -> int:
+        """The worker that held the most leases at its latest heartbeat."""
+        def held(link: FleetProxy) -> int:
+            beats = link.find("/heartbeat")
+            return len(beats[-1].request["leases"]) if beats else 0
+
+        return max(range(len(self.proxies)), key=lambda i: held(self.proxies[i]))
+
+    def _freeze(self, index: int) -> None:
+        worker, link = self.workers[index], self.proxies[index]
+        self.frozen = index
+        os.kill(worker.pid, signal.SIGSTOP)
+        link.blocked.add("/heartbeat")  # on waking it must not hear that its leases are gone
+        time.sleep(FREEZE_S)
+        os.kill(worker.pid, signal.SIGCONT)
+        self.thawed_at = time.time()
+        # It finishes what it held and reports it, stale, before hearing of its lost leases.
+        deadline = time.time() + 30
+        while time.time() < deadline and not any(
+                e.at >= self.thawed_at for e in link.find("/complete")):
+            time.sleep(0.1)
+        link.blocked.clear()
+
+    def __enter__(self) -> ChaosDriver:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def test_chaos_loses_nothing(fleet_home: Path, tmp_path: Path) -> None:
+    extra = {"MINIMILL_WORKER_STATS_S": "0.5"}
+    serve = Serve(fleet_home, local_worker=False).start_and_wait()
+    workers: list[Worker] = []
+    try:
+        with contextlib.ExitStack() as stack:
+            proxies = [stack.enter_context(fleet_proxy(f"http://127.0.0.1:{serve.port}",
+                                                       free_port()))
+                       for _ in range(NUM_WORKERS)]
+            for i, link in enumerate(proxies):
+                token = serve.cli("sites", "create", f"mill-{i}").stdout.strip().split()[-1]
+                # A modest capacity spreads the batch over all three and lets the frozen
+                # worker finish what it holds soon after it thaws.
+                workers.append(Worker(fleet_home, link.url, f"mill-{i}", token,
+                                      extra_env=extra, extra_args=("--capacity", "32")))
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.wait_for_log(rf"worker for site '{worker.site}' ready", 180)
+
+            path = tmp_path / "chaos.jsonl"
+            path.write_text("\n".join(chat_line(f"x-{i:03d}", f"Name a fact about {i}.",
+                                                max_tokens=8 + i % 5)
+                                      for i in range(NUM_LINES)) + "\n")
+            client = serve.client()
+            uploaded = client.files.create(file=path.open("rb"), purpose="batch")
+            batch = client.batches.create(input_file_id=uploaded.id, completion_window="24h",
+                                          endpoint="/v1/chat/completions")
+            with ChaosDriver(workers, proxies) as chaos:
+                done = wait_until(lambda: (b := client.batches.retrieve(batch.id)).status in (
+                    "completed", "failed", "cancelled", "expired") and b, 900, "the batch")
+            assert done.status == "completed"
+            records = batch_records(client, done)
+
+            ids = Counter(r["custom_id"] for r in records)
+            assert set(ids) == {f"x-{i:03d}" for i in range(NUM_LINES)}  # nothing lost
+            assert max(ids.values()) == 1  # nothing twice
+            assert all(r["response"] and r["response"]["status_code"] == 200 for r in records)
+
+            # Every interrupted request continues from its last checkpoint.
+            checkpoints = accepted_checkpoints(proxies)
+            texts = {r["response"]["request_id"]:
+                     r["response"]["body"]["choices"][0]["message"]["content"] for r in records}
+            interrupted = 0
+            for request_id, checkpoint in checkpoints.items():
+                prefix = checkpoint["choices"][0]["text"]
+                assert texts[request_id].startswith(prefix), request_id
+                interrupted += 1
+
+            # Exactly one accepted completion per request, whichever sites tried.
+            accepted = Counter(rid for link in proxies for e in link.find("/complete")
+                               for rid in e.response.get("accepted", []))
+            assert set(accepted) == set(texts) and max(accepted.values()) == 1
+            rejected = [r for link in proxies for e in link.find("/complete")
+                        for r in e.response.get("rejected", [])]
+            assert chaos.frozen is not None
+            zombie = proxies[chaos.frozen]
+            zombie_rejected = [r for e in zombie.find("/complete") if e.at >= chaos.thawed_at
+                               for r in e.response.get("rejected", [])]
+
+        resumed = sum(int(n) for w in workers for n in
+                      re.findall(r"; (\d+) resume from checkpoints", w.log_text()))
+        generated = sum(generated_tokens_in_log(w.log_path) for w in workers)
+        useful = sum(r["response"]["body"]["usage"]["completion_tokens"] for r in records)
+        sites = json.loads(serve.cli("sites", "list", "--json").stdout)
+        stale = sum(s["stale_completions"] for s in sites)
+        print(json.dumps({"requests": NUM_LINES, "kills": chaos.kills,
+                          "resumed_requests": resumed, "checkpointed_requests": interrupted,
+                          "generated_tokens": generated,
+                          "wasted_tokens": max(0, generated - useful),
+                          "stale_completions_rejected": stale,
+                          "zombie_results_rejected": len(zombie_rejected)}))
+        assert chaos.kills >= 2
+        assert resumed >= 1
+        assert stale == len(rejected) >= len(zombie_rejected) >= 1
+    finally:
+        for worker in workers:
+            worker.signal_group(signal.SIGCONT)
+            worker.stop()
+        serve.stop()
