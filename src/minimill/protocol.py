@@ -13,6 +13,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 FLEET_PREFIX = "/v1/fleet"
+# Longest chip name a worker may declare (the site registry's column holds this many).
+MAX_CHIP_CHARS = 100
 
 
 class ChoiceProgress(BaseModel):
@@ -39,6 +41,12 @@ class LeaseRequest(BaseModel):
     models: list[str] = Field(description="Model names this worker's engine serves.")
     # Output tokens/s the worker measured recently; the control plane keeps it per site.
     tokens_per_s: float | None = None
+    # The site's price and chip as its worker declares them (`minimill worker --price-per-hour
+    # --chip`); when given they replace what the site was registered with, so metering and
+    # placement use them. None: keep the registered values.
+    price_per_hour: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    chip: str | None = Field(default=None, min_length=1, max_length=MAX_CHIP_CHARS,
+                             pattern=r"\S")  # not blank
 
 
 class Lease(BaseModel):

@@ -65,6 +65,13 @@ def test_fleet_routes_need_a_site_token(env: ApiEnv) -> None:
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "capacity"
 
 
+def test_a_bad_declared_price_or_chip_is_refused(env: ApiEnv) -> None:
+    with fleet(env) as site:
+        for field, value in (("price_per_hour", -1.0), ("chip", "x" * 101), ("chip", " ")):
+            bad = site.post("/lease", json={"capacity": 0, "models": [MODEL], field: value})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == field
+
+
 def test_expired_lease_requeues_with_checkpoint_and_fences_the_zombie(
         env: ApiEnv, client: OpenAI) -> None:
     batch_id = one_line_batch(client, "fenced request")

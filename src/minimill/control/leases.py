@@ -3,8 +3,8 @@
 - `lease`: placement picks queued rows for the asking site from a snapshot (every site's state,
   the head of the queue, and the background backlog when deadline risk matters); each pick
   becomes `leased` with a bumped fencing epoch, a lease id and an expiry. The site row records
-  what the worker said (free capacity after the grant, when, its models, its rate) for the
-  placement of its peers' calls.
+  what the worker said (free capacity after the grant, when, its models, its rate, and the
+  price and chip it declares, if any) for metering and the placement of its peers' calls.
 - `heartbeat`: extends leases the site still holds at the sent epoch and stores checkpoints;
   everything else is reported revoked.
 - `complete`: accepted only at the row's current epoch, from the site that holds (or last held)
@@ -128,12 +128,18 @@ def policy_for(config: ControlConfig,
     return replace(policy, alive_within_s=config.lease_ttl_s)
 
 
-def _snapshot(conn: Connection, site: Site, capacity: int, models: list[str], now: float,
-              policy: PlacementPolicy) -> Snapshot:
+def _snapshot(conn: Connection, site: Site, ask: LeaseRequest, capacity: int, models: list[str],
+              now: float, policy: PlacementPolicy) -> Snapshot:
     """The state placement decides on: every site, and enough of the queue to find what the
     asking site gets after the peers that go before it take theirs."""
     states = site_states(conn)
-    bare = Snapshot(site=states[site.id], capacity=capacity, models=frozenset(models),
+    me = states[site.id]
+    if ask.price_per_hour is not None:
+        # The price the worker declares now counts for this call too (its row is written last,
+        # after the request rows, to keep the lock order).
+        me = replace(me, price_per_hour=ask.price_per_hour)
+        states[site.id] = me
+    bare = Snapshot(site=me, capacity=capacity, models=frozenset(models),
                     candidates=(), sites=tuple(states.values()))
     if capacity <= 0:
         return bare
@@ -142,6 +148,17 @@ def _snapshot(conn: Connection, site: Site, capacity: int, models: list[str], no
             *_candidates(conn, Tier.BACKGROUND, models, window))
     backlog = _backlog(conn) if pool and needs_backlog(bare, now, policy) else ()
     return replace(bare, candidates=pool, backlog=backlog)
+
+
+def _declared(ask: LeaseRequest) -> dict[str, Any]:
+    """The price and chip the worker declares, as site-row values (none when it declares none:
+    the site keeps what `minimill sites create` registered)."""
+    values: dict[str, Any] = {}
+    if ask.price_per_hour is not None:
+        values["price_per_hour"] = ask.price_per_hour
+    if ask.chip is not None:
+        values["chip"] = ask.chip.strip()
+    return values
 
 
 @retry_conflicts
@@ -155,7 +172,7 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
     policy = policy_for(config, policy)
     with store.write() as conn:
         rows: list[Any] = []
-        snapshot = _snapshot(conn, site, capacity, models, now, policy)
+        snapshot = _snapshot(conn, site, ask, capacity, models, now, policy)
         picked = place(snapshot, now, policy) if snapshot.candidates else []
         if picked:
             rows = list(conn.execute(
@@ -173,7 +190,7 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
                    busy=snapshot.site.in_flight > 0,
                    free_capacity=min(ask.capacity, MAX_COUNT) - len(rows), capacity_at=now,
                    models=[m[:200] for m in models[:MAX_MODELS_RECORDED]],
-                   leases_granted=sites.c.leases_granted + len(rows))
+                   leases_granted=sites.c.leases_granted + len(rows), **_declared(ask))
     # Hand leases out in placement order (RETURNING order is unspecified).
     rank = {request_id: i for i, request_id in enumerate(picked)}
     leases = [Lease(request_id=r.id, lease_id=lease_id, epoch=r.epoch, expires_at=expires_at,

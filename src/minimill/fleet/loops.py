@@ -43,10 +43,14 @@ class Worker:
     """Holds leases and runs the three loops until `stop()`."""
 
     def __init__(self, client: ControlPlaneClient, adapter: EngineAdapter, *, capacity: int,
-                 drain_timeout_s: float = 10.0, stats_every_s: float = 0.0) -> None:
+                 drain_timeout_s: float = 10.0, stats_every_s: float = 0.0,
+                 price_per_hour: float | None = None, chip: str | None = None) -> None:
         self.client = client
         self.adapter = adapter
         self.capacity = capacity
+        # Declared with every lease call, so the registry follows a restart with new values.
+        self.price_per_hour = price_per_hour
+        self.chip = chip
         self.drain_timeout_s = drain_timeout_s
         self.stats_every_s = stats_every_s  # > 0: log the token counter this often
         self.held: dict[str, HeldLease] = {}
@@ -112,7 +116,8 @@ class Worker:
             try:
                 resp = await self.client.lease(LeaseRequest(
                     capacity=free, models=self.adapter.models,
-                    tokens_per_s=self.adapter.tokens_per_s()))
+                    tokens_per_s=self.adapter.tokens_per_s(),
+                    price_per_hour=self.price_per_hour, chip=self.chip))
             except ControlPlaneUnavailable as exc:
                 await sleep_backoff(backoff, "lease", exc)
                 continue

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import sys
@@ -15,6 +16,7 @@ import sys
 from minimill.fleet.client import ControlPlaneClient, SiteAuthError
 from minimill.fleet.engines import EngineStartError, open_engine
 from minimill.fleet.loops import Worker
+from minimill.protocol import MAX_CHIP_CHARS
 
 log = logging.getLogger("minimill.worker")
 
@@ -30,13 +32,14 @@ def _watch_parent(worker: Worker) -> None:
 
 
 async def _amain(*, server: str, site: str, token: str, engine: str, model: str, dtype: str,
-                 capacity: int) -> None:
+                 capacity: int, price_per_hour: float | None, chip: str | None) -> None:
     adapter = await open_engine(engine, model=model, dtype=dtype, capacity=capacity)
     client = ControlPlaneClient(server, token)
     effective = min(capacity, adapter.capacity) if engine == "builtin" else capacity
     worker = Worker(client, adapter, capacity=effective,
                     drain_timeout_s=float(os.environ.get("MINIMILL_WORKER_DRAIN_S", "10")),
-                    stats_every_s=float(os.environ.get("MINIMILL_WORKER_STATS_S", "0")))
+                    stats_every_s=float(os.environ.get("MINIMILL_WORKER_STATS_S", "0")),
+                    price_per_hour=price_per_hour, chip=chip)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.stop)
@@ -52,23 +55,39 @@ async def _amain(*, server: str, site: str, token: str, engine: str, model: str,
                  worker.tally.generated_tokens)
 
 
-def run_worker(*, server: str, site: str, token: str, price_per_hour: float, chip: str,
-               engine: str, model: str, dtype: str, capacity: int) -> None:
+def _check_declared(price_per_hour: float | None, chip: str | None) -> str | None:
+    """Refuse a price or chip the control plane would refuse (at every lease call); returns
+    the chip name as it is declared."""
+    if price_per_hour is not None and not (math.isfinite(price_per_hour) and price_per_hour >= 0):
+        raise SystemExit(f"--price-per-hour must be a number >= 0, not {price_per_hour}")
+    if chip is None:
+        return None
+    chip = chip.strip()
+    if not 1 <= len(chip) <= MAX_CHIP_CHARS:
+        raise SystemExit(f"--chip must have 1 to {MAX_CHIP_CHARS} characters")
+    return chip
+
+
+def run_worker(*, server: str, site: str, token: str, price_per_hour: float | None,
+               chip: str | None, engine: str, model: str, dtype: str, capacity: int) -> None:
     """Join the fleet at `server` as `site` and serve until SIGTERM/SIGINT.
 
-    The site's price and chip are registered with the site (`minimill sites create`); the worker
-    reports its measured tokens/s with every lease and heartbeat call.
+    The worker declares `price_per_hour` and `chip` with every lease call: they replace what
+    the site was registered with (`minimill sites create`), and metering and placement use
+    them. None keeps the registered values. It also reports its measured tokens/s with every
+    lease and heartbeat call.
     """
     logging.basicConfig(level=os.environ.get("MINIMILL_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s worker[{site}] %(levelname)s %(message)s",
                         stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per call is noise
-    del price_per_hour, chip  # registered with the site; the protocol does not carry them
     if capacity < 1:
         raise SystemExit("--capacity must be at least 1")
+    chip = _check_declared(price_per_hour, chip)
     try:
         asyncio.run(_amain(server=server, site=site, token=token, engine=engine, model=model,
-                           dtype=dtype, capacity=capacity))
+                           dtype=dtype, capacity=capacity, price_per_hour=price_per_hour,
+                           chip=chip))
     except (EngineStartError, SiteAuthError) as exc:
         log.error("%s", exc)
         raise SystemExit(2) from None
