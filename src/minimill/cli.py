@@ -34,8 +34,13 @@ DbOption = typer.Option(None, "--db", help="Store URL (sqlite:///... or postgres
 def pull(name: str = typer.Argument(DEFAULT_MODEL, help="Model name, e.g. smollm2-135m.")) -> None:
     """Fetch a model into the model cache (MINIMILL_HOME)."""
     from minimill.models.registry import pull_model
+    from minimill.models.types import ModelError
 
-    path = pull_model(name, progress=True)
+    try:
+        path = pull_model(name, progress=True)
+    except ModelError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
     typer.echo(str(path))
 
 
@@ -180,8 +185,10 @@ def worker(
     server: str = typer.Option(..., help="Control plane URL, e.g. http://host:8000."),
     site: str = typer.Option(..., help="This site's name."),
     token: str = typer.Option(..., envvar="MINIMILL_SITE_TOKEN", help="Site token."),
-    price_per_hour: float = typer.Option(0.10, help="This site's price in $/hour."),
-    chip: str = typer.Option("cpu", help="Chip name, for the registry."),
+    price_per_hour: float | None = typer.Option(
+        None, help="This site's price in $/hour (default: as the site was registered)."),
+    chip: str | None = typer.Option(
+        None, help="Chip name, for the registry (default: as the site was registered)."),
     engine: str = typer.Option("builtin", help="'builtin' or an OpenAI-compatible base URL."),
     model: str = typer.Option(DEFAULT_MODEL, help="Model to serve."),
     dtype: str = typer.Option("bfloat16", help="Builtin engine dtype."),

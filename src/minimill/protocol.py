@@ -15,6 +15,8 @@ from pydantic import BaseModel, Field
 FLEET_PREFIX = "/v1/fleet"
 # Longest chip name a worker may declare (the site registry's column holds this many).
 MAX_CHIP_CHARS = 100
+# A site price above this is a typo, and would make $/Mtok overflow to infinity.
+MAX_PRICE_PER_HOUR = 1e6
 
 
 class ChoiceProgress(BaseModel):
@@ -44,7 +46,8 @@ class LeaseRequest(BaseModel):
     # The site's price and chip as its worker declares them (`minimill worker --price-per-hour
     # --chip`); when given they replace what the site was registered with, so metering and
     # placement use them. None: keep the registered values.
-    price_per_hour: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    price_per_hour: float | None = Field(default=None, ge=0, le=MAX_PRICE_PER_HOUR,
+                                          allow_inf_nan=False)
     chip: str | None = Field(default=None, min_length=1, max_length=MAX_CHIP_CHARS,
                              pattern=r"\S")  # not blank
 

@@ -26,6 +26,7 @@ from minimill.control.records import Site, new_id
 from minimill.control.site_view import SiteStatus, list_sites
 from minimill.control.store import Store, StoreError, open_store
 from minimill.control.tables import outages, sites
+from minimill.protocol import MAX_PRICE_PER_HOUR
 
 TOKEN_PREFIX = "mms-"
 # A full site's stored throughput moves this fraction of the way to each new measurement.
@@ -45,8 +46,9 @@ def create_site(store: Store, name: str, price_per_hour: float, chip: str = "cpu
     name = name.strip()
     if not name or len(name) > 200:
         raise InvalidRequestError("a site name must have 1 to 200 characters", param="name")
-    if price_per_hour < 0:
-        raise InvalidRequestError("price_per_hour must be >= 0", param="price_per_hour")
+    if not 0 <= price_per_hour <= MAX_PRICE_PER_HOUR:
+        raise InvalidRequestError(f"price_per_hour must be in [0, {MAX_PRICE_PER_HOUR:g}]",
+                                  param="price_per_hour")
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     with store.write() as conn:
         existing = conn.execute(select(sites.c.id).where(sites.c.name == name)).first()

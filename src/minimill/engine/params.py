@@ -14,7 +14,7 @@ class InvalidRequestError(EngineError, ValueError):
     """Bad input: empty prompt, max_tokens <= 0, prompt longer than the context, bad params."""
 
 
-class FinishReason(str, Enum):
+class FinishReason(str, Enum):  # noqa: UP042 (str() of members is relied on as is)
     """Why a request stopped; values are the OpenAI finish_reason strings."""
 
     STOP = "stop"  # an eos token or a stop string

@@ -1,0 +1,84 @@
+"""Engine settings: one flat dataclass; sizes that depend on the model are derived here."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import InitVar, dataclass
+
+import torch
+
+from minimill.engine.params import InvalidRequestError
+from minimill.models.types import ModelConfig
+
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+
+# On CPU the KV pool comes out of host RAM, which other processes share: take a modest slice.
+_CPU_KV_FRACTION = 0.15
+_CPU_KV_MAX_BYTES = 2 << 30
+# On an accelerator the KV pool takes most of what is free once the weights are loaded.
+_GPU_KV_FRACTION = 0.85
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything the builtin engine can be told; `EngineConfig(model_config=...)` derives sizes."""
+
+    model: str = "smollm2-135m"
+    dtype: str = "bfloat16"  # "float32" for exact comparisons with a reference
+    device: str = "auto"  # "auto": cuda if available, else cpu
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 256  # most requests decoding together
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    kv_cache_memory_bytes: int | None = None  # KV pool size; None: a share of free memory
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory_bytes (tests give tiny pools)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # CPU threads for torch; None: every core
+    model_config: InitVar[ModelConfig | None] = None
+
+    def __post_init__(self, model_config: ModelConfig | None) -> None:
+        if self.dtype not in DTYPES:
+            raise InvalidRequestError(
+                f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name} must be at least 1")
+        if self.num_threads is None:
+            self.num_threads = os.cpu_count() or 1
+        if model_config is None:
+            return
+        if self.max_model_len is None:
+            self.max_model_len = model_config.max_position_embeddings
+        if self.num_kv_blocks is None:
+            budget = self.kv_cache_memory_bytes or self._default_kv_bytes()
+            self.num_kv_blocks = max(1, budget // self.kv_block_bytes(model_config))
+        # One request alone must always fit, or preemption could never make room for it.
+        self.max_model_len = min(self.max_model_len, self.num_kv_blocks * self.block_size)
+        # A chunk never needs more tokens than a whole context.
+        self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_num_seqs)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def kv_block_bytes(self, model_config: ModelConfig) -> int:
+        """Bytes of one KV block across all layers (K and V)."""
+        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        return (model_config.num_hidden_layers * 2 * model_config.num_key_value_heads
+                * self.block_size * model_config.head_dim * itemsize)
+
+    def _default_kv_bytes(self) -> int:
+        if self.device.startswith("cuda") and torch.cuda.is_available():
+            free, _total = torch.cuda.mem_get_info(torch.device(self.device))
+            return int(free * _GPU_KV_FRACTION)
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            total = 8 << 30
+        return int(min(_CPU_KV_MAX_BYTES, total * _CPU_KV_FRACTION))

@@ -1,0 +1,158 @@
+"""The engine core: admission checks, and the step loop (schedule, execute, update, text).
+
+Both front ends drive it: `LLM` (offline, in the caller's thread) and `AsyncEngine` (a
+background thread). It is not thread-safe; each front end calls it from one thread.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from minimill.engine.config import EngineConfig
+from minimill.engine.model_runner import ModelRunner
+from minimill.engine.output import OutputProcessor
+from minimill.engine.params import InvalidRequestError, SamplingParams, TokenDelta
+from minimill.engine.scheduler import Scheduler
+from minimill.engine.sequence import RequestStatus, Sequence
+from minimill.models.types import LoadedModel
+
+_THROUGHPUT_WINDOW_S = 30.0
+
+
+@dataclass(slots=True)
+class StepResult:
+    deltas: list[TokenDelta] = field(default_factory=list)
+    # Requests that failed this step (ended, blocks freed), with the reason.
+    failures: dict[str, BaseException] = field(default_factory=dict)
+
+
+class EngineCore:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.loaded = loaded
+        self.config = config
+        self.tokenizer = loaded.tokenizer
+        self.runner = ModelRunner(config, loaded)
+        self.scheduler = Scheduler(config)
+        self.outputs = OutputProcessor(loaded.tokenizer)
+        eos = set(loaded.config.eos_token_ids)
+        if loaded.tokenizer.eos_token_id is not None:
+            eos.add(loaded.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.vocab_size = loaded.config.vocab_size
+        self._pending: list[TokenDelta] = []  # finished at admission (resumed past max_tokens)
+        self._recent: deque[tuple[float, int]] = deque()  # (time, output tokens) per step
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished or bool(self._pending)
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
+                    resume_token_ids: Seq[int] = ()) -> int:
+        """Validate and queue a request; returns its seed (drawn here when params has none)."""
+        prompt, resume = list(prompt_token_ids), list(resume_token_ids)
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already running")
+        self.check_request(prompt, resume)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        seq = Sequence(request_id, prompt, params, seed, self.eos_token_ids, resume)
+        self.outputs.add_request(seq)
+        if len(resume) >= params.max_tokens:
+            # The checkpoint already holds every token asked for.
+            seq.status = RequestStatus.FINISHED_LENGTH
+            self._pending.append(self.outputs.delta(seq, [], seq.status.finish_reason, None))
+            self.outputs.remove(request_id)
+            return seed
+        self.scheduler.add_request(seq)
+        return seed
+
+    def check_request(self, prompt: list[int], resume: list[int]) -> None:
+        """Raise InvalidRequestError for a request this engine cannot run (any thread)."""
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty")
+        bad = [t for t in (*prompt, *resume) if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        max_len = self.config.max_model_len
+        assert max_len is not None
+        if len(prompt) + len(resume) >= max_len:
+            what = "prompt" if not resume else "prompt plus resumed tokens"
+            raise InvalidRequestError(
+                f"the {what} has {len(prompt) + len(resume)} tokens, but this engine's context "
+                f"holds {max_len} tokens and at least one must be generated")
+
+    def abort_request(self, request_id: str) -> TokenDelta | None:
+        """End a request now; returns its final delta (None if it was not running)."""
+        seq = self.scheduler.abort_request(request_id)
+        if seq is None:
+            return None
+        delta = self.outputs.delta(seq, [], seq.status.finish_reason, None)
+        self.outputs.remove(request_id)
+        return delta
+
+    def step(self) -> StepResult:
+        """One engine step: schedule, run the model, update requests, produce deltas."""
+        result = StepResult(self._pending)
+        self._pending = []
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return result
+        try:
+            model_output = self.runner.execute(scheduled)
+        except Exception as exc:  # the batch failed: fail its requests, keep the engine alive
+            for entry in scheduled.scheduled:
+                self._fail(entry.seq.request_id, exc, result)
+            return result
+        updated = self.scheduler.update_from_output(scheduled, model_output)
+        for seq in updated:
+            try:
+                result.deltas.append(self._process(seq))
+            except Exception as exc:  # one request's text processing failed: only it ends
+                self._fail(seq.request_id, exc, result)
+        self._record_throughput(len(updated))
+        return result
+
+    def recent_output_tok_s(self) -> float:
+        """Output tokens per second over the last few tens of seconds of stepping."""
+        if len(self._recent) < 2:
+            return 0.0
+        span = self._recent[-1][0] - self._recent[0][0]
+        tokens = sum(n for _, n in list(self._recent)[1:])
+        return tokens / span if span > 0 else 0.0
+
+    def _process(self, seq: Sequence) -> TokenDelta:
+        state = self.outputs.texts[seq.request_id]
+        num_before = state.num_emitted_tokens
+        stopped_by_string = self.outputs.process(seq)
+        if stopped_by_string:
+            if seq.status.is_finished:
+                seq.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish_request(seq.request_id, RequestStatus.FINISHED_STOPPED)
+        new_ids = seq.output_token_ids[num_before:]
+        wants_logprobs = seq.params.logprobs or seq.params.top_logprobs > 0
+        logprobs = seq.logprobs[-len(new_ids):] if wants_logprobs and new_ids else None
+        reason = seq.status.finish_reason
+        delta = self.outputs.delta(seq, new_ids, reason, logprobs, stopped_by_string)
+        if reason is not None:
+            self.outputs.remove(seq.request_id)
+        return delta
+
+    def _fail(self, request_id: str, exc: BaseException, result: StepResult) -> None:
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self.outputs.remove(request_id)
+        result.failures[request_id] = exc
+
+    def _record_throughput(self, num_tokens: int) -> None:
+        now = time.monotonic()
+        self._recent.append((now, num_tokens))
+        while self._recent and now - self._recent[0][0] > _THROUGHPUT_WINDOW_S:
+            self._recent.popleft()

@@ -1,0 +1,168 @@
+"""Which requests run this step and with how many tokens; token-level stop checks after it.
+
+Every request is "num_computed_tokens of num_tokens": a new prompt, a chunk of a long prompt, a
+decode and a recompute after preemption are all "compute the next n tokens". Running requests
+go first (oldest first), then waiting ones fill what is left of the token budget. When the KV
+pool is short, the most recently admitted running request is preempted: its blocks are freed
+and it goes back to the front of the queue to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from minimill.engine.block_manager import BlockManager
+from minimill.engine.config import EngineConfig
+from minimill.engine.params import TokenLogprob
+from minimill.engine.sequence import RequestStatus, Sequence
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int  # tokens whose KV this step computes, from seq.num_computed_tokens on
+    sample: bool  # True when this step reaches the sequence's last token: sample the next
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence]  # what the model runner computes, in this order
+    num_batched_tokens: int  # sum of num_new_tokens
+    preempted: list[str] = field(default_factory=list)  # request ids sent back to waiting
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    """What the model runner returns: one sampled token per scheduled sequence with sample=True."""
+
+    sampled_token_ids: list[int]  # in the order of the sampling sequences in `scheduled`
+    # Per sampled token: (logprob of the token, [(token_id, logprob), ...] top alternatives),
+    # or None where the request did not ask for logprobs.
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+class Scheduler:
+    """Decides each step's batch; the engine calls schedule, runs it, then update_from_output."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        assert config.num_kv_blocks is not None and config.max_model_len is not None
+        self.config = config
+        self.max_model_len = config.max_model_len
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Sequence] = {}
+        self.num_preemptions = 0  # since start, for tests and stats
+        self.num_cached_tokens_total = 0  # prompt tokens found in the prefix cache, since start
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def add_request(self, seq: Sequence) -> None:
+        """Called when a request is admitted (already validated)."""
+        self.requests[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def abort_request(self, request_id: str) -> Sequence | None:
+        """Called when the caller cancels; frees the request's blocks. Unknown ids are ignored."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Sequence | None:
+        """Called by the engine for stops found outside the scheduler (stop strings, errors)."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return None
+        if seq.status == RequestStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = status
+        self.block_manager.free(seq)
+        return seq
+
+    def schedule(self) -> SchedulerOutput:
+        """Called once per step: pick requests and token counts within budget and KV memory."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(self._entry(seq, num_new))
+                budget -= num_new
+                i += 1
+        # Admit new work only when nothing had to give way this step.
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            seq = self.waiting[0]
+            cached = self.block_manager.find_cached_prefix(seq)
+            num_uncached = seq.num_tokens - len(cached) * self.config.block_size
+            num_new = min(num_uncached, budget)
+            if not self.block_manager.allocate_slots(seq, num_new, cached):
+                break
+            self.waiting.popleft()
+            self.num_cached_tokens_total += len(cached) * self.config.block_size
+            seq.status = RequestStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(self._entry(seq, num_new))
+            budget -= num_new
+        return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted)
+
+    def update_from_output(self, output: SchedulerOutput,
+                           model_output: ModelOutput) -> list[Sequence]:
+        """Called after the model ran: advance computed counts, append sampled tokens, apply
+        token-level stops (eos, stop ids, max_tokens, context length). Returns the sequences
+        that got a new token (finished ones included, already freed)."""
+        updated: list[Sequence] = []
+        sampled = iter(zip(model_output.sampled_token_ids, model_output.logprobs, strict=True))
+        for entry in output.scheduled:
+            seq = entry.seq
+            seq.num_computed_tokens += entry.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if not entry.sample:
+                continue
+            token_id, logprob = next(sampled)
+            seq.append_token(token_id)
+            if logprob is not None:
+                seq.logprobs.append(TokenLogprob(token_id, logprob[0], logprob[1]))
+            updated.append(seq)
+            status = self._token_stop(seq, token_id)
+            if status is not None:
+                self.finish_request(seq.request_id, status)
+        return updated
+
+    def _token_stop(self, seq: Sequence, token_id: int) -> RequestStatus | None:
+        if token_id in seq.eos_token_ids or token_id in seq.params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _entry(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+        sample = seq.num_computed_tokens + num_new == seq.num_tokens
+        return ScheduledSequence(seq, num_new, sample)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
+        self.block_manager.free(seq)
+        seq.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(seq)

@@ -1,0 +1,85 @@
+"""Request state inside the engine: tokens so far, how many have KV computed, status, blocks."""
+
+from __future__ import annotations
+
+import enum
+
+from minimill.engine.params import FinishReason, SamplingParams, TokenLogprob
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: every status after PREEMPTED is finished."""
+
+    WAITING = 0  # admitted, no KV yet
+    RUNNING = 1  # holds KV blocks, scheduled every step
+    PREEMPTED = 2  # lost its KV to a more senior request; waits to be recomputed
+    FINISHED_STOPPED = 3  # eos, a stop token id or a stop string
+    FINISHED_LENGTH = 4  # max_tokens reached or the context is full
+    FINISHED_ABORTED = 5  # cancelled by the caller
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Sequence:
+    """One request: `num_computed_tokens` of `num_tokens` have their KV in the cache."""
+
+    __slots__ = (
+        "block_table", "eos_token_ids", "logprobs", "num_cached_tokens", "num_computed_tokens",
+        "num_prompt_tokens", "params", "request_id", "seed", "status", "token_ids",
+    )
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 seed: int, eos_token_ids: frozenset[int],
+                 resume_token_ids: list[int] | None = None) -> None:
+        self.request_id = request_id
+        # Prompt then outputs; a resumed request's checkpointed outputs count as outputs.
+        self.token_ids: list[int] = [*prompt_token_ids, *(resume_token_ids or ())]
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # of the computed ones, how many came from the prefix cache
+        self.block_table: list[int] = []
+        self.params = params
+        self.seed = seed
+        self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self.status = RequestStatus.WAITING
+        self.logprobs: list[TokenLogprob] = []  # of the outputs sampled here (not resumed ones)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.name}, "
+                f"{self.num_computed_tokens}/{self.num_tokens} computed)")

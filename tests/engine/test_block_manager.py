@@ -1,0 +1,107 @@
+"""Block ownership, reference counts and prefix reuse."""
+
+from __future__ import annotations
+
+from minimill.engine.block_manager import BlockManager
+from minimill.engine.params import SamplingParams
+from minimill.engine.sequence import Sequence
+
+BS = 4
+
+
+def make_seq(request_id: str, tokens: list[int]) -> Sequence:
+    return Sequence(request_id, tokens, SamplingParams(max_tokens=4), seed=0,
+                    eos_token_ids=frozenset())
+
+
+def compute(bm: BlockManager, seq: Sequence, num_tokens: int) -> None:
+    """What a step does: allocate, then (after the model ran) mark computed and cache."""
+    assert bm.allocate_slots(seq, num_tokens)
+    seq.num_computed_tokens += num_tokens
+    bm.cache_full_blocks(seq)
+
+
+def test_allocates_just_enough_blocks_and_frees_them() -> None:
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
+    seq = make_seq("a", list(range(10)))
+    compute(bm, seq, 10)
+    assert len(seq.block_table) == 3  # ceil(10 / 4)
+    assert bm.num_free_blocks == 5
+    compute(bm, seq, 0)
+    seq.append_token(99)
+    compute(bm, seq, 1)  # 11 tokens still fit in 3 blocks
+    assert len(seq.block_table) == 3
+    for t in (100, 101):
+        seq.append_token(t)
+        compute(bm, seq, 1)
+    assert len(seq.block_table) == 4
+    bm.free(seq)
+    assert bm.num_free_blocks == 8 and seq.block_table == [] and seq.num_computed_tokens == 0
+
+
+def test_refuses_without_change_when_short() -> None:
+    bm = BlockManager(num_blocks=2, block_size=BS)
+    seq = make_seq("a", list(range(12)))
+    assert not bm.allocate_slots(seq, 12)
+    assert seq.block_table == [] and bm.num_free_blocks == 2
+    assert bm.allocate_slots(seq, 8)  # a chunk that fits
+    assert bm.num_free_blocks == 0
+
+
+def test_shared_prefix_is_reused_with_reference_counts() -> None:
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    prefix = list(range(100, 108))  # two full blocks
+    a = make_seq("a", [*prefix, 1, 2, 3])
+    compute(bm, a, a.num_tokens)
+    b = make_seq("b", [*prefix, 7, 8])
+    hits = bm.find_cached_prefix(b)
+    assert hits == a.block_table[:2]
+    assert bm.allocate_slots(b, b.num_tokens - 8, hits)
+    assert b.num_computed_tokens == 8 and b.num_cached_tokens == 8
+    assert b.block_table[:2] == a.block_table[:2]
+    assert all(bm.blocks[i].ref_count == 2 for i in a.block_table[:2])
+    bm.free(a)
+    assert all(bm.blocks[i].ref_count == 1 for i in b.block_table[:2])
+
+
+def test_different_earlier_tokens_break_the_chain() -> None:
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    a = make_seq("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    compute(bm, a, a.num_tokens)
+    # Same second block, different first block: the hash chain must not match either.
+    b = make_seq("b", [0, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert bm.find_cached_prefix(b) == []
+
+
+def test_last_token_is_always_left_to_compute() -> None:
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    a = make_seq("a", list(range(8)))
+    compute(bm, a, 8)
+    again = make_seq("b", list(range(8)))
+    # Both blocks are cached, but the request needs logits for its last token.
+    assert len(bm.find_cached_prefix(again)) == 1
+
+
+def test_freed_blocks_stay_cached_until_reused() -> None:
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    a = make_seq("a", list(range(9)))
+    compute(bm, a, 9)
+    first_block = a.block_table[0]
+    bm.free(a)
+    b = make_seq("b", list(range(9)))
+    hits = bm.find_cached_prefix(b)
+    assert hits[:1] == [first_block]
+    assert bm.allocate_slots(b, b.num_tokens - len(hits) * BS, hits)
+    assert bm.num_free_blocks == 4 - len(b.block_table)
+    bm.free(b)
+    # Filling the pool with other tokens evicts the cached blocks.
+    c = make_seq("c", list(range(50, 66)))
+    compute(bm, c, 16)
+    assert bm.find_cached_prefix(make_seq("d", list(range(9)))) == []
+
+
+def test_prefix_caching_off_never_hits() -> None:
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
+    a = make_seq("a", list(range(9)))
+    compute(bm, a, 9)
+    assert bm.find_cached_prefix(make_seq("b", list(range(9)))) == []

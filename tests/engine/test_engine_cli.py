@@ -1,0 +1,61 @@
+"""`minimill generate` and `minimill bench engine` as real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def run_cli(args: list[str], home: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "MINIMILL_HOME": str(home)}
+    return subprocess.run([sys.executable, "-m", "minimill.cli", *args], env=env, text=True,
+                          capture_output=True, timeout=timeout, check=False)
+
+
+def test_generate_prints_the_answer(minimill_home: Path) -> None:
+    result = run_cli(["generate", "What is the capital of France?", "--max-tokens", "16"],
+                     minimill_home)
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+
+
+def test_generate_with_an_unknown_model_fails_cleanly(minimill_home: Path) -> None:
+    result = run_cli(["generate", "hi", "--model", "no-such-model"], minimill_home)
+    assert result.returncode == 1
+    assert "unknown model 'no-such-model'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.fixture
+def workload(tmp_path: Path) -> Path:
+    path = tmp_path / "workload.jsonl"
+    lines = []
+    for i, topic in enumerate(("tides", "volcanoes", "bees")):
+        body = {"model": "smollm2-135m", "max_tokens": 24, "temperature": 0,
+                "messages": [{"role": "user", "content": f"Explain {topic} briefly."}]}
+        lines.append(json.dumps({"custom_id": f"req-{i}", "method": "POST",
+                                 "url": "/v1/chat/completions", "body": body}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_bench_engine_prints_figures_and_their_yardsticks(minimill_home: Path,
+                                                          workload: Path) -> None:
+    result = run_cli(["bench", "engine", "--workload", str(workload), "--json", "--limit", "2"],
+                     minimill_home)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["requests"] == 2 and report["output_tokens"] == 48  # ignore_eos
+    for key in ("output_tok_s", "sol_tok_s", "hf_output_tok_s", "peak_rss_mb",
+                "matmul_gflop_s"):
+        assert report[key] > 0, key
+    assert report["sol_fraction"] == pytest.approx(
+        report["output_tok_s"] / report["sol_tok_s"], rel=0.01)
+    assert report["hf_speedup"] == pytest.approx(
+        report["output_tok_s"] / report["hf_output_tok_s"], rel=0.01)
+    assert isinstance(report["meets_targets"], bool)
