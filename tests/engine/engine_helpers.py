@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from minimill.engine.attention import SeqSpan, build_metadata
+from minimill.engine.attention import build_metadata
 from minimill.engine.llm import LLM
 from minimill.engine.params import SamplingParams
 from minimill.engine.sequence import Sequence as EngineSequence
@@ -59,29 +59,33 @@ def engine_logits(llm: LLM, prompts: list[list[int]], chunk: int | None = None
     the second attends to the first through the paged cache)."""
     core = llm.engine
     runner, bm = core.runner, core.scheduler.block_manager
-    mc = core.loaded.config
     seqs = [EngineSequence(f"parity-{i}", p, SamplingParams(), 0, frozenset())
             for i, p in enumerate(prompts)]
     results: list[list[torch.Tensor]] = [[] for _ in seqs]
     bounds = [(0, chunk), (chunk, None)] if chunk else [(0, None)]
     try:
         for lo, hi in bounds:
-            spans, ids, pos = [], [], []
+            ids: list[int] = []
+            pos: list[int] = []
+            q_lens: list[int] = []
+            seq_lens: list[int] = []
             for s in seqs:
                 new = s.token_ids[lo:hi]
                 assert bm.allocate_slots(s, len(new))
-                spans.append(SeqSpan(len(ids), len(new), lo, s.block_table))
                 ids += new
                 pos += range(lo, lo + len(new))
-            meta = build_metadata(spans, bm.block_size, mc.num_key_value_heads,
-                                  mc.num_attention_heads // mc.num_key_value_heads,
-                                  torch.float32, runner.device)
+                q_lens.append(len(new))
+                seq_lens.append(lo + len(new))
+            meta = build_metadata(q_lens, seq_lens, [s.block_table for s in seqs],
+                                  bm.block_size, runner.device)
             with torch.inference_mode():
                 logits = runner.model.forward(torch.tensor(ids), torch.tensor(pos), meta,
                                               runner.kv_cache, torch.arange(len(ids)))
-            for i, span in enumerate(spans):
-                results[i].append(logits[span.row_start:span.row_start + span.q_len])
-                seqs[i].num_computed_tokens += span.q_len
+            start = 0
+            for i, q_len in enumerate(q_lens):
+                results[i].append(logits[start:start + q_len])
+                start += q_len
+                seqs[i].num_computed_tokens += q_len
     finally:
         for s in seqs:
             bm.free(s)

@@ -18,8 +18,9 @@ def run_cli(args: list[str], home: Path, timeout: float = 600) -> subprocess.Com
 
 
 def test_generate_prints_the_answer(minimill_home: Path) -> None:
-    result = run_cli(["generate", "What is the capital of France?", "--max-tokens", "16"],
-                     minimill_home)
+    # float32: in bfloat16 the first token of this answer is a near-tie ("The" vs "L").
+    result = run_cli(["generate", "What is the capital of France?", "--max-tokens", "16",
+                      "--dtype", "float32"], minimill_home)
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
 

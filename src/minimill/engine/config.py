@@ -7,9 +7,12 @@ from dataclasses import InitVar, dataclass
 
 import torch
 
+from minimill.engine.hardware import auto_dtype
+from minimill.engine.kernels import KERNEL_CHOICES
 from minimill.engine.params import InvalidRequestError
 from minimill.models.types import ModelConfig
 
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
@@ -28,8 +31,11 @@ class EngineConfig:
     """Everything the builtin engine can be told; `EngineConfig(model_config=...)` derives sizes."""
 
     model: str = "smollm2-135m"
-    dtype: str = "bfloat16"  # "float32" for exact comparisons with a reference
+    # "auto": what the chip is fast at (hardware.auto_dtype); "float32" for exact comparisons.
+    dtype: str = "auto"
     device: str = "auto"  # "auto": cuda if available, else cpu
+    # "auto": minimill's compiled kernels where they apply, else portable PyTorch (kernels.py).
+    kernels: str = "auto"
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 256  # most requests decoding together
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
@@ -38,14 +44,22 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # CPU threads for torch; None: every core
+    dtype_reason: str = ""  # why this dtype (set when dtype was "auto")
     model_config: InitVar[ModelConfig | None] = None
 
     def __post_init__(self, model_config: ModelConfig | None) -> None:
-        if self.dtype not in DTYPES:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
             raise InvalidRequestError(
-                f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+                f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise InvalidRequestError(
+                f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.dtype == "auto":
+            self.dtype, self.dtype_reason = auto_dtype(torch.device(self.device))
+        elif not self.dtype_reason:
+            self.dtype_reason = "asked for"
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be at least 1")
@@ -60,7 +74,7 @@ class EngineConfig:
             self.num_kv_blocks = max(1, budget // self.kv_block_bytes(model_config))
         # One request alone must always fit, or preemption could never make room for it.
         self.max_model_len = min(self.max_model_len, self.num_kv_blocks * self.block_size)
-        # A chunk never needs more tokens than a whole context.
+        # Every running request must be able to decode in the same step.
         self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_num_seqs)
 
     @property

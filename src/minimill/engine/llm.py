@@ -61,7 +61,10 @@ class LLM:
         """Run every prompt to completion; outputs come back in the order of `prompts`.
 
         A text prompt is tokenized with the tokenizer's special tokens (e.g. BOS); a list of ids
-        is used as is. `resume_token_ids[i]` continues prompt i after tokens it generated before.
+        is used as is. `resume_token_ids[i]` continues prompt i after tokens it generated before:
+        they are prefilled, count towards max_tokens and start the output's tokens and text;
+        sampling continues at output position len(resume_token_ids[i]). Logprobs cover only
+        the tokens generated in this call.
         """
         params = params if params is not None else SamplingParams()
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)

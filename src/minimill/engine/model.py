@@ -1,10 +1,12 @@
 """Llama / Qwen2 decoder over flattened tokens with a paged KV cache.
 
 Weights arrive in HF naming and are fused at load: q/k/v into one matrix (plus bias for
-Qwen2), gate/up into one, so each layer runs four matmuls. Activations are
-[num_tokens, hidden] for the whole step (every request's new tokens back to back); positions
-and the attention metadata say where each token sits. Arithmetic follows HF transformers
-(norms in float32, residuals in the model dtype) so float32 runs match it closely.
+Qwen2), gate/up into one, so each layer runs four matmuls; everything between them (norms with
+the residual add, rotary with the KV write, attention, SiLU * up) is one call each into the
+engine's kernels (kernels.py). Activations are [num_tokens, hidden] for the whole step (every
+request's new tokens back to back); positions and the attention metadata say where each token
+sits. Arithmetic follows HF transformers (norms in float32, residuals in the model dtype) so
+float32 runs match it closely.
 """
 
 from __future__ import annotations
@@ -14,14 +16,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from minimill.engine.attention import AttentionMetadata, paged_attention, write_kv
-from minimill.engine.rope import RotaryEmbedding, apply_rotary
+from minimill.engine.attention import AttentionMetadata, layer_views
+from minimill.engine.kernels import TorchKernels
+from minimill.engine.rope import RotaryEmbedding
 from minimill.models.types import ModelConfig, ModelFileError
 
 
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
+    # Matrices are as kernels.prepare_weight left them (e.g. prepacked for oneDNN).
     qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
     qkv_bias: torch.Tensor | None
     o: torch.Tensor  # [hidden, heads * head_dim]
@@ -30,19 +34,14 @@ class LayerWeights:
     down: torch.Tensor  # [hidden, intermediate]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # As HF: normalise in float32, round to the model dtype, then scale.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
 class DecoderModel:
     """The forward pass; owns the fused weights and the rotary tables."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
-                 dtype: torch.dtype, device: torch.device, max_model_len: int) -> None:
+                 dtype: torch.dtype, device: torch.device, max_model_len: int,
+                 kernels: TorchKernels | None = None) -> None:
         self.config = config
+        self.kernels = kernels or TorchKernels()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -57,10 +56,11 @@ class DecoderModel:
 
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
+        pack = self.kernels.prepare_weight
         if config.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = self.embed
+            self.lm_head = pack(self.embed)
         else:
-            self.lm_head = w("lm_head.weight")
+            self.lm_head = pack(w("lm_head.weight"))
         self.layers: list[LayerWeights] = []
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -70,40 +70,42 @@ class DecoderModel:
                 bias = torch.cat([w(a + f"{n}_proj.bias") for n in "qkv"]).contiguous()
             self.layers.append(LayerWeights(
                 input_norm=w(p + "input_layernorm.weight"),
-                qkv=torch.cat([w(a + f"{n}_proj.weight") for n in "qkv"]).contiguous(),
+                qkv=pack(torch.cat([w(a + f"{n}_proj.weight") for n in "qkv"])),
                 qkv_bias=bias,
-                o=w(a + "o_proj.weight").contiguous(),
+                o=pack(w(a + "o_proj.weight")),
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([w(m + "gate_proj.weight"),
-                                   w(m + "up_proj.weight")]).contiguous(),
-                down=w(m + "down_proj.weight").contiguous(),
+                gate_up=pack(torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")])),
+                down=pack(w(m + "down_proj.weight")),
             ))
-        self.rotary = RotaryEmbedding(config, max_model_len, dtype, device)
+        self.rotary = RotaryEmbedding(config, max_model_len, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor,
                 logits_rows: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [num_tokens]; kv_cache: [layers, kv_heads, blocks,
-        block_size, 2, head_dim]; returns logits [len(logits_rows), vocab] in the model dtype."""
-        num_tokens = input_ids.shape[0]
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        cos, sin = self.rotary.tables(positions)
+        """input_ids, positions: [num_tokens]; kv_cache: the pool (attention.py's layout);
+        returns logits [len(logits_rows), vocab] in the model dtype."""
+        ops, eps = self.kernels, self.eps
+        cos_sin = self.rotary.cos_sin
+        block_size = kv_cache.shape[-1] // self.head_dim
         hidden = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
+        residual = hidden
         for i, layer in enumerate(self.layers):
-            x = rms_norm(hidden, layer.input_norm, self.eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-            # q and k heads side by side: one rotary pass for both.
-            qk = qkv[:, :q_size + kv_size].view(num_tokens, -1, self.head_dim)
-            qk = apply_rotary(qk, cos, sin)
-            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-            v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-            write_kv(kv_cache[i], k, v, meta.slot_mapping)
-            attn = paged_attention(q, kv_cache[i], meta, self.scale)
-            hidden = hidden + F.linear(attn, layer.o)
-            x = rms_norm(hidden, layer.post_norm, self.eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+            if i == 0:
+                x = ops.rms_norm(hidden, layer.input_norm, eps)
+            else:
+                x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, eps)
+            qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
+            k_cache, v_cache = layer_views(kv_cache, i)
+            q = ops.rotary_kv_write(qkv, positions, cos_sin, k_cache, v_cache,
+                                    meta.slot_mapping, self.num_heads, self.num_kv_heads,
+                                    block_size)
+            attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
+            hidden = ops.linear(attn, layer.o)
+            x, residual = ops.add_rms_norm(hidden, residual, layer.post_norm, eps)
+            hidden = ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up)), layer.down)
         # Only the rows that sample need the final norm and the (large) vocabulary projection.
-        last = rms_norm(hidden[logits_rows], self.norm, self.eps)
-        return F.linear(last, self.lm_head)
+        if not self.layers:
+            last = ops.rms_norm(hidden[logits_rows], self.norm, eps)
+        else:
+            last = ops.rms_norm(hidden[logits_rows] + residual[logits_rows], self.norm, eps)
+        return ops.linear(last, self.lm_head)

@@ -1,20 +1,25 @@
 """Turns a SchedulerOutput into tensors, runs the model, samples: `execute() -> ModelOutput`.
 
-Owns the device, the weights (through DecoderModel) and the KV cache tensor. Tokens are laid
-out decodes first (ordered by context length), then prompt chunks (ordered by chunk length),
-so attention groups of similar sizes are contiguous rows of the flat batch.
+Owns the device, the weights (through DecoderModel), the kernels and the KV cache tensor.
+Tokens are laid out in the scheduler's order; attention reads each sequence's KV through its
+block table, so no reordering or grouping is needed.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from minimill.engine.attention import SeqSpan, build_metadata
+from minimill.engine.attention import allocate_kv_cache, build_metadata
 from minimill.engine.config import EngineConfig
+from minimill.engine.kernels import select_kernels
 from minimill.engine.model import DecoderModel
 from minimill.engine.sampler import sample
-from minimill.engine.scheduler import ModelOutput, ScheduledSequence, SchedulerOutput
+from minimill.engine.scheduler import ModelOutput, SchedulerOutput
 from minimill.models.types import LoadedModel
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -26,60 +31,45 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         mc = loaded.config
         self.model_config = mc
+        self.kernels, self.kernels_reason = select_kernels(
+            config.kernels, self.device, config.torch_dtype, config.block_size, mc.head_dim)
+        log.info("engine: dtype %s (%s); kernels %s (%s)", config.dtype, config.dtype_reason,
+                 self.kernels.name, self.kernels_reason)
         self.model = DecoderModel(mc, loaded.weights, config.torch_dtype, self.device,
-                                  config.max_model_len)
-        # [layers, kv_heads, blocks, block_size, K/V, head_dim]; zeros so that masked-out
-        # padding never reads NaN from never-written memory.
-        self.kv_cache = torch.zeros(
-            mc.num_hidden_layers, mc.num_key_value_heads, config.num_kv_blocks,
-            config.block_size, 2, mc.head_dim, dtype=config.torch_dtype, device=self.device)
-        self._kv_workspace = torch.empty(0, dtype=config.torch_dtype, device=self.device)
-
-    def _workspace(self, numel: int) -> torch.Tensor:
-        if self._kv_workspace.numel() < numel:
-            # Grow with headroom: contexts get longer one token per step.
-            self._kv_workspace = torch.empty(numel + numel // 4, dtype=self.config.torch_dtype,
-                                             device=self.device)
-        return self._kv_workspace
+                                  config.max_model_len, self.kernels)
+        self.kv_cache = allocate_kv_cache(config.num_kv_blocks, mc.num_hidden_layers,
+                                          mc.num_key_value_heads, config.block_size,
+                                          mc.head_dim, config.torch_dtype, self.device)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelOutput:
         """Compute the scheduled tokens' KV and sample for sequences that reached their end."""
-        entries = output.scheduled
-        order = sorted(range(len(entries)), key=lambda i: _layout_key(entries[i]))
         input_ids: list[int] = []
         positions: list[int] = []
-        spans: list[SeqSpan] = []
-        last_row = [0] * len(entries)
-        for i in order:
-            e = entries[i]
-            start = e.seq.num_computed_tokens
-            spans.append(SeqSpan(len(input_ids), e.num_new_tokens, start, e.seq.block_table))
-            input_ids.extend(e.seq.token_ids[start:start + e.num_new_tokens])
-            positions.extend(range(start, start + e.num_new_tokens))
-            last_row[i] = len(input_ids) - 1
-        sampling = [e for e in entries if e.sample]
-        logits_rows = [last_row[i] for i, e in enumerate(entries) if e.sample]
-        mc = self.model_config
-        meta = build_metadata(spans, self.config.block_size, mc.num_key_value_heads,
-                              mc.num_attention_heads // mc.num_key_value_heads,
-                              self.config.torch_dtype, self.device)
-        meta.workspace = self._workspace(meta.workspace_numel(mc.num_key_value_heads,
-                                                              mc.head_dim))
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_rows: list[int] = []
+        for e in output.scheduled:
+            seq = e.seq
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + e.num_new_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            query_lens.append(e.num_new_tokens)
+            seq_lens.append(end)
+            tables.append(seq.block_table)
+            if e.sample:
+                logits_rows.append(len(input_ids) - 1)
         dev = self.device
+        meta = build_metadata(query_lens, seq_lens, tables, self.config.block_size, dev)
         logits = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
             meta, self.kv_cache, torch.tensor(logits_rows, dtype=torch.long, device=dev))
-        if not sampling:
+        if not logits_rows:
             return ModelOutput([], [])
-        tokens, logprobs = sample(logits, [e.seq.params for e in sampling],
-                                  [e.seq.seed for e in sampling],
-                                  [e.seq.num_output_tokens for e in sampling])
+        sampling = [e.seq for e in output.scheduled if e.sample]
+        tokens, logprobs = sample(logits, [s.params for s in sampling],
+                                  [s.seed for s in sampling],
+                                  [s.num_output_tokens for s in sampling])
         return ModelOutput(tokens, logprobs)
-
-
-def _layout_key(entry: ScheduledSequence) -> tuple[int, int]:
-    if entry.num_new_tokens == 1:
-        return (0, entry.seq.num_computed_tokens)
-    return (1, entry.num_new_tokens)

@@ -87,25 +87,12 @@ def inv_freq_and_scale(config: ModelConfig, max_model_len: int) -> tuple[torch.T
 
 
 class RotaryEmbedding:
-    """cos/sin for every position below max_model_len, applied to flattened [tokens, heads, d]."""
+    """cos and sin for every position below max_model_len, in one float32 table
+    [positions, head_dim]: the first half holds cos, the second sin (HF's rotate_half
+    convention repeats each frequency in both halves, so half of each is enough)."""
 
-    def __init__(self, config: ModelConfig, max_model_len: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, max_model_len: int, device: torch.device) -> None:
         inv_freq, scale = inv_freq_and_scale(config, max_model_len)
         positions = torch.arange(max_model_len, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # [positions, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        # Computed in float32 then cast, as HF does.
-        self.cos = (emb.cos() * scale).to(dtype=dtype, device=device)
-        self.sin = (emb.sin() * scale).to(dtype=dtype, device=device)
-
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for these positions, shaped [tokens, 1, head_dim] to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; HF's rotate_half convention."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+        self.cos_sin = torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1).to(device)

@@ -30,6 +30,7 @@ def uniform_for(seed: int, output_index: int) -> float:
 
 
 SampledLogprob = tuple[float, list[tuple[int, float]]]
+_ROWS_PER_CHUNK = 32
 
 
 def sample(logits: torch.Tensor, params: Seq[SamplingParams], seeds: Seq[int],
@@ -50,8 +51,11 @@ def sample(logits: torch.Tensor, params: Seq[SamplingParams], seeds: Seq[int],
              if not p.greedy and p.top_k is None and p.top_p >= 1.0]
     filtered = [i for i, p in enumerate(params)
                 if not p.greedy and (p.top_k is not None or p.top_p < 1.0)]
-    for rows, fn in ((plain, _sample_plain), (filtered, _sample_filtered)):
-        if rows:
+    for all_rows, fn in ((plain, _sample_plain), (filtered, _sample_filtered)):
+        # A few rows at a time: float64 copies of many 50k-wide rows would be large fresh
+        # allocations (page faults) every step.
+        for start in range(0, len(all_rows), _ROWS_PER_CHUNK):
+            rows = all_rows[start:start + _ROWS_PER_CHUNK]
             index = torch.tensor(rows, device=logits.device)
             u = torch.tensor([uniform_for(seeds[i], output_indices[i]) for i in rows],
                              dtype=torch.float64, device=logits.device)

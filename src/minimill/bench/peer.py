@@ -1,0 +1,93 @@
+"""Another engine measured beside minimill in the same run (`bench engine --peer vllm`).
+
+The peer lives in its own Python environment (`--peer-python`): minimill never imports it.
+The model is handed over as an HF directory written from the weights minimill loaded (so both
+engines run the same numbers), the prompts as token ids (so both run the same tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minimill.models.types import LoadedModel
+
+PEERS = ("vllm",)
+
+
+class PeerError(RuntimeError):
+    """The peer could not be run; the message says why (its own output's tail included)."""
+
+
+def export_hf_dir(loaded: LoadedModel, dtype: torch.dtype, directory: Path) -> None:
+    """Write config.json, model.safetensors and the tokenizer files of an HF Llama/Qwen2
+    checkpoint holding `loaded`'s weights."""
+    from safetensors.torch import save_file
+
+    c = loaded.config
+    eos = list(c.eos_token_ids)
+    arch = "Qwen2ForCausalLM" if c.architecture == "qwen2" else "LlamaForCausalLM"
+    config: dict[str, Any] = {
+        "architectures": [arch], "model_type": c.architecture,
+        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.max_position_embeddings,
+        "tie_word_embeddings": c.tie_word_embeddings, "hidden_act": "silu",
+        "attention_bias": c.attention_bias, "rope_scaling": c.rope_scaling,
+        "bos_token_id": c.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else eos,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    weights = {name: w.to(dtype).contiguous() for name, w in loaded.weights.items()
+               if not (c.tie_word_embeddings and name == "lm_head.weight")}
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    tok = loaded.tokenizer
+    tok.backend.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tok.bos_token,
+        "eos_token": tok.eos_token, "pad_token": tok.pad_token, "unk_token": tok.unk_token,
+        "chat_template": loaded.chat_template, "model_max_length": c.max_position_embeddings,
+    }, indent=1))
+
+
+def run_peer(peer: str, python: str, loaded: LoadedModel, dtype: torch.dtype,
+             prompts: list[list[int]], max_tokens: list[int], max_num_seqs: int,
+             timeout_s: float = 3600.0) -> dict[str, Any]:
+    """Run the peer over the same prompts; returns its JSON figures (output_tok_s, ...)."""
+    if peer not in PEERS:
+        raise PeerError(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
+    if not Path(python).exists():
+        raise PeerError(f"--peer-python {python} does not exist")
+    runner = Path(__file__).with_name("vllm_runner.py")
+    with tempfile.TemporaryDirectory(prefix="minimill-peer-") as tmp:
+        model_dir = Path(tmp) / "model"
+        export_hf_dir(loaded, dtype, model_dir)
+        longest = max(len(p) + n for p, n in zip(prompts, max_tokens, strict=True))
+        spec = {"model_dir": str(model_dir), "dtype": str(dtype).removeprefix("torch."),
+                "prompts": prompts, "max_tokens": max_tokens, "max_num_seqs": max_num_seqs,
+                "max_model_len": max(2048, longest)}
+        spec_path = Path(tmp) / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "ACTIVE")}
+        env.pop("VIRTUAL_ENV", None)
+        try:
+            proc = subprocess.run([python, str(runner), str(spec_path)], capture_output=True,
+                                  text=True, timeout=timeout_s, env=env, cwd=tmp)
+        except subprocess.TimeoutExpired as exc:
+            raise PeerError(f"{peer} did not finish within {timeout_s:.0f} s") from exc
+    for line in proc.stdout.splitlines():
+        if line.startswith("PEER_RESULT "):
+            result: dict[str, Any] = json.loads(line.removeprefix("PEER_RESULT "))
+            return result
+    tail = (proc.stdout + proc.stderr)[-2000:]
+    raise PeerError(f"{peer} failed (exit {proc.returncode}):\n{tail}")

@@ -1,0 +1,164 @@
+"""The per-layer operations the model calls, in two interchangeable implementations.
+
+`TorchKernels` is portable PyTorch (any device, any dtype): the reference. `CpuKernels` runs
+minimill's compiled CPU kernels (native.py): fused RMSNorm + residual, rotary + KV write into
+the paged cache, SiLU * up, and attention over the paged cache in place. Tests hold the fast
+path to the reference (float32: logits close, greedy tokens identical).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from minimill.engine.attention import (
+    AttentionMetadata,
+    paged_attention_reference,
+    write_kv_reference,
+)
+
+log = logging.getLogger(__name__)
+
+KERNEL_CHOICES = ("auto", "native", "torch")
+
+
+class TorchKernels:
+    """Portable PyTorch; arithmetic as HF transformers (norms in float32, rounding to dtype)."""
+
+    name = "torch"
+
+    def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight [out, in] in the form `linear` reads fastest (done once, at load)."""
+        return weight.contiguous()
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(x.dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual); the inputs may be overwritten."""
+        residual = x + residual
+        return self.rms_norm(residual, weight, eps), residual
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rotary_kv_write(self, qkv: torch.Tensor, positions: torch.Tensor,
+                        cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor, num_heads: int,
+                        num_kv_heads: int, block_size: int) -> torch.Tensor:
+        """Rotate q and k (in float32, HF's rotate_half), write k and v into the cache;
+        returns q [num_tokens, heads, head_dim]."""
+        num_tokens = qkv.shape[0]
+        head_dim = cos_sin.shape[1]
+        half = head_dim // 2
+        qk = qkv[:, :(num_heads + num_kv_heads) * head_dim].view(num_tokens, -1, head_dim)
+        table = cos_sin[positions].unsqueeze(1)  # [tokens, 1, head_dim]
+        cos, sin = table[..., :half], table[..., half:]
+        x1, x2 = qk[..., :half].float(), qk[..., half:].float()
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(qkv.dtype)
+        q, k = rotated[:, :num_heads], rotated[:, num_heads:]
+        start = (num_heads + num_kv_heads) * head_dim
+        v = qkv[:, start:start + num_kv_heads * head_dim].view(num_tokens, num_kv_heads,
+                                                               head_dim)
+        write_kv_reference(k_cache, v_cache, k, v, slot_mapping, block_size)
+        return q
+
+    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale)
+
+
+class CpuKernels(TorchKernels):
+    """minimill's compiled CPU kernels (float32 and bfloat16)."""
+
+    name = "native-cpu"
+
+    # The batch size oneDNN lays packed weights out for; it serves every batch size.
+    _PACK_FOR_ROWS = 256
+
+    def __init__(self) -> None:
+        self._ops = torch.ops.minimill
+        self._mkldnn = torch.backends.mkldnn.is_available()
+
+    def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """Prepacked into oneDNN's blocked layout: the GEMM skips re-blocking the weight on
+        every call."""
+        if not self._mkldnn:
+            return weight.contiguous()
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self._PACK_FOR_ROWS)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not weight.is_mkldnn:
+            return F.linear(x, weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        out = torch.empty_like(x)
+        self._ops.rms_norm(out, x, weight, eps)
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        self._ops.add_rms_norm(x, residual, weight, eps)
+        return x, residual
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+        self._ops.silu_and_mul(out, gate_up)
+        return out
+
+    def rotary_kv_write(self, qkv: torch.Tensor, positions: torch.Tensor,
+                        cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor, num_heads: int,
+                        num_kv_heads: int, block_size: int) -> torch.Tensor:
+        q = qkv.new_empty(qkv.shape[0], num_heads, cos_sin.shape[1])
+        self._ops.rotary_kv_write(qkv, positions, cos_sin, q, k_cache, v_cache, slot_mapping,
+                                  num_heads, num_kv_heads, block_size)
+        return q
+
+    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        self._ops.paged_attention(out, q, k_cache, v_cache, meta.block_tables,
+                                  meta.query_start, meta.seq_lens, scale,
+                                  k_cache.shape[2] // q.shape[2])
+        return out
+
+
+def select_kernels(choice: str, device: torch.device, dtype: torch.dtype, block_size: int,
+                   head_dim: int) -> tuple[TorchKernels, str]:
+    """The kernels for this engine and why: `auto` takes the compiled CPU kernels where they
+    apply and build, `native` insists on them, `torch` is the portable path."""
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {choice!r}")
+    if choice == "torch":
+        return TorchKernels(), "asked for the portable PyTorch path"
+    why_not = None
+    if device.type != "cpu":
+        why_not = f"no compiled kernels for {device.type}"
+    elif dtype not in (torch.float32, torch.bfloat16):
+        why_not = f"the CPU kernels support float32 and bfloat16, not {dtype}"
+    elif block_size % 16 or head_dim % 32 or head_dim > 256:
+        why_not = (f"the CPU kernels need block_size a multiple of 16 and head_dim a multiple "
+                   f"of 32 up to 256, not {block_size} and {head_dim}")
+    else:
+        from minimill.engine.native import load_cpu_kernels
+
+        state = load_cpu_kernels()
+        if state.available:
+            return CpuKernels(), state.reason
+        why_not = state.reason
+    if choice == "native":
+        raise ValueError(f"kernels='native' cannot be used: {why_not}")
+    return TorchKernels(), why_not
