@@ -44,6 +44,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     resume_token_ids: list[int]
+    resume_text: str | None
 
 
 class AsyncEngine:
@@ -83,13 +84,16 @@ class AsyncEngine:
         return self._tok_s
 
     def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                 resume_token_ids: Seq[int] = ()) -> AsyncIterator[TokenDelta]:
+                 resume_token_ids: Seq[int] = (), resume_text: str | None = None
+                 ) -> AsyncIterator[TokenDelta]:
         """Submit a request now (bad input raises InvalidRequestError here) and return its
         stream of deltas. Call from a running event loop.
 
         A text prompt is tokenized with the tokenizer's special tokens. `resume_token_ids`
         are tokens generated earlier: they are prefilled, not repeated in the deltas, and count
         towards max_tokens; sampling continues at output position len(resume_token_ids).
+        `resume_text` is the text already handed out for them (a checkpoint's): the deltas
+        continue it exactly as the uninterrupted request's would have (EngineCore.add_request).
         """
         if self._closed:
             raise EngineError("the engine is closed")
@@ -107,7 +111,7 @@ class AsyncEngine:
             # Checks that need no scheduler state; the engine thread owns the rest.
             self._core.check_request(prompt_ids, resume)
             self._streams[request_id] = _Stream(loop, asyncio.Queue())
-            self._inbox.append(_Add(request_id, prompt_ids, params, resume))
+            self._inbox.append(_Add(request_id, prompt_ids, params, resume, resume_text))
         self._wake.set()
         return self._iterate(request_id)
 
@@ -182,7 +186,7 @@ class AsyncEngine:
             return
         try:
             self._core.add_request(command.request_id, command.prompt_token_ids,
-                                   command.params, command.resume_token_ids)
+                                   command.params, command.resume_token_ids, command.resume_text)
         except Exception as exc:
             out[command.request_id].append(exc)
 

@@ -18,6 +18,7 @@ from minimill.engine.attention import (
     paged_attention_reference,
     write_kv_reference,
 )
+from minimill.engine.sampler import Adjustments, reference_logprobs, reference_sample
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,16 @@ class TorchKernels:
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention_reference(q, k_cache, v_cache, meta, scale)
 
+    def sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+               top_p: torch.Tensor, u: torch.Tensor,
+               adjustments: list[Adjustments]) -> torch.Tensor:
+        """One token per row (sampler.py has the semantics); parameters are CPU tensors."""
+        return reference_sample(logits, temperature, top_k, top_p, u, adjustments)
+
+    def token_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, num_top: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return reference_logprobs(logits, tokens, num_top)
+
 
 class CpuKernels(TorchKernels):
     """minimill's compiled CPU kernels (float32 and bfloat16)."""
@@ -85,6 +96,8 @@ class CpuKernels(TorchKernels):
 
     # The batch size oneDNN lays packed weights out for; it serves every batch size.
     _PACK_FOR_ROWS = 256
+    # Most rows per GEMM call (see `linear`).
+    _LINEAR_ROWS = 512
 
     def __init__(self) -> None:
         self._ops = torch.ops.minimill
@@ -99,6 +112,21 @@ class CpuKernels(TorchKernels):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T (+ bias), batch-invariant: each row's result is the same whatever
+        else is in the batch, so a request computes the same numbers alone or in a crowd, in
+        a prompt chunk or a decode step (a resumed request continues exactly). oneDNN picks
+        its reduction order by the number of rows: a single row takes a matrix-vector path
+        and very tall inputs a split one, so rows go in as chunks of 2.._LINEAR_ROWS."""
+        rows = x.shape[0]
+        if rows == 1:
+            return self._linear(x.expand(2, -1), weight, bias)[:1]
+        if rows <= self._LINEAR_ROWS:
+            return self._linear(x, weight, bias)
+        return torch.cat([self.linear(x[i:i + self._LINEAR_ROWS], weight, bias)
+                          for i in range(0, rows, self._LINEAR_ROWS)])
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
         if not weight.is_mkldnn:
             return F.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -134,6 +162,37 @@ class CpuKernels(TorchKernels):
                                   meta.query_start, meta.seq_lens, scale,
                                   k_cache.shape[2] // q.shape[2])
         return out
+
+    def sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+               top_p: torch.Tensor, u: torch.Tensor,
+               adjustments: list[Adjustments]) -> torch.Tensor:
+        if logits.dtype not in (torch.float32, torch.bfloat16):
+            return super().sample(logits, temperature, top_k, top_p, u, adjustments)
+        offsets = [0]
+        ids: list[int] = []
+        values: list[float] = []
+        for adjust in adjustments:
+            ids.extend(t for t, _ in adjust)
+            values.extend(v for _, v in adjust)
+            offsets.append(len(ids))
+        out = torch.empty(logits.shape[0], dtype=torch.long)
+        self._ops.sample_tokens(logits.contiguous(), temperature, top_k, top_p, u,
+                                torch.tensor(offsets, dtype=torch.long),
+                                torch.tensor(ids, dtype=torch.long),
+                                torch.tensor(values, dtype=torch.float32), out)
+        return out
+
+    def token_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, num_top: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if logits.dtype not in (torch.float32, torch.bfloat16):
+            return super().token_logprobs(logits, tokens, num_top)
+        rows = logits.shape[0]
+        chosen = torch.empty(rows, dtype=torch.float32)
+        top_ids = torch.empty(rows, num_top, dtype=torch.long)
+        top_values = torch.empty(rows, num_top, dtype=torch.float32)
+        self._ops.token_logprobs(logits.contiguous(), tokens.contiguous(), num_top, chosen,
+                                 top_ids, top_values)
+        return chosen, top_ids, top_values
 
 
 def select_kernels(choice: str, device: torch.device, dtype: torch.dtype, block_size: int,

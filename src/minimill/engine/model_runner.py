@@ -71,5 +71,6 @@ class ModelRunner:
         sampling = [e.seq for e in output.scheduled if e.sample]
         tokens, logprobs = sample(logits, [s.params for s in sampling],
                                   [s.seed for s in sampling],
-                                  [s.num_output_tokens for s in sampling])
+                                  [s.num_output_tokens for s in sampling], self.kernels,
+                                  [s.output_counts for s in sampling])
         return ModelOutput(tokens, logprobs)

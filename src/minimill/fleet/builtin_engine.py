@@ -105,8 +105,12 @@ class BuiltinEngineAdapter:
     async def generate(self, job: ChoiceJob) -> AsyncIterator[ChoiceUpdate]:
         try:
             prompt = self._prompt(job)
-            stream = self._engine.generate(job.engine_request_id, prompt, job.params,
-                                           resume_token_ids=self._resume_ids(job))
+            # The checkpoint's text is what was handed out for its tokens: the deltas continue
+            # it exactly (a split character or a held-back stop prefix is not repeated).
+            stream = self._engine.generate(
+                job.engine_request_id, prompt, job.params,
+                resume_token_ids=self._resume_ids(job),
+                resume_text=job.resume.text if job.resume is not None else None)
             async for delta in stream:
                 reason = delta.finish_reason.value if delta.finish_reason is not None else None
                 yield ChoiceUpdate(
