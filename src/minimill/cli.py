@@ -26,6 +26,8 @@ app.add_typer(sites_app, name="sites")
 sites_app.add_typer(outage_app, name="outage")
 
 DEFAULT_MODEL = "smollm2-135m"
+DTYPE_HELP = ("auto (bfloat16 where the chip computes it natively: GPUs, CPUs with AVX-512 BF16 "
+              "or AMX; else float32), bfloat16, float16 or float32.")
 DbOption = typer.Option(None, "--db", help="Store URL (sqlite:///... or postgresql://...). "
                         "Default: SQLite under MINIMILL_HOME.")
 
@@ -51,7 +53,7 @@ def generate(
     max_tokens: int = typer.Option(64, help="Most tokens to generate."),
     temperature: float = typer.Option(0.0, help="0 is greedy."),
     seed: int | None = typer.Option(None, help="Sampling seed."),
-    dtype: str = typer.Option("bfloat16", help="bfloat16, float16 or float32."),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
 ) -> None:
     """Generate one chat answer offline with the builtin engine and print it."""
     from minimill.engine.llm import generate_chat_cli
@@ -66,7 +68,7 @@ def serve(
     port: int = typer.Option(8000, help="Port to listen on."),
     db: str | None = DbOption,
     model: str = typer.Option(DEFAULT_MODEL, help="Model the local worker serves."),
-    dtype: str = typer.Option("bfloat16", help="Engine dtype of the local worker."),
+    dtype: str = typer.Option("auto", help="Engine dtype of the local worker: " + DTYPE_HELP),
     local_worker: bool = typer.Option(True, help="Start one local worker process."),
     price_per_hour: float = typer.Option(0.10, help="The local site's price in $/hour."),
 ) -> None:
@@ -143,15 +145,29 @@ def bench_engine(
     workload: Path = WorkloadOption,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
     model: str = typer.Option(DEFAULT_MODEL, help="Model name or path."),
-    dtype: str = typer.Option("bfloat16", help="Engine dtype."),
+    dtype: str = typer.Option("auto", help="Engine dtype: " + DTYPE_HELP),
     limit: int | None = typer.Option(None, help="Use only the first N requests."),
     skip_hf: bool = typer.Option(False, help="Skip the HF transformers baseline."),
+    shape: str | None = typer.Option(
+        None, help="Measure a named model shape instead of --model (e.g. llama3-8b, "
+        "qwen2.5-7b, llama3-70b, smollm2-135m); needs --random-weights."),
+    config: Path | None = typer.Option(
+        None, exists=True, dir_okay=False,
+        help="An HF config.json whose shape to measure; needs --random-weights."),
+    random_weights: bool = typer.Option(
+        False, help="Random weights of the shape: measures the chip without downloading."),
+    kernels: str = typer.Option("auto", help="auto, native or torch (the portable path)."),
+    peer: str | None = typer.Option(None, help="Also measure this engine: vllm."),
+    peer_python: str | None = typer.Option(
+        None, help="Python of the environment where the peer is installed."),
 ) -> None:
-    """Offline engine throughput vs the speed of light and vs HF transformers."""
-    from minimill.bench.engine_bench import run_engine_bench
+    """Offline engine throughput vs the speed of light, HF transformers and (optionally) vLLM."""
+    from minimill.bench.engine_bench import EngineBenchOptions, run_engine_bench
 
-    run_engine_bench(workload, json_out=json_out, model=model, dtype=dtype, limit=limit,
-                     skip_hf=skip_hf)
+    run_engine_bench(EngineBenchOptions(
+        workload=workload, json_out=json_out, model=model, dtype=dtype, limit=limit,
+        skip_hf=skip_hf, shape=shape, config=config, random_weights=random_weights,
+        kernels=kernels, peer=peer, peer_python=peer_python))
 
 
 @bench_app.command("batch")
@@ -191,7 +207,7 @@ def worker(
         None, help="Chip name, for the registry (default: as the site was registered)."),
     engine: str = typer.Option("builtin", help="'builtin' or an OpenAI-compatible base URL."),
     model: str = typer.Option(DEFAULT_MODEL, help="Model to serve."),
-    dtype: str = typer.Option("bfloat16", help="Builtin engine dtype."),
+    dtype: str = typer.Option("auto", help="Builtin engine dtype: " + DTYPE_HELP),
     capacity: int = typer.Option(256, help="Most requests in flight."),
 ) -> None:
     """Join a fleet: pull work from the control plane under leases and run it."""

@@ -39,7 +39,9 @@ class DecoderModel:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype, device: torch.device, max_model_len: int,
-                 kernels: TorchKernels | None = None) -> None:
+                 kernels: TorchKernels | None = None, release_weights: bool = False) -> None:
+        """`release_weights`: take each weight out of `weights` once used, so that a model
+        which barely fits in memory is never held twice (source and fused copies)."""
         self.config = config
         self.kernels = kernels or TorchKernels()
         self.num_heads = config.num_attention_heads
@@ -49,7 +51,7 @@ class DecoderModel:
         self.scale = config.head_dim ** -0.5
 
         def w(name: str) -> torch.Tensor:
-            tensor = weights.get(name)
+            tensor = weights.pop(name, None) if release_weights else weights.get(name)
             if tensor is None:
                 raise ModelFileError(f"weight {name!r} is missing from the model")
             return tensor.to(device=device, dtype=dtype)
@@ -58,6 +60,7 @@ class DecoderModel:
         self.norm = w("model.norm.weight")
         pack = self.kernels.prepare_weight
         if config.tie_word_embeddings or "lm_head.weight" not in weights:
+            # Packing may copy the embedding: the lm_head then holds its own layout.
             self.lm_head = pack(self.embed)
         else:
             self.lm_head = pack(w("lm_head.weight"))

@@ -8,6 +8,7 @@ block table, so no reordering or grouping is needed.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +21,17 @@ from minimill.engine.scheduler import ModelOutput, SchedulerOutput
 from minimill.models.types import LoadedModel
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What one step computed, for yardsticks (bench/sol.py): the work, not the time."""
+
+    num_tokens: int  # rows through every linear layer
+    num_logits: int  # rows through the vocabulary projection
+    num_seqs: int
+    kv_tokens: int  # sum of the sequences' KV lengths: each is read at least once per layer
+    attended_pairs: int  # (query, key) pairs attention scores, over all sequences
 
 
 class ModelRunner:
@@ -36,10 +48,13 @@ class ModelRunner:
         log.info("engine: dtype %s (%s); kernels %s (%s)", config.dtype, config.dtype_reason,
                  self.kernels.name, self.kernels_reason)
         self.model = DecoderModel(mc, loaded.weights, config.torch_dtype, self.device,
-                                  config.max_model_len, self.kernels)
+                                  config.max_model_len, self.kernels,
+                                  release_weights=bool(loaded.extra.get("release_weights")))
         self.kv_cache = allocate_kv_cache(config.num_kv_blocks, mc.num_hidden_layers,
                                           mc.num_key_value_heads, config.block_size,
                                           mc.head_dim, config.torch_dtype, self.device)
+        # Set to a list to record every step's shape (benchmarks); None costs nothing.
+        self.step_log: list[StepShape] | None = None
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelOutput:
@@ -61,6 +76,13 @@ class ModelRunner:
             if e.sample:
                 logits_rows.append(len(input_ids) - 1)
         dev = self.device
+        if self.step_log is not None:
+            # A query at position p scores p + 1 keys; a chunk of q rows ending at n scores
+            # q * n - q * (q - 1) / 2 pairs.
+            pairs = sum(q * n - q * (q - 1) // 2 for q, n in zip(query_lens, seq_lens,
+                                                                 strict=True))
+            self.step_log.append(StepShape(len(input_ids), len(logits_rows), len(seq_lens),
+                                           sum(seq_lens), pairs))
         meta = build_metadata(query_lens, seq_lens, tables, self.config.block_size, dev)
         logits = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long, device=dev),

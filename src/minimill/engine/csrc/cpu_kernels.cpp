@@ -54,6 +54,12 @@ template <typename T> inline fVec round_to(const fVec& v) {
   }
 }
 
+// Rows per thread below which a kernel stays on the calling thread: waking the other threads
+// and meeting them again costs more than ~64K elements of elementwise work.
+inline int64_t grain_rows(int64_t elements_per_row) {
+  return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, elements_per_row));
+}
+
 void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
 }
@@ -88,7 +94,7 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, do
   const T* wp = w.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t xs = x.stride(0), os = out.stride(0);
-  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) rms_norm_row<T>(op + r * os, xp + r * xs, wp, n, eps);
   });
 }
@@ -113,7 +119,7 @@ void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& w,
   T* rp = residual.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
   const int64_t xs = x.stride(0), rs = residual.stride(0);
-  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       T* xr = xp + r * xs;
       T* rr = rp + r * rs;
@@ -150,7 +156,7 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
   T* op = out.data_ptr<T>();
   const int64_t gs = gate_up.stride(0), os = out.stride(0);
   const fVec one(1.f);
-  at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, rows, grain_rows(4 * n), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const T* g = gp + r * gs;
       const T* u = g + n;
@@ -226,7 +232,8 @@ void rotary_kv_write_impl(const at::Tensor& qkv, const at::Tensor& positions,
   const int64_t src_stride = qkv.stride(0), qo_stride = q_out.stride(0);
   const int64_t kb = k_cache.stride(0), kh = k_cache.stride(1);
   const int64_t vb = v_cache.stride(0), vh = v_cache.stride(1);
-  at::parallel_for(0, tokens, 16, [&](int64_t b, int64_t e) {
+  const int64_t row_work = (num_heads + 3 * num_kv_heads) * head_dim;
+  at::parallel_for(0, tokens, grain_rows(row_work), [&](int64_t b, int64_t e) {
     float rotated[kMaxHeadDim];
     for (int64_t t = b; t < e; ++t) {
       const T* row = src + t * src_stride;
@@ -579,7 +586,11 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   }
   const int64_t max_vectors = kRowTile * group;
   const int64_t total = static_cast<int64_t>(items.size()) * num_kv_heads;
-  at::parallel_for(0, total, 1, [&](int64_t begin, int64_t end) {
+  int64_t keys = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) keys += lens[s] * ((qs[s + 1] - qs[s] + kRowTile - 1) / kRowTile);
+  // Little work (a few short sequences) stays on this thread.
+  const int64_t grain = keys * num_heads * head_dim < (int64_t{1} << 18) ? total : 1;
+  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qbuf(max_vectors * head_dim), obuf(max_vectors * head_dim);
     std::vector<uint32_t> qpairs(max_vectors * head_dim / 2);
     std::vector<int64_t> qpos(max_vectors), out_row(max_vectors), out_head(max_vectors);
