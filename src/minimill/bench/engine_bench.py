@@ -103,7 +103,7 @@ def _load(options: EngineBenchOptions) -> tuple[Any, Any, str]:
     from minimill.models.loader import load_model
     from minimill.models.shapes import NAMED_SHAPES, random_model, shape_from_hf_config
 
-    overrides = {"dtype": options.dtype, "kernels": options.kernels}
+    overrides: dict[str, Any] = {"dtype": options.dtype, "kernels": options.kernels}
     if options.shape is None and options.config is None:
         if options.random_weights:
             raise ValueError("--random-weights needs --shape or --config")
@@ -208,7 +208,7 @@ def _peer(options: EngineBenchOptions, loaded: Any, config: Any, prompts: list[l
           items: list[WorkItem], output_tok_s: float, quiet: bool, err: Any) -> dict[str, Any]:
     from minimill.bench.peer import PeerError, run_peer
 
-    if options.peer_python is None:
+    if options.peer is None or options.peer_python is None:
         raise PeerError("--peer needs --peer-python: the Python of the peer's environment")
     with err.status(f"running {options.peer} ...") if not quiet else nullcontext():
         result = run_peer(options.peer, options.peer_python, loaded, config.torch_dtype,
