@@ -44,6 +44,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # CPU threads for torch; None: every core
+    pin_threads: bool = True  # CPU: pin the intra-op threads to cores (kernels.py)
     dtype_reason: str = ""  # why this dtype (set when dtype was "auto")
     model_config: InitVar[ModelConfig | None] = None
 

@@ -78,6 +78,11 @@ class TorchKernels:
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention_reference(q, k_cache, v_cache, meta, scale)
 
+    def pin_threads(self) -> list[int]:
+        """Pin the intra-op threads to cores where the kernels know how; returns the CPU of
+        each thread (-1: not pinned)."""
+        return [-1] * torch.get_num_threads()
+
     def sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                top_p: torch.Tensor, u: torch.Tensor,
                adjustments: list[Adjustments]) -> torch.Tensor:
@@ -102,6 +107,12 @@ class CpuKernels(TorchKernels):
     def __init__(self) -> None:
         self._ops = torch.ops.minimill
         self._mkldnn = torch.backends.mkldnn.is_available()
+
+    def pin_threads(self) -> list[int]:
+        import os
+
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        return list(self._ops.pin_threads(cpus))
 
     def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """Prepacked into oneDNN's blocked layout: the GEMM skips re-blocking the weight on

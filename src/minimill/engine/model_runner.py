@@ -45,8 +45,10 @@ class ModelRunner:
         self.model_config = mc
         self.kernels, self.kernels_reason = select_kernels(
             config.kernels, self.device, config.torch_dtype, config.block_size, mc.head_dim)
-        log.info("engine: dtype %s (%s); kernels %s (%s)", config.dtype, config.dtype_reason,
-                 self.kernels.name, self.kernels_reason)
+        pinned = self.kernels.pin_threads() if config.pin_threads else []
+        log.info("engine: dtype %s (%s); kernels %s (%s); %d threads, pinned to CPUs %s",
+                 config.dtype, config.dtype_reason, self.kernels.name, self.kernels_reason,
+                 torch.get_num_threads(), pinned)
         self.model = DecoderModel(mc, loaded.weights, config.torch_dtype, self.device,
                                   config.max_model_len, self.kernels,
                                   release_weights=bool(loaded.extra.get("release_weights")))

@@ -17,6 +17,9 @@
 
 #include <algorithm>
 #include <cstring>
+#ifdef __linux__
+#include <sched.h>
+#endif
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -1099,6 +1102,30 @@ void token_logprobs(at::Tensor logits, at::Tensor tokens, int64_t num_top, at::T
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Threads. Each intra-op (OpenMP) worker thread i >= 1 is pinned to cpus[i % n], so the
+// engine's threads stay on their cores with their caches warm. Thread 0 is the caller's own
+// thread: it is left alone (a pinned caller would pass its one-CPU mask on to every process
+// it starts). Returns the CPU each thread ended on (-1: not pinned).
+
+std::vector<int64_t> pin_threads(std::vector<int64_t> cpus) {
+  const int threads = at::get_num_threads();
+  std::vector<int64_t> pinned(threads, -1);
+  if (cpus.empty()) return pinned;
+#ifdef __linux__
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    const int t = at::get_thread_num();
+    if (t == 0 || t >= threads) return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    const int64_t cpu = cpus[t % cpus.size()];
+    CPU_SET(static_cast<int>(cpu), &set);
+    if (sched_setaffinity(0, sizeof(set), &set) == 0) pinned[t] = cpu;
+  });
+#endif
+  return pinned;
+}
+
 }  // namespace
 }  // namespace minimill
 
@@ -1114,9 +1141,14 @@ TORCH_LIBRARY(minimill, m) {
         "Tensor(a!) out) -> ()");
   m.def("token_logprobs(Tensor logits, Tensor tokens, int num_top, Tensor(a!) chosen, "
         "Tensor(b!) top_ids, Tensor(c!) top_values) -> ()");
+  m.def("pin_threads(int[] cpus) -> int[]");
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor query_start, Tensor seq_lens, float scale, "
         "int block_size) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(minimill, CompositeExplicitAutograd, m) {
+  m.impl("pin_threads", &minimill::pin_threads);
 }
 
 TORCH_LIBRARY_IMPL(minimill, CPU, m) {
