@@ -130,6 +130,8 @@ class EchoSite:
     price_per_hour: float | None = None
     # Seconds between streamed tokens (streaming leases checkpoint after every token).
     token_delay_s: float = 0.02
+    # Seconds each other lease takes to serve (time the site holds it before completing).
+    serve_delay_s: float = 0.0
     # Stop leasing after this many leases (None: no limit).
     max_leases: int | None = None
     completed: list[str] = field(default_factory=list)
@@ -221,6 +223,8 @@ class EchoSite:
                       "num_prompt_tokens": 5}
                 self._post("/heartbeat", {"leases": [{**base, "checkpoint": cp}]})
                 time.sleep(self.token_delay_s)
+        else:
+            time.sleep(self.serve_delay_s)
         # A resumed lease continues its checkpoint: the echo text is the same from any point.
         assert all(r.get("text", "") == "".join(tokens)[:len(r.get("text", ""))]
                    for r in resumed.values())

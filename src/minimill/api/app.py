@@ -85,11 +85,14 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     app.state.watcher = watcher
     errors.install(app)
     app.add_middleware(UploadLimitMiddleware, max_file_bytes=settings.max_file_bytes)
-    for module in (models, chat, completions, files, batches, fleet, sites, prices, keys):
+    for module in (models, chat, completions, files, batches, fleet):
         app.include_router(module.router)
+    operator_routers = (sites.router, prices.router, keys.router)
+    for router in operator_routers:
+        app.include_router(router)
     # A wrong method on these answers 404 too (errors.py), as an unknown URL would.
-    app.state.operator_paths = [r.path_regex for r in app.routes
-                                if isinstance(r, APIRoute) and "operator" in r.tags]
+    app.state.operator_paths = [r.path_regex for router in operator_routers
+                                for r in router.routes if isinstance(r, APIRoute)]
     _openapi_without_422(app)
     return app
 
