@@ -79,7 +79,9 @@ def serve(
     model: str = typer.Option(DEFAULT_MODEL, help="Model the local worker serves."),
     dtype: str = typer.Option("bfloat16", help="Engine dtype of the local worker."),
     local_worker: bool = typer.Option(True, help="Start one local worker process."),
-    price_per_hour: float = typer.Option(0.10, help="The local site's price in $/hour."),
+    price_per_hour: float = typer.Option(
+        0.10, help="What the local site costs in $/hour (cost only; tenants are billed by "
+        "`minimill prices`)."),
 ) -> None:
     """Serve the OpenAI-compatible API (control plane) plus one local worker process."""
     from minimill.api.serve import run_serve
@@ -203,7 +205,8 @@ def worker(
     site: str = typer.Option(..., help="This site's name."),
     token: str = typer.Option(..., envvar="MINIMILL_SITE_TOKEN", help="Site token."),
     price_per_hour: float | None = typer.Option(
-        None, help="This site's price in $/hour (default: as the site was registered)."),
+        None, help="What this site costs in $/hour (default: as the site was registered; "
+        "cost only, never what tenants are billed)."),
     chip: str | None = typer.Option(
         None, help="Chip name, for the registry (default: as the site was registered)."),
     engine: str = typer.Option("builtin", help="'builtin' or an OpenAI-compatible base URL."),
