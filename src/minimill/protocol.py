@@ -44,8 +44,9 @@ class LeaseRequest(BaseModel):
     # Output tokens/s the worker measured recently; the control plane keeps it per site.
     tokens_per_s: float | None = None
     # The site's price and chip as its worker declares them (`minimill worker --price-per-hour
-    # --chip`); when given they replace what the site was registered with, so metering and
-    # placement use them. None: keep the registered values.
+    # --chip`); when given they replace what the site was registered with, so the site's cost
+    # (metering) and placement use them; never a tenant's bill. None: keep the registered
+    # values.
     price_per_hour: float | None = Field(default=None, ge=0, le=MAX_PRICE_PER_HOUR,
                                           allow_inf_nan=False)
     chip: str | None = Field(default=None, min_length=1, max_length=MAX_CHIP_CHARS,

@@ -13,7 +13,8 @@ import httpx
 from api_harness import MODEL, ApiEnv, wait_for
 from openai import OpenAI
 
-from minimill.control.sites import create_site, list_sites
+from minimill.control.site_view import list_sites
+from minimill.control.sites import create_site
 
 SERVER_SETTINGS = {"lease_ttl_s": 1.0, "janitor_interval_s": 0.1}
 
@@ -177,12 +178,13 @@ def test_sites_as_json_and_self_announced_outages(env: ApiEnv, client: OpenAI) -
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "end"
         assert dark.post("/lease", json={"capacity": 4, "models": [MODEL]}).json()[
             "leases"] == []
-    listed = httpx.get(env.v1 + "/sites", headers={"Authorization": f"Bearer {env.key}"})
+    listed = httpx.get(env.v1 + "/sites",
+                       headers={"Authorization": f"Bearer {env.operator_key}"})
     assert listed.status_code == 200
     mine = {s["name"]: s for s in listed.json()["data"]}[name]
     assert mine["status"] == "outage" and mine["price_per_hour"] == 0.72
     assert mine["outages"] == [{"start_at": now - 1, "end_at": now + 600}]
-    assert httpx.get(env.v1 + "/sites").status_code == 401
+    assert httpx.get(env.v1 + "/sites").status_code == 404
     _, other = new_site(env)
     with fleet(env, other) as lit:
         got = lease_one(lit)

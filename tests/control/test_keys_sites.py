@@ -14,11 +14,11 @@ from sqlalchemy import select
 from minimill.control.errors import ConflictError, InvalidRequestError, NotFoundError
 from minimill.control.keys import authenticate, create_key, ensure_tenant
 from minimill.control.leases import lease
+from minimill.control.site_view import list_sites
 from minimill.control.sites import (
     add_outage,
     authenticate_site,
     create_site,
-    list_sites,
     parse_time,
     touch_site,
 )

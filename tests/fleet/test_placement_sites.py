@@ -73,7 +73,8 @@ def landed(site: EchoSite, prefix: str) -> set[str]:
 
 
 def sites_json(env: ApiEnv) -> dict[str, dict[str, Any]]:
-    answer = httpx.get(env.v1 + "/sites", headers={"Authorization": f"Bearer {env.key}"})
+    answer = httpx.get(env.v1 + "/sites",
+                       headers={"Authorization": f"Bearer {env.operator_key}"})
     assert answer.status_code == 200
     return {s["name"]: s for s in answer.json()["data"]}
 

@@ -16,12 +16,23 @@ from typing import Any
 
 import anyio
 from fastapi import FastAPI
+from fastapi.routing import APIRoute
 
 from minimill import __version__
 from minimill.api import errors
 from minimill.api.limits import UploadLimitMiddleware
 from minimill.api.progress import ProgressWatcher
-from minimill.api.routes import batches, chat, completions, files, fleet, models, sites
+from minimill.api.routes import (
+    batches,
+    chat,
+    completions,
+    files,
+    fleet,
+    keys,
+    models,
+    prices,
+    sites,
+)
 from minimill.api.settings import Settings
 from minimill.control.config import ControlConfig
 from minimill.control.janitor import tick
@@ -74,8 +85,14 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     app.state.watcher = watcher
     errors.install(app)
     app.add_middleware(UploadLimitMiddleware, max_file_bytes=settings.max_file_bytes)
-    for module in (models, chat, completions, files, batches, fleet, sites):
+    for module in (models, chat, completions, files, batches, fleet):
         app.include_router(module.router)
+    operator_routers = (sites.router, prices.router, keys.router)
+    for router in operator_routers:
+        app.include_router(router)
+    # A wrong method on these answers 404 too (errors.py), as an unknown URL would.
+    app.state.operator_paths = [r.path_regex for router in operator_routers
+                                for r in router.routes if isinstance(r, APIRoute)]
     _openapi_without_422(app)
     return app
 

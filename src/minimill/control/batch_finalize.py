@@ -84,13 +84,13 @@ def _lines(conn: Connection, batch_id: str) -> tuple[list[bytes], list[bytes]]:
     query = (select(requests.c.id, requests.c.custom_id, requests.c.kind, requests.c.model,
                     requests.c.tier, requests.c.status, requests.c.result, requests.c.error,
                     requests.c.prompt_tokens, requests.c.completion_tokens,
-                    requests.c.cost_usd, requests.c.created_at)
+                    requests.c.billed_usd, requests.c.created_at)
              .where(requests.c.batch_id == batch_id).order_by(requests.c.line_no))
     for r in conn.execute(query):
         if r.status == RequestStatus.SUCCEEDED:
             body = render_response(Kind(r.kind), r.id, r.model, r.created_at, r.tier,
                                    (r.result or {}).get("choices", []),
-                                   usage_dict(r.prompt_tokens, r.completion_tokens, r.cost_usd))
+                                   usage_dict(r.prompt_tokens, r.completion_tokens, r.billed_usd))
             output.append(json.dumps(batch_output_line(r.id, r.custom_id, body)).encode())
         else:
             error = r.error or {"code": r.status, "message": f"request {r.status}"}

@@ -71,10 +71,10 @@ def _counts(conn: Connection, batch_ids: Sequence[str]) -> dict[str, tuple[Reque
     if batch_ids:
         query = (select(requests.c.batch_id, requests.c.status, func.count(),
                         func.sum(requests.c.prompt_tokens), func.sum(requests.c.completion_tokens),
-                        func.sum(requests.c.cost_usd))
+                        func.sum(requests.c.billed_usd))
                  .where(requests.c.batch_id.in_(list(batch_ids)))
                  .group_by(requests.c.batch_id, requests.c.status))
-        for batch_id, status, count, prompt, completion, cost in conn.execute(query):
+        for batch_id, status, count, prompt, completion, billed in conn.execute(query):
             a = acc[batch_id]
             a[0] += count
             if status == RequestStatus.SUCCEEDED:
@@ -83,10 +83,10 @@ def _counts(conn: Connection, batch_ids: Sequence[str]) -> dict[str, tuple[Reque
                 a[2] += count
             a[3] += prompt or 0
             a[4] += completion or 0
-            a[5] += cost or 0.0
+            a[5] += billed or 0.0
     return {b: (RequestCounts(total=int(a[0]), completed=int(a[1]), failed=int(a[2])),
                 UsageTotals(prompt_tokens=int(a[3]), completion_tokens=int(a[4]),
-                            cost_usd=float(a[5])))
+                            billed_usd=float(a[5])))
             for b, a in acc.items()}
 
 
@@ -177,7 +177,7 @@ def create_batch(store: Store, tenant_id: str, input_file_id: str, endpoint: str
                      "tier": Tier.BACKGROUND.value, "model": None, "body": None,
                      "seed": new_seed(), "max_tokens": None, "stream": False,
                      "status": RequestStatus.FAILED.value, "epoch": 0, "attempts": 0,
-                     "version": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0,
+                     "version": 0, "prompt_tokens": 0, "completion_tokens": 0, "billed_usd": 0.0,
                      "created_at": now, "finished_at": now, "deadline": deadline,
                      "error": error, **extra})
     with store.write() as conn:

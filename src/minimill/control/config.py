@@ -19,7 +19,8 @@ class ControlConfig:
     # Batch input limits.
     max_batch_lines: int = 50_000
     max_file_bytes: int = 200 * 1024 * 1024
-    # Background work (batches, service_tier "flex") costs this fraction of realtime.
+    # Background work (batches, service_tier "flex") is billed this fraction of the realtime
+    # price, where the price list sets no background price of its own (prices.py).
     background_price_factor: float = 0.5
     # A realtime request not finished this long after it arrived expires.
     realtime_timeout_s: float = 600.0

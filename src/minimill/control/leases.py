@@ -9,7 +9,8 @@
   everything else is reported revoked.
 - `complete`: accepted only at the row's current epoch, from the site that holds (or last held)
   it, while the row is not terminal: the first valid completion wins and each request completes
-  exactly once. Rejections are counted per site, with the tokens they wasted.
+  exactly once. An accepted one is billed from the operator's price list (prices.py), whatever
+  the site declares. Rejections are counted per site, with the tokens they wasted.
 - `reap_expired`: expired leases go back to `queued`, keeping their checkpoint.
 
 Every transition is a conditional UPDATE (on status and epoch), and PostgreSQL candidates are
@@ -24,7 +25,7 @@ from typing import Any, Literal
 
 from sqlalchemy import Connection, case, func, select, tuple_, update
 
-from minimill.control import metering
+from minimill.control import prices
 from minimill.control.config import ControlConfig
 from minimill.control.placement import (
     DEFAULT_POLICY,
@@ -243,23 +244,27 @@ def complete(store: Store, site: Site, done: CompleteRequest, now: float,
     accepted: list[str] = []
     rejected: list[RejectedCompletion] = []
     generated = wasted = 0
+    billed_total = 0.0
     with store.write() as conn:
-        price = conn.execute(select(sites.c.price_per_hour, sites.c.tokens_per_s)
-                             .where(sites.c.id == site.id)).one()
-        per_token = metering.usd_per_token(price.price_per_hour, price.tokens_per_s)
-        factor = case((requests.c.tier == Tier.BACKGROUND.value,
-                       config.background_price_factor), else_=1.0)
+        price_list = prices.load_price_list(conn)
+        billed_as = _billed_as(conn, [i.request_id for i in done.results
+                                      if i.outcome == "succeeded"])
         for item in done.results:
             tokens_out = _count(item.usage.completion_tokens if item.usage
                                 else sum(len(c.token_ids) for c in item.choices))
             values: dict[str, Any] = {"finished_at": now, "lease_expires_at": None,
                                       "version": requests.c.version + 1}
+            billed = 0.0
             if item.outcome == "succeeded":
+                tokens_in = _count(item.usage.prompt_tokens) if item.usage else 0
+                model, tier = billed_as.get(item.request_id, ("", Tier.REALTIME.value))
+                billed = prices.billed_usd(
+                    price_list.lookup(model, tier, config.background_price_factor),
+                    tokens_in, tokens_out)
                 values.update(
                     status=RequestStatus.SUCCEEDED.value,
                     result={"choices": [c.model_dump(mode="json") for c in item.choices]},
-                    prompt_tokens=_count(item.usage.prompt_tokens) if item.usage else 0,
-                    completion_tokens=tokens_out, cost_usd=tokens_out * per_token * factor)
+                    prompt_tokens=tokens_in, completion_tokens=tokens_out, billed_usd=billed)
             else:
                 error = item.error.model_dump() if item.error else {
                     "code": "server_error", "message": "the worker reported a failure"}
@@ -274,6 +279,7 @@ def complete(store: Store, site: Site, done: CompleteRequest, now: float,
             if hit:
                 accepted.append(item.request_id)
                 generated += tokens_out
+                billed_total += billed
                 continue
             status = conn.execute(select(requests.c.status)
                                   .where(requests.c.id == item.request_id)).scalar()
@@ -284,13 +290,27 @@ def complete(store: Store, site: Site, done: CompleteRequest, now: float,
             if reason != "unknown_request":
                 wasted += tokens_out
         stale = sum(1 for r in rejected if r.reason != "unknown_request")
+        # Whatever it completed, accepted or too late, it held until now.
         touch_site(
-            conn, site.id, now, config.lease_ttl_s,
+            conn, site.id, now, config.lease_ttl_s, busy=bool(accepted) or stale > 0,
+            accepted_tokens=generated,
             completions=sites.c.completions + len(accepted),
             tokens_generated=sites.c.tokens_generated + generated,
             stale_completions=sites.c.stale_completions + stale,
-            wasted_tokens=sites.c.wasted_tokens + wasted)
+            wasted_tokens=sites.c.wasted_tokens + wasted,
+            billed_usd=sites.c.billed_usd + billed_total)
     return CompleteResponse(accepted=accepted, rejected=rejected)
+
+
+def _billed_as(conn: Connection, request_ids: list[str]) -> dict[str, tuple[str, str]]:
+    """(model, tier) of each request, which its price depends on; neither ever changes."""
+    found: dict[str, tuple[str, str]] = {}
+    for start in range(0, len(request_ids), 500):
+        part = request_ids[start:start + 500]
+        found.update((r.id, (r.model or "", r.tier)) for r in conn.execute(
+            select(requests.c.id, requests.c.model, requests.c.tier)
+            .where(requests.c.id.in_(part))))
+    return found
 
 
 @retry_conflicts

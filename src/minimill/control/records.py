@@ -58,12 +58,19 @@ class Tenant:
 
 
 @dataclass(frozen=True, slots=True)
+class Operator:
+    """The holder of an operator key: reaches the fleet (sites, outages, prices, keys)."""
+
+    key_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class Site:
     id: str
     name: str
     chip: str
     price_per_hour: float
-    tokens_per_s: float | None  # last measurement reported by its worker
+    tokens_per_s: float | None  # busy rate its worker reports (placement's prior, not cost)
     created_at: float
     last_seen_at: float | None
 
@@ -89,7 +96,7 @@ class RequestCounts:
 class UsageTotals:
     prompt_tokens: int
     completion_tokens: int
-    cost_usd: float
+    billed_usd: float  # what the tenant is billed (the price list), never the factory's cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +143,7 @@ class RequestRecord:
     error: dict[str, Any] | None  # {"code", "message", "param"} once failed
     prompt_tokens: int
     completion_tokens: int
-    cost_usd: float
+    billed_usd: float  # what the tenant is billed for it (prices.billed_usd at completion)
     created_at: float
     finished_at: float | None
 

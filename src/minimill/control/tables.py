@@ -72,6 +72,25 @@ api_keys = Table(
     Column("created_at", Double, nullable=False),
 )
 
+# Operator keys reach the fleet (sites, outages, prices, keys); they belong to no tenant.
+operator_keys = Table(
+    "operator_keys", metadata,
+    Column("id", String(40), primary_key=True),
+    Column("key_hash", String(64), nullable=False, unique=True),
+    Column("created_at", Double, nullable=False),
+)
+
+# The operator's price list in $ per million tokens; model "*" is the default entry.
+prices = Table(
+    "prices", metadata,
+    Column("model", String(200), primary_key=True),
+    Column("tier", String(20), primary_key=True),
+    Column("input_usd_per_mtok", Double, nullable=False),
+    Column("cached_input_usd_per_mtok", Double, nullable=False),
+    Column("output_usd_per_mtok", Double, nullable=False),
+    Column("updated_at", Double, nullable=False),
+)
+
 files = Table(
     "files", metadata,
     Column("id", String(40), primary_key=True),
@@ -150,7 +169,8 @@ requests = Table(
     Column("error", JSON),
     Column("prompt_tokens", Integer, nullable=False, default=0),
     Column("completion_tokens", Integer, nullable=False, default=0),
-    Column("cost_usd", Double, nullable=False, default=0.0),
+    # What the tenant is billed for it (the price list at completion; prices.billed_usd).
+    Column("billed_usd", Double, nullable=False, default=0.0),
     Column("created_at", Double, nullable=False),
     Column("leased_at", Double),
     Column("finished_at", Double),
@@ -168,7 +188,7 @@ sites = Table(
     Column("token_hash", String(64), nullable=False, unique=True),
     Column("chip", String(100), nullable=False),
     Column("price_per_hour", Double, nullable=False),
-    # Busy output tokens/s (see sites.touch_site), as its worker measured it.
+    # Busy output tokens/s as its worker reports it (see sites.touch_site): placement's prior.
     Column("tokens_per_s", Double),
     Column("created_at", Double, nullable=False),
     Column("first_seen_at", Double),
@@ -187,6 +207,15 @@ sites = Table(
     # Tokens generated and then discarded (stale completions).
     Column("wasted_tokens", BigInteger, nullable=False, default=0),
     Column("tokens_generated", BigInteger, nullable=False, default=0),
+    # Measured by the control plane, never reported by the worker (sites.touch_site):
+    # seconds it held at least one lease, and the cost of that time at its $/hour;
+    Column("busy_s", Double, nullable=False, default=0.0),
+    Column("cost_usd", Double, nullable=False, default=0.0),
+    # accepted output tokens and held seconds over a window of recent held time (decayed);
+    Column("window_tokens", Double, nullable=False, default=0.0),
+    Column("window_busy_s", Double, nullable=False, default=0.0),
+    # and what tenants were billed for the completions it delivered.
+    Column("billed_usd", Double, nullable=False, default=0.0),
 )
 
 outages = Table(

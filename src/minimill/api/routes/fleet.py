@@ -1,7 +1,9 @@
-"""The worker protocol's server side (protocol.py): lease, heartbeat, complete.
+"""The worker protocol's server side (protocol.py): lease, heartbeat, complete, and the outages
+a site announces for itself.
 
-Authenticated with a site token. Accepted completions and fresh checkpoints wake the realtime
-waiters of this process at once; other processes notice through their pollers.
+Authenticated with a site token: the only routes a site token reaches. Accepted completions
+and fresh checkpoints wake the realtime waiters of this process at once; other processes
+notice through their pollers.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from fastapi import APIRouter
 
 from minimill.api.deps import ConfigDep, SiteDep, StoreDep, WatcherDep
 from minimill.api.errors import error_responses
+from minimill.api.schemas import OutageCreate, OutageCreated
 from minimill.control import leases
+from minimill.control.sites import add_outage
 from minimill.protocol import (
     FLEET_PREFIX,
     CompleteRequest,
@@ -50,3 +54,10 @@ async def complete(done: CompleteRequest, store: StoreDep, site: SiteDep, config
                                             config)
     watcher.poke(answer.accepted)
     return answer
+
+
+@router.post("/outages", response_model=OutageCreated)
+def announce_outage(body: OutageCreate, store: StoreDep, site: SiteDep) -> OutageCreated:
+    """A site announces a planned or forecast outage of its own; placement drains it ahead."""
+    add_outage(store, site.name, body.start_at, body.end_at)
+    return OutageCreated(site=site.name, start_at=body.start_at, end_at=body.end_at)
