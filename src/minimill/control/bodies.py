@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -65,18 +65,15 @@ class _Sampling(_Body):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     # Token id (as a JSON object key) -> bias in [-100, 100] added to that token's logit.
-    logit_bias: dict[str, float] | None = Field(None, max_length=1024)
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
+                     Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, max_length=1024)
     user: str | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> _Sampling:
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise ValueError("stop: at most 4 stop sequences")
-        for token, bias in (self.logit_bias or {}).items():
-            if not token.isdigit():
-                raise ValueError(f"logit_bias: keys must be token ids, got {token!r}")
-            if not -100 <= bias <= 100:
-                raise ValueError(f"logit_bias: values must be in [-100, 100], got {bias}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         return self
