@@ -1,0 +1,516 @@
+// The paged KV cache: its block layout, the fused rotary + KV write, and attention over the
+// cache in place (decodes and prompt chunks together, one call per layer).
+
+#include "ops.h"
+#include "vec.h"
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define MINIMILL_DPBF16 1  // AVX-512 BF16: dot products of bf16 pairs in one instruction
+#endif
+
+namespace minimill {
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// KV block layout. A block of one layer and one kv head holds block_size tokens. Values of a
+// 2-byte dtype are kept in pairs, so that one 32-bit lane holds two of them (what the bf16
+// dot-product instructions read):
+//   K: [head_dim / P][block_size][P]   a vector of lanes = one dimension pair of many keys
+//   V: [block_size / P][head_dim][P]   a vector of lanes = many dimensions of a key pair
+// with P = 2 for bfloat16 and P = 1 for float32.
+
+template <typename T> constexpr int64_t kPack = sizeof(T) == 2 ? 2 : 1;
+
+template <typename T>
+inline int64_t k_index(int64_t d, int64_t offset, int64_t block_size) {
+  constexpr int64_t P = kPack<T>;
+  return ((d / P) * block_size + offset) * P + d % P;
+}
+
+template <typename T>
+inline int64_t v_index(int64_t offset, int64_t d, int64_t head_dim) {
+  constexpr int64_t P = kPack<T>;
+  return ((offset / P) * head_dim + d) * P + offset % P;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rotary on q and k (HF's rotate_half convention), q written to q_out, k and v written into the
+// paged cache at each token's slot. cos_sin: [positions, head_dim] float32, cos then sin halves.
+
+template <typename T>
+void rotary_kv_write_impl(const at::Tensor& qkv, const at::Tensor& positions,
+                          const at::Tensor& cos_sin, at::Tensor& q_out, at::Tensor& k_cache,
+                          at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t block_size) {
+  const int64_t tokens = qkv.size(0);
+  const int64_t half = head_dim / 2;
+  const T* src = qkv.data_ptr<T>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const float* cs = cos_sin.data_ptr<float>();
+  T* qo = q_out.data_ptr<T>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  const int64_t src_stride = qkv.stride(0), qo_stride = q_out.stride(0);
+  const int64_t kb = k_cache.stride(0), kh = k_cache.stride(1);
+  const int64_t vb = v_cache.stride(0), vh = v_cache.stride(1);
+  const int64_t row_work = (num_heads + 3 * num_kv_heads) * head_dim;
+  at::parallel_for(0, tokens, grain_rows(row_work), [&](int64_t b, int64_t e) {
+    float rotated[kMaxHeadDim];
+    for (int64_t t = b; t < e; ++t) {
+      const T* row = src + t * src_stride;
+      const float* cosv = cs + pos[t] * head_dim;
+      const float* sinv = cosv + half;
+      auto rotate = [&](const T* x, float* dst) {
+        int64_t i = 0;
+        for (; i + kVec <= half; i += kVec) {
+          const fVec x1 = load_f(x + i), x2 = load_f(x + i + half);
+          const fVec c = fVec::loadu(cosv + i), sn = fVec::loadu(sinv + i);
+          (x1 * c - x2 * sn).store(dst + i);
+          (x2 * c + x1 * sn).store(dst + i + half);
+        }
+        for (; i < half; ++i) {
+          const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
+          dst[i] = x1 * cosv[i] - x2 * sinv[i];
+          dst[i + half] = x2 * cosv[i] + x1 * sinv[i];
+        }
+      };
+      for (int64_t h = 0; h < num_heads; ++h) {
+        T* dst = qo + t * qo_stride + h * head_dim;
+        if constexpr (std::is_same_v<T, float>) {
+          rotate(row + h * head_dim, dst);
+        } else {
+          rotate(row + h * head_dim, rotated);
+          for (int64_t i = 0; i < head_dim; i += kVec) store_f(dst + i, fVec::loadu(rotated + i));
+        }
+      }
+      const int64_t slot = slots[t];
+      const int64_t block = slot / block_size, offset = slot % block_size;
+      for (int64_t g = 0; g < num_kv_heads; ++g) {
+        rotate(row + (num_heads + g) * head_dim, rotated);
+        T* kdst = kc + block * kb + g * kh;
+        for (int64_t d = 0; d < head_dim; ++d) {
+          kdst[k_index<T>(d, offset, block_size)] = from_f<T>(rotated[d]);
+        }
+        const T* v = row + (num_heads + num_kv_heads + g) * head_dim;
+        T* vdst = vc + block * vb + g * vh;
+        for (int64_t d = 0; d < head_dim; ++d) vdst[v_index<T>(offset, d, head_dim)] = v[d];
+      }
+    }
+  });
+}
+
+void check_cache(const at::Tensor& cache, const char* name, int64_t block_size,
+                 int64_t head_dim) {
+  TORCH_CHECK(cache.dim() == 3 && cache.stride(2) == 1 && cache.size(2) == block_size * head_dim,
+              name, " must be [blocks, kv_heads, block_size * head_dim] with contiguous rows");
+}
+
+}  // namespace
+
+void rotary_kv_write(at::Tensor qkv, at::Tensor positions, at::Tensor cos_sin, at::Tensor q_out,
+                     at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
+                     int64_t num_heads, int64_t num_kv_heads, int64_t block_size) {
+  check_cpu(qkv, "qkv");
+  const int64_t head_dim = cos_sin.size(1);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 &&
+                  qkv.size(1) >= (num_heads + 2 * num_kv_heads) * head_dim,
+              "qkv must be [tokens, (heads + 2 * kv_heads) * head_dim] with contiguous rows");
+  TORCH_CHECK(head_dim % kVec == 0 && head_dim <= kMaxHeadDim && block_size % 2 == 0,
+              "head_dim must be a multiple of ", kVec, " and at most ", kMaxHeadDim,
+              "; block_size even");
+  TORCH_CHECK(q_out.dim() == 3 && q_out.stride(2) == 1 && q_out.stride(1) == head_dim,
+              "q_out must be [tokens, heads, head_dim] with contiguous rows");
+  check_cache(k_cache, "k_cache", block_size, head_dim);
+  check_cache(v_cache, "v_cache", block_size, head_dim);
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
+                  positions.is_contiguous() && slot_mapping.is_contiguous(),
+              "positions and slot_mapping must be contiguous int64");
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous(),
+              "cos_sin must be contiguous float32");
+  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() &&
+                  qkv.scalar_type() == q_out.scalar_type(), "dtypes differ");
+  if (qkv.scalar_type() == at::kFloat) {
+    rotary_kv_write_impl<float>(qkv, positions, cos_sin, q_out, k_cache, v_cache, slot_mapping,
+                                num_heads, num_kv_heads, head_dim, block_size);
+  } else {
+    TORCH_CHECK(qkv.scalar_type() == at::kBFloat16, "rotary_kv_write: float32 or bfloat16");
+    rotary_kv_write_impl<BFloat16>(qkv, positions, cos_sin, q_out, k_cache, v_cache,
+                                   slot_mapping, num_heads, num_kv_heads, head_dim, block_size);
+  }
+}
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Attention over the paged cache, decodes and prompt chunks together, in one call per layer.
+//
+// Sequence s owns query rows [query_start[s], query_start[s + 1]) and has seq_lens[s] tokens
+// of KV (its new tokens included, already written). Query row j of a sequence with q_len rows
+// sits at position seq_len - q_len + j and attends to keys 0..position (causal).
+//
+// Work items are (sequence, tile of up to kRowTile query rows, kv head): the query heads that
+// share a kv head are processed together, NQ query vectors at a time, so each K and V block is
+// loaded once per NQ queries. Keys are taken kPartKeys at a time: score them all, then one
+// online-softmax update (running max and sum) per part. Scores are float32 in every path.
+
+constexpr int64_t kRowTile = 16;    // query rows of one sequence per work item
+constexpr int64_t kQGroup = 8;      // query vectors scored together (registers)
+constexpr int64_t kPartKeys = 256;  // keys scored before one softmax update (a multiple of bs)
+
+
+template <typename T>
+inline void prefetch_block(const T* p, int64_t numel) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < numel * static_cast<int64_t>(sizeof(T)); off += 64) {
+    __builtin_prefetch(c + off, 0, 3);
+  }
+}
+
+// Query vectors of one work item group, ready for the score loop.
+struct Queries {
+  const float* q;          // [NQ, head_dim], float32, unscaled
+  const uint32_t* q_pairs; // [NQ, head_dim / 2] bf16 pairs (dot-product path only)
+};
+
+// scores[i * kPartKeys + c .. + kVec] = q_i . K[:, c .. c + kVec) of one block (unscaled).
+template <typename T, int NQ>
+inline void score_block(const Queries& qs, const T* kt, int64_t block_size, int64_t head_dim,
+                        float* scores, float* unpack) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t c = 0; c < block_size; c += kVec) {
+      fVec s[NQ];
+      for (int i = 0; i < NQ; ++i) s[i] = fVec(0.f);
+      for (int64_t d = 0; d < head_dim; ++d) {
+        const fVec kv = fVec::loadu(kt + d * block_size + c);
+        for (int i = 0; i < NQ; ++i) s[i] = at::vec::fmadd(fVec(qs.q[i * head_dim + d]), kv, s[i]);
+      }
+      for (int i = 0; i < NQ; ++i) s[i].store(scores + i * kPartKeys + c);
+    }
+  } else {
+#ifdef MINIMILL_DPBF16
+    // One instruction multiplies a dimension pair of 16 keys by the query's pair and adds both.
+    for (int64_t c = 0; c < block_size; c += 16) {
+      __m512 s[NQ];
+      for (int i = 0; i < NQ; ++i) s[i] = _mm512_setzero_ps();
+      for (int64_t dp = 0; dp < head_dim / 2; ++dp) {
+        const __m512i kv = _mm512_loadu_si512(kt + (dp * block_size + c) * 2);
+        for (int i = 0; i < NQ; ++i) {
+          const __m512i qp = _mm512_set1_epi32(static_cast<int>(qs.q_pairs[i * head_dim / 2 + dp]));
+          s[i] = _mm512_dpbf16_ps(s[i], (__m512bh)qp, (__m512bh)kv);
+        }
+      }
+      for (int i = 0; i < NQ; ++i) _mm512_storeu_ps(scores + i * kPartKeys + c, s[i]);
+    }
+#else
+    // No bf16 dot product here: unpack the block to float32 [head_dim, block_size] first.
+    for (int64_t d = 0; d < head_dim; ++d) {
+      for (int64_t o = 0; o < block_size; ++o) {
+        unpack[d * block_size + o] = to_f(kt[k_index<T>(d, o, block_size)]);
+      }
+    }
+    score_block<float, NQ>(qs, unpack, block_size, head_dim, scores, nullptr);
+#endif
+  }
+}
+
+// acc[i] += sum_j p[i][j] V[j] over the first `keys` keys of one block. p: float32
+// [NQ, kPartKeys]; p_pairs: the same rounded to bf16, as pairs (dot-product path only).
+template <typename T, int NQ>
+inline void accumulate_block(const float* p, const int32_t* p_pairs, const T* vt, int64_t keys,
+                             int64_t head_dim, fVec (*acc)[kMaxHeadDim / kVec],
+                             float* unpack) {
+  const int64_t dvecs = head_dim / kVec;
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t j = 0; j < keys; ++j) {
+      const float* vrow = vt + j * head_dim;
+      fVec pj[NQ];
+      for (int i = 0; i < NQ; ++i) pj[i] = fVec(p[i * kPartKeys + j]);
+      for (int64_t v = 0; v < dvecs; ++v) {
+        const fVec vv = fVec::loadu(vrow + v * kVec);
+        for (int i = 0; i < NQ; ++i) acc[i][v] = at::vec::fmadd(pj[i], vv, acc[i][v]);
+      }
+    }
+  } else {
+#ifdef MINIMILL_DPBF16
+    // Probabilities rounded to bf16 (as flash attention does before its P V matmul), read in
+    // pairs: one instruction adds p[j] V[j] + p[j+1] V[j+1] for 16 dimensions.
+    const int64_t pairs = (keys + 1) / 2;
+    for (int64_t jp = 0; jp < pairs; ++jp) {
+      const T* vrow = vt + jp * head_dim * 2;
+      __m512i pp[NQ];
+      for (int i = 0; i < NQ; ++i) pp[i] = _mm512_set1_epi32(p_pairs[i * kPartKeys / 2 + jp]);
+      for (int64_t v = 0; v < dvecs; ++v) {
+        const __m512i vv = _mm512_loadu_si512(vrow + v * 32);
+        for (int i = 0; i < NQ; ++i) {
+          acc[i][v] = fVec(_mm512_dpbf16_ps(__m512(acc[i][v]), (__m512bh)pp[i], (__m512bh)vv));
+        }
+      }
+    }
+#else
+    for (int64_t j = 0; j < keys; ++j) {
+      for (int64_t d = 0; d < head_dim; ++d) {
+        unpack[j * head_dim + d] = to_f(vt[v_index<T>(j, d, head_dim)]);
+      }
+    }
+    accumulate_block<float, NQ>(p, nullptr, unpack, keys, head_dim, acc, nullptr);
+#endif
+  }
+}
+
+// Attention of NQ query vectors of one kv head over the keys they may see; out is float32.
+template <typename T, int NQ>
+void attend_group(const Queries& qs, const int64_t* q_pos, float scale, float* out,
+                  const T* k_base, const T* v_base, int64_t k_block_stride,
+                  int64_t v_block_stride, const int32_t* block_table, int64_t seq_len,
+                  int64_t block_size, int64_t head_dim, float* scores, float* unpack) {
+  int64_t max_pos = q_pos[0];
+  for (int i = 1; i < NQ; ++i) max_pos = std::max(max_pos, q_pos[i]);
+  const int64_t num_keys = std::min<int64_t>(seq_len, max_pos + 1);
+  const int64_t dvecs = head_dim / kVec;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float m[NQ], l[NQ];
+  fVec acc[NQ][kMaxHeadDim / kVec];
+  for (int i = 0; i < NQ; ++i) {
+    m[i] = neg_inf;
+    l[i] = 0.f;
+    for (int64_t v = 0; v < dvecs; ++v) acc[i][v] = fVec(0.f);
+  }
+  int32_t p_pairs[NQ * kPartKeys / 2];
+  const int64_t part_keys = std::max<int64_t>(block_size, kPartKeys / block_size * block_size);
+  const fVec vscale(scale);
+  for (int64_t part = 0; part < num_keys; part += part_keys) {
+    const int64_t part_len = std::min<int64_t>(part_keys, num_keys - part);
+    const int64_t part_padded = (part_len + block_size - 1) / block_size * block_size;
+    const int32_t* table = block_table + part / block_size;
+    for (int64_t b0 = 0, b = 0; b0 < part_padded; b0 += block_size, ++b) {
+      score_block<T, NQ>(qs, k_base + table[b] * k_block_stride, block_size, head_dim,
+                         scores + b0, unpack);
+    }
+    // Online softmax update, one per query vector per part.
+    for (int i = 0; i < NQ; ++i) {
+      float* si = scores + i * kPartKeys;
+      // Keys past this query's position (or past the sequence) do not count.
+      const int64_t limit = std::min<int64_t>(part_len, q_pos[i] - part + 1);
+      if (limit <= 0) {
+        for (int64_t j = 0; j < part_padded; ++j) si[j] = 0.f;
+        std::memset(p_pairs + i * kPartKeys / 2, 0, part_padded * 2);
+        continue;
+      }
+      const int64_t full = limit / kVec * kVec;
+      fVec vmax(neg_inf);
+      for (int64_t j = 0; j < full; j += kVec) {
+        const fVec sj = fVec::loadu(si + j) * vscale;
+        sj.store(si + j);
+        vmax = at::vec::maximum(vmax, sj);
+      }
+      float part_max = at::vec::vec_reduce_all<float>(
+          [](fVec& a, fVec& b) { return at::vec::maximum(a, b); }, vmax);
+      for (int64_t j = full; j < limit; ++j) {
+        si[j] *= scale;
+        part_max = std::max(part_max, si[j]);
+      }
+      const float m_new = std::max(m[i], part_max);
+      const float correction = std::exp(m[i] - m_new);
+      m[i] = m_new;
+      const fVec vm(m_new);
+      fVec vsum(0.f);
+      for (int64_t j = 0; j < full; j += kVec) {
+        const fVec pj = (fVec::loadu(si + j) - vm).exp_u20();
+        pj.store(si + j);
+        vsum = vsum + pj;
+      }
+      float sum = at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, vsum);
+      for (int64_t j = full; j < limit; ++j) {
+        si[j] = std::exp(si[j] - m_new);
+        sum += si[j];
+      }
+      for (int64_t j = limit; j < part_padded; ++j) si[j] = 0.f;
+#ifdef MINIMILL_DPBF16
+      if constexpr (!std::is_same_v<T, float>) {
+        auto* dst = reinterpret_cast<__m256bh*>(p_pairs + i * kPartKeys / 2);
+        for (int64_t j = 0; j < part_padded; j += 16) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst) + j / 16,
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(si + j)));
+        }
+      }
+#endif
+      l[i] = l[i] * correction + sum;
+      if (correction != 1.f) {
+        const fVec vc(correction);
+        for (int64_t v = 0; v < dvecs; ++v) acc[i][v] = acc[i][v] * vc;
+      }
+    }
+    for (int64_t b0 = 0, b = 0; b0 < part_len; b0 += block_size, ++b) {
+      accumulate_block<T, NQ>(scores + b0, p_pairs + b0 / 2, v_base + table[b] * v_block_stride,
+                              std::min<int64_t>(block_size, part_len - b0), head_dim, acc,
+                              unpack);
+    }
+  }
+  for (int i = 0; i < NQ; ++i) {
+    const fVec inv(l[i] > 0.f ? 1.f / l[i] : 0.f);
+    for (int64_t v = 0; v < dvecs; ++v) (acc[i][v] * inv).store(out + i * head_dim + v * kVec);
+  }
+}
+
+template <typename T>
+using AttendFn = void (*)(const Queries&, const int64_t*, float, float*, const T*, const T*,
+                          int64_t, int64_t, const int32_t*, int64_t, int64_t, int64_t, float*,
+                          float*);
+
+template <typename T>
+AttendFn<T> attend_for(int64_t n) {
+  switch (n) {
+    case 1: return &attend_group<T, 1>;
+    case 2: return &attend_group<T, 2>;
+    case 3: return &attend_group<T, 3>;
+    case 4: return &attend_group<T, 4>;
+    case 5: return &attend_group<T, 5>;
+    case 6: return &attend_group<T, 6>;
+    case 7: return &attend_group<T, 7>;
+    default: return &attend_group<T, 8>;
+  }
+}
+
+struct WorkItem {
+  int32_t seq;
+  int32_t row_begin;  // within the sequence
+  int32_t row_end;
+};
+
+template <typename T>
+void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& block_tables,
+                          const at::Tensor& query_start, const at::Tensor& seq_lens,
+                          double scale, int64_t block_size) {
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(1);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t num_seqs = seq_lens.size(0);
+  const int32_t* qs = query_start.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t table_stride = block_tables.stride(0);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t q_stride = q.stride(0), o_stride = out.stride(0);
+  const int64_t kb = k_cache.stride(0), kh = k_cache.stride(1);
+  const int64_t vb = v_cache.stride(0), vh = v_cache.stride(1);
+
+  std::vector<WorkItem> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int32_t q_len = qs[s + 1] - qs[s];
+    for (int32_t r = 0; r < q_len; r += kRowTile) {
+      items.push_back({static_cast<int32_t>(s), r, std::min<int32_t>(q_len, r + kRowTile)});
+    }
+  }
+  const int64_t max_vectors = kRowTile * group;
+  const int64_t total = static_cast<int64_t>(items.size()) * num_kv_heads;
+  int64_t keys = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) keys += lens[s] * ((qs[s + 1] - qs[s] + kRowTile - 1) / kRowTile);
+  // Little work (a few short sequences) stays on this thread.
+  const int64_t grain = keys * num_heads * head_dim < (int64_t{1} << 18) ? total : 1;
+  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> qbuf(max_vectors * head_dim), obuf(max_vectors * head_dim);
+    std::vector<uint32_t> qpairs(max_vectors * head_dim / 2);
+    std::vector<int64_t> qpos(max_vectors), out_row(max_vectors), out_head(max_vectors);
+    std::vector<float> scores(kQGroup * kPartKeys);
+    std::vector<float> unpack(std::is_same_v<T, float> ? 0 : block_size * head_dim);
+    // The blocks are scattered over the pool: while one item computes, the next item's blocks
+    // are on their way to the cache.
+    auto prefetch_item = [&](int64_t w) {
+      const WorkItem& it = items[w / num_kv_heads];
+      const int64_t keys = std::min<int64_t>(lens[it.seq], lens[it.seq] - (qs[it.seq + 1] -
+                                             qs[it.seq]) + it.row_end);
+      const int32_t* table = tables + it.seq * table_stride;
+      // Every kv head's K and V of a block lie next to each other: fetch them together, once
+      // per item, so the heads that follow find them in cache.
+      for (int64_t b = 0; b * block_size < keys; ++b) {
+        prefetch_block(kp + table[b] * kb, num_kv_heads * block_size * head_dim);
+        prefetch_block(vp + table[b] * vb, num_kv_heads * block_size * head_dim);
+      }
+    };
+    if (begin < end && begin % num_kv_heads == 0) prefetch_item(begin);
+    for (int64_t w = begin; w < end; ++w) {
+      if (w + 1 < end && (w + 1) % num_kv_heads == 0) prefetch_item(w + 1);
+      const WorkItem& it = items[w / num_kv_heads];
+      const int64_t g = w % num_kv_heads;
+      const int64_t s = it.seq;
+      const int64_t q_len = qs[s + 1] - qs[s];
+      const int64_t seq_len = lens[s];
+      int64_t n = 0;
+      for (int64_t r = it.row_begin; r < it.row_end; ++r) {
+        const int64_t row = qs[s] + r;
+        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+          const T* src = qp + row * q_stride + h * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) qbuf[n * head_dim + d] = to_f(src[d]);
+          if constexpr (!std::is_same_v<T, float>) {
+            std::memcpy(qpairs.data() + n * head_dim / 2, src, head_dim * sizeof(T));
+          }
+          qpos[n] = seq_len - q_len + r;
+          out_row[n] = row;
+          out_head[n] = h;
+          ++n;
+        }
+      }
+      for (int64_t first = 0; first < n; first += kQGroup) {
+        const int64_t count = std::min<int64_t>(kQGroup, n - first);
+        const Queries queries{qbuf.data() + first * head_dim,
+                              qpairs.data() + first * head_dim / 2};
+        attend_for<T>(count)(queries, qpos.data() + first, static_cast<float>(scale),
+                             obuf.data() + first * head_dim, kp + g * kh, vp + g * vh, kb, vb,
+                             tables + s * table_stride, seq_len, block_size, head_dim,
+                             scores.data(), unpack.data());
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        T* dst = op + out_row[i] * o_stride + out_head[i] * head_dim;
+        const float* src = obuf.data() + i * head_dim;
+        for (int64_t d = 0; d < head_dim; d += kVec) store_f(dst + d, fVec::loadu(src + d));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                     at::Tensor block_tables, at::Tensor query_start, at::Tensor seq_lens,
+                     double scale, int64_t block_size) {
+  check_cpu(q, "q");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must be [tokens, heads, head_dim] with contiguous rows");
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(1) == q.size(1) * q.size(2),
+              "out must be [tokens, heads * head_dim]");
+  const int64_t head_dim = q.size(2);
+  TORCH_CHECK(head_dim % kVec == 0 && head_dim % 32 == 0 && head_dim <= kMaxHeadDim,
+              "head_dim must be a multiple of 32 and at most ", kMaxHeadDim);
+  TORCH_CHECK(block_size % 16 == 0 && block_size % kVec == 0,
+              "block_size must be a multiple of 16");
+  check_cache(k_cache, "k_cache", block_size, head_dim);
+  check_cache(v_cache, "v_cache", block_size, head_dim);
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "heads must be a multiple of kv_heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1,
+              "block_tables must be int32 with contiguous rows");
+  TORCH_CHECK(query_start.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start.is_contiguous() && seq_lens.is_contiguous() &&
+                  query_start.size(0) == seq_lens.size(0) + 1,
+              "query_start [seqs + 1] and seq_lens [seqs] must be contiguous int32");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
+              "dtypes differ");
+  if (q.scalar_type() == at::kFloat) {
+    paged_attention_impl<float>(out, q, k_cache, v_cache, block_tables, query_start, seq_lens,
+                                scale, block_size);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "paged_attention: float32 or bfloat16 only");
+    paged_attention_impl<BFloat16>(out, q, k_cache, v_cache, block_tables, query_start,
+                                   seq_lens, scale, block_size);
+  }
+}
+
+
+}  // namespace minimill
