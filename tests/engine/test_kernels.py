@@ -66,9 +66,9 @@ class AttentionCase:
     meta: AttentionMetadata
 
 
-def attention_case(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-                   block_size: int, query_lens: list[int], cached: list[int], seed: int
-                   ) -> AttentionCase:
+def attention_case(dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, kv_heads: int,
+                   head_dim: int, block_size: int, query_lens: list[int], cached: list[int],
+                   seed: int) -> AttentionCase:
     """A KV pool with random earlier context, and a step of new tokens for each sequence."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
@@ -77,8 +77,13 @@ def attention_case(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
     free = list(range(1, num_blocks))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(-(-n // block_size))] for n in seq_lens]
-    kv = allocate_kv_cache(num_blocks, 2, kv_heads, block_size, head_dim, dtype, CPU)
-    kv.copy_(torch.randn(kv.shape, generator=g).to(dtype))
+    kv = allocate_kv_cache(num_blocks, 2, kv_heads, block_size, head_dim, kv_dtype, CPU)
+    if kv_dtype == torch.int8:  # random values, then valid positive scales
+        kv.copy_(torch.randint(-127, 128, kv.shape, generator=g, dtype=torch.int8))
+        scales = kv[..., -2 * block_size:].view(torch.float16)
+        scales.copy_(torch.rand(scales.shape, generator=g) * 0.05 + 0.001)
+    else:
+        kv.copy_(torch.randn(kv.shape, generator=g).to(dtype))
     tokens = sum(query_lens)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
     positions = torch.cat([torch.arange(c, c + q) for q, c in zip(query_lens, cached,
@@ -91,18 +96,21 @@ def attention_case(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("int8_cache", [False, True], ids=["model-dtype-kv", "int8-kv"])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [
     (9, 3, 64, 16),  # SmolLM2: 3 query heads per kv head
     (8, 8, 128, 32),  # no GQA, larger heads and blocks
     (28, 4, 128, 16),  # Qwen2.5-7B's grouping
 ])
 def test_rotary_kv_write_and_paged_attention_match_the_reference(
-        native: CpuKernels, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-        block_size: int) -> None:
+        native: CpuKernels, dtype: torch.dtype, int8_cache: bool, heads: int, kv_heads: int,
+        head_dim: int, block_size: int) -> None:
     reference = TorchKernels()
     # Decodes, prompt chunks with and without earlier context, one longer than a key part.
     query_lens, cached = [1, 1, 5, 40, 1, 17, 300, 3], [10, 100, 0, 7, 63, 33, 20, 600]
-    case = attention_case(dtype, heads, kv_heads, head_dim, block_size, query_lens, cached, 1)
+    kv_dtype = torch.int8 if int8_cache else dtype
+    case = attention_case(dtype, kv_dtype, heads, kv_heads, head_dim, block_size, query_lens,
+                          cached, 1)
     kv_native = case.kv.clone()
     k_ref, v_ref = layer_views(case.kv, 1)
     k_nat, v_nat = layer_views(kv_native, 1)
@@ -112,7 +120,11 @@ def test_rotary_kv_write_and_paged_attention_match_the_reference(
     q_nat = native.rotary_kv_write(case.qkv, case.positions, case.cos_sin, k_nat, v_nat,
                                    slots, heads, kv_heads, block_size)
     close(q_nat, q_ref, dtype)
-    close(kv_native, case.kv, dtype)  # the same slots, the same layout
+    if int8_cache:  # the same slots, layout and scales; a value may round the other way
+        assert (kv_native.float() - case.kv.float()).abs().max() <= 1
+        assert torch.equal(kv_native[..., -2 * block_size:], case.kv[..., -2 * block_size:])
+    else:  # the same slots, the same layout
+        close(kv_native, case.kv, dtype)
     scale = head_dim ** -0.5
     want = reference.paged_attention(q_ref, k_ref, v_ref, case.meta, scale)
     got = native.paged_attention(q_ref, k_ref, v_ref, case.meta, scale)
@@ -175,3 +187,43 @@ def test_engines_agree_through_preemption_and_resume(smol_f32: LoadedModel) -> N
                          [o.output_token_ids for o in resumed])
     assert outs["native"] == outs["torch"]
     assert outs["native"][0] == outs["native"][1]
+
+
+def test_int8_quantization_error_is_within_half_a_step() -> None:
+    from minimill.engine.attention import quantize_int8
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1000, 3, 64, generator=g) * torch.rand(1000, 3, 1, generator=g) * 10
+    x[0, 0] = 0.0  # an all-zero vector keeps a usable scale
+    values, scales = quantize_int8(x)
+    assert values.dtype == torch.int8 and scales.dtype == torch.float16
+    assert values.abs().max() <= 127
+    restored = values.float() * scales.float()[..., None]
+    step = scales.float()[..., None]
+    assert ((restored - x).abs() <= step / 2 + 1e-6).all()
+    assert torch.equal(restored[0, 0], torch.zeros(64))
+    # The error relative to a vector's largest value is at most 1/254 (+ float16 scale rounding).
+    worst = ((restored - x).abs().amax(-1) / x.abs().amax(-1).clamp(min=1e-9)).max()
+    assert worst < 1 / 254 + 1e-3
+
+
+def test_int8_kv_engines_agree_and_resume_exactly(smol_f32: LoadedModel) -> None:
+    prompts = [smol_f32.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, top_logprobs=2)
+    runs = {}
+    for kernels in ("native", "torch"):
+        engine = LLM(smol_f32, dtype="float32", kv_dtype="int8", kernels=kernels,
+                     num_kv_blocks=256)
+        assert engine.engine.runner.kv_cache.dtype == torch.int8
+        runs[kernels] = engine.generate(prompts, params)
+    for a, b in zip(runs["native"], runs["torch"], strict=True):
+        assert a.output_token_ids == b.output_token_ids
+    # Batch-invariant with int8 KV too: resumed requests continue bit for bit.
+    engine = LLM(smol_f32, dtype="float32", kv_dtype="int8", num_kv_blocks=256)
+    full = runs["native"]
+    resumed = engine.generate(prompts, params,
+                              resume_token_ids=[o.output_token_ids[:9] for o in full])
+    for a, b in zip(resumed, full, strict=True):
+        assert a.output_token_ids == b.output_token_ids
+        assert a.logprobs is not None and b.logprobs is not None
+        assert [x.top for x in a.logprobs] == [x.top for x in b.logprobs[9:]]

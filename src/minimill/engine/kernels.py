@@ -66,8 +66,9 @@ class TorchKernels:
         table = cos_sin[positions].unsqueeze(1)  # [tokens, 1, head_dim]
         cos, sin = table[..., :half], table[..., half:]
         x1, x2 = qk[..., :half].float(), qk[..., half:].float()
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(qkv.dtype)
-        q, k = rotated[:, :num_heads], rotated[:, num_heads:]
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        # k goes to the cache from float32 (a bf16 cache rounds it once, int8 quantizes it).
+        q, k = rotated[:, :num_heads].to(qkv.dtype), rotated[:, num_heads:]
         start = (num_heads + num_kv_heads) * head_dim
         v = qkv[:, start:start + num_kv_heads * head_dim].view(num_tokens, num_kv_heads,
                                                                head_dim)
@@ -170,8 +171,7 @@ class CpuKernels(TorchKernels):
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         self._ops.paged_attention(out, q, k_cache, v_cache, meta.block_tables,
-                                  meta.query_start, meta.seq_lens, scale,
-                                  k_cache.shape[2] // q.shape[2])
+                                  meta.query_start, meta.seq_lens, scale, meta.block_size)
         return out
 
     def sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

@@ -89,7 +89,6 @@ class DecoderModel:
         returns logits [len(logits_rows), vocab] in the model dtype."""
         ops, eps = self.kernels, self.eps
         cos_sin = self.rotary.cos_sin
-        block_size = kv_cache.shape[-1] // self.head_dim
         hidden = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
         residual = hidden
         for i, layer in enumerate(self.layers):
@@ -101,7 +100,7 @@ class DecoderModel:
             k_cache, v_cache = layer_views(kv_cache, i)
             q = ops.rotary_kv_write(qkv, positions, cos_sin, k_cache, v_cache,
                                     meta.slot_mapping, self.num_heads, self.num_kv_heads,
-                                    block_size)
+                                    meta.block_size)
             attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
             hidden = ops.linear(attn, layer.o)
             x, residual = ops.add_rms_norm(hidden, residual, layer.post_norm, eps)

@@ -46,15 +46,16 @@ class ModelRunner:
         self.kernels, self.kernels_reason = select_kernels(
             config.kernels, self.device, config.torch_dtype, config.block_size, mc.head_dim)
         pinned = self.kernels.pin_threads() if config.pin_threads else []
-        log.info("engine: dtype %s (%s); kernels %s (%s); %d threads, pinned to CPUs %s",
-                 config.dtype, config.dtype_reason, self.kernels.name, self.kernels_reason,
-                 torch.get_num_threads(), pinned)
+        log.info("engine: dtype %s (%s); KV %s, %d blocks of %d tokens; kernels %s (%s); "
+                 "%d threads, pinned to CPUs %s", config.dtype, config.dtype_reason,
+                 config.kv_dtype, config.num_kv_blocks, config.block_size, self.kernels.name,
+                 self.kernels_reason, torch.get_num_threads(), pinned)
         self.model = DecoderModel(mc, loaded.weights, config.torch_dtype, self.device,
                                   config.max_model_len, self.kernels,
                                   release_weights=bool(loaded.extra.get("release_weights")))
         self.kv_cache = allocate_kv_cache(config.num_kv_blocks, mc.num_hidden_layers,
                                           mc.num_key_value_heads, config.block_size,
-                                          mc.head_dim, config.torch_dtype, self.device)
+                                          mc.head_dim, config.kv_torch_dtype, self.device)
         # Set to a list to record every step's shape (benchmarks); None costs nothing.
         self.step_log: list[StepShape] | None = None
 
