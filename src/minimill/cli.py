@@ -189,6 +189,28 @@ def bench_engine(
         kernels=kernels, peer=peer, peer_python=peer_python))
 
 
+@bench_app.command("kv")
+def bench_kv(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    model: str = typer.Option(DEFAULT_MODEL, help="Model name or path."),
+    dtype: str = typer.Option("auto", help="Engine dtype: " + DTYPE_HELP),
+    kv_dtypes: str = typer.Option("int8", help="Compressed KV dtypes to measure, comma-separated "
+                                  "(the model dtype is always measured as the reference)."),
+    perplexity_tokens: int = typer.Option(16384, help="Tokens of the text for perplexity."),
+    prompts: int = typer.Option(64, help="Prompts for the greedy agreement."),
+    new_tokens: int = typer.Option(128, help="Tokens generated per prompt."),
+    budget_mb: float = typer.Option(48.0, help="The fixed KV memory budget, MB."),
+) -> None:
+    """KV cache dtypes: bytes/token, perplexity, greedy agreement, throughput at one budget."""
+    from minimill.bench.kv_bench import KvBenchOptions, run_kv_bench
+
+    run_kv_bench(KvBenchOptions(
+        json_out=json_out, model=model, dtype=dtype,
+        kv_dtypes=tuple(k.strip() for k in kv_dtypes.split(",") if k.strip()),
+        perplexity_tokens=perplexity_tokens, prompts=prompts, new_tokens=new_tokens,
+        budget_mb=budget_mb))
+
+
 @bench_app.command("batch")
 def bench_batch(
     workload: Path = WorkloadOption,

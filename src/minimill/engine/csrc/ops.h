@@ -1,7 +1,7 @@
 // The operators minimill registers as torch.ops.minimill.* (registration.cpp).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <vector>
