@@ -134,6 +134,15 @@ def batch_cancel(batch_id: str, base_url: str = BaseUrlOption,
     cancel(batch_id, base_url=base_url, api_key=api_key)
 
 
+@bench_app.callback()
+def bench_callback() -> None:
+    """Benchmarks that print JSON figures."""
+    from minimill.lifetime import exit_on_sigterm
+
+    # A benchmark stopped by a timeout (SIGTERM) stops the processes it started on its way out.
+    exit_on_sigterm()
+
+
 WorkloadOption = typer.Option(Path("../shared/workloads/throughput-256.jsonl"),
                               help="Batch-format JSONL workload.")
 
@@ -234,6 +243,30 @@ def outage_add(
     from minimill.control.sites import add_outage_cli
 
     add_outage_cli(site=site, start=start, end=end, db=db)
+
+
+@outage_app.command("list")
+def outage_list(
+    site: str | None = typer.Argument(None, help="Only this site's outages."),
+    include_past: bool = typer.Option(False, "--all", help="Past outages too."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    db: str | None = DbOption,
+) -> None:
+    """List announced outages (those not over yet) with their ids."""
+    from minimill.control.sites import list_outages_cli
+
+    list_outages_cli(site=site, include_past=include_past, json_out=json_out, db=db)
+
+
+@outage_app.command("remove")
+def outage_remove(
+    outage_id: int = typer.Argument(..., help="The outage's id (see `sites outage list`)."),
+    db: str | None = DbOption,
+) -> None:
+    """Withdraw an announced outage: the site gets work for that time again."""
+    from minimill.control.sites import remove_outage_cli
+
+    remove_outage_cli(outage_id=outage_id, db=db)
 
 
 if __name__ == "__main__":

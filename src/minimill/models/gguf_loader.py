@@ -149,7 +149,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.bfloat16,
             elif config.architecture == "llama" and ".attn_k." in info.name:
                 tensor = unpermute_rope_rows(tensor, config.num_key_value_heads)
             weights[hf_name] = tensor
-    _check_shapes(path, config, weights)
+    check_shapes(path, config, weights)
     meta = header.metadata
     return LoadedModel(
         name=name or path.stem, config=config, weights=weights, tokenizer=tokenizer,
@@ -159,7 +159,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.bfloat16,
     )
 
 
-def _check_shapes(path: Path, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+def check_shapes(path: Path, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
     """Metadata and tensors must agree, or the engine would fail far from the cause."""
     expected = {
         "model.embed_tokens.weight": (config.vocab_size, config.hidden_size),

@@ -1,4 +1,4 @@
-"""The worker protocol's server side (protocol.py): lease, heartbeat, complete.
+"""The worker protocol's server side (protocol.py): lease, heartbeat, complete, release.
 
 Authenticated with a site token. Accepted completions and fresh checkpoints wake the realtime
 waiters of this process at once; other processes notice through their pollers.
@@ -13,7 +13,7 @@ from fastapi import APIRouter
 
 from minimill.api.deps import ConfigDep, SiteDep, StoreDep, WatcherDep
 from minimill.api.errors import error_responses
-from minimill.control import leases
+from minimill.control import leases, release
 from minimill.protocol import (
     FLEET_PREFIX,
     CompleteRequest,
@@ -22,6 +22,8 @@ from minimill.protocol import (
     HeartbeatResponse,
     LeaseRequest,
     LeaseResponse,
+    ReleaseRequest,
+    ReleaseResponse,
 )
 
 router = APIRouter(prefix=FLEET_PREFIX, tags=["fleet"], responses=error_responses(400, 401))
@@ -49,4 +51,13 @@ async def complete(done: CompleteRequest, store: StoreDep, site: SiteDep, config
     answer = await anyio.to_thread.run_sync(leases.complete, store, site, done, time.time(),
                                             config)
     watcher.poke(answer.accepted)
+    return answer
+
+
+@router.post("/release", response_model=ReleaseResponse)
+async def release_leases(ask: ReleaseRequest, store: StoreDep, site: SiteDep, config: ConfigDep,
+                         watcher: WatcherDep) -> ReleaseResponse:
+    answer = await anyio.to_thread.run_sync(release.release, store, site, ask, time.time(),
+                                            config)
+    watcher.poke(answer.released)
     return answer
