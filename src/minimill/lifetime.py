@@ -38,6 +38,7 @@ WATCH_INTERVAL_S = 0.5
 # An orphan gets this long to stop gracefully (checkpoint, hand back its leases) after SIGTERM.
 ORPHAN_GRACE_S = 20.0
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_watched: int | None = None  # the parent die_with_parent ties this process to
 
 
 def owned_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -57,6 +58,14 @@ def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
         return int(libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)) == 0
     except (OSError, AttributeError):
         return False
+
+
+def orphaned() -> int | None:
+    """The pid of this process's owner if it has died (None: alive, or no owner): a SIGTERM
+    handler tells a parent's death from an ordinary stop with it."""
+    if _watched is None or os.getppid() == _watched:
+        return None
+    return _watched
 
 
 def _orphaned(parent: int) -> None:
@@ -90,6 +99,8 @@ def die_with_parent() -> int | None:
     except ValueError:
         log.warning("ignoring %s=%r: not a pid", PARENT_PID_ENV, value)
         return None
+    global _watched
+    _watched = parent
     if kernel_signal:
         set_parent_death_signal(signal.SIGTERM)
     # Checked after prctl: a parent that died before it would never send the signal.

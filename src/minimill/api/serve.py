@@ -24,7 +24,7 @@ import uvicorn
 
 from minimill.api.settings import Settings
 from minimill.fleet.supervisor import LOCAL_SITE, WorkerSupervisor, worker_command
-from minimill.lifetime import die_with_parent
+from minimill.lifetime import die_with_parent, orphaned
 
 log = logging.getLogger("minimill.serve")
 DEFAULT_TENANT = "default"
@@ -87,6 +87,9 @@ async def _serve(server: _Server, sock: socket.socket,
     loop = asyncio.get_running_loop()
 
     def on_signal() -> None:
+        parent = orphaned()
+        if parent is not None:
+            log.warning("parent process %d is gone; stopping", parent)
         # A terminal's Ctrl-C reaches the worker too: it must not be restarted meanwhile.
         if supervisor is not None:
             supervisor.stopping = True

@@ -22,7 +22,7 @@ from minimill.fleet.client import ControlPlaneClient, SiteAuthError
 from minimill.fleet.engines import EngineStartError, open_engine
 from minimill.fleet.loops import Worker
 from minimill.fleet.startup import StartClock
-from minimill.lifetime import die_with_parent
+from minimill.lifetime import die_with_parent, orphaned
 from minimill.protocol import MAX_CHIP_CHARS
 
 log = logging.getLogger("minimill.worker")
@@ -34,10 +34,22 @@ class StoppedWhileStarting(BaseException):
     it."""
 
 
+def _say_if_orphaned() -> None:
+    parent = orphaned()
+    if parent is not None:
+        log.warning("parent process %d is gone; stopping", parent)
+
+
 def _stop_while_starting(signum: int, _frame: FrameType | None) -> None:
     # Raised in the main thread, between two bytecodes of whatever starts (imports, model
     # load, engine construction): the start unwinds and the process exits.
+    _say_if_orphaned()
     raise StoppedWhileStarting(signal.Signals(signum).name)
+
+
+def _stop(worker: Worker) -> None:
+    _say_if_orphaned()
+    worker.stop()
 
 
 async def _log_first_lease(worker: Worker, clock: StartClock) -> None:
@@ -60,7 +72,7 @@ async def _amain(*, server: str, site: str, token: str, engine: str, model: str,
                     price_per_hour=price_per_hour, chip=chip)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, worker.stop)
+        loop.add_signal_handler(sig, _stop, worker)
     log.info("worker for site %r ready: engine %s, models %s, capacity %d, control plane %s",
              site, engine, adapter.models, effective, server)
     timing = asyncio.create_task(_log_first_lease(worker, clock))
@@ -101,9 +113,10 @@ def run_worker(*, server: str, site: str, token: str, price_per_hour: float | No
                         stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per call is noise
     clock = StartClock()
-    die_with_parent()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _stop_while_starting)
+    die_with_parent()
+    log.info("worker for site %r starting (pid %d)", site, os.getpid())
     if capacity < 1:
         raise SystemExit("--capacity must be at least 1")
     chip = _check_declared(price_per_hour, chip)
