@@ -15,7 +15,6 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
 import socket
 import sys
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ import uvicorn
 
 from minimill.api.settings import Settings
 from minimill.fleet.supervisor import LOCAL_SITE, WorkerSupervisor, worker_command
-from minimill.lifetime import die_with_parent, orphaned
+from minimill.lifetime import STOP_SIGNALS, die_with_parent, stop_reason
 
 log = logging.getLogger("minimill.serve")
 DEFAULT_TENANT = "default"
@@ -86,10 +85,8 @@ async def _serve(server: _Server, sock: socket.socket,
                  supervisor: WorkerSupervisor | None) -> None:
     loop = asyncio.get_running_loop()
 
-    def on_signal() -> None:
-        parent = orphaned()
-        if parent is not None:
-            log.warning("parent process %d is gone; stopping", parent)
+    def on_signal(signum: int) -> None:
+        log.info("%s: stopping", stop_reason(signum))
         # A terminal's Ctrl-C reaches the worker too: it must not be restarted meanwhile.
         if supervisor is not None:
             supervisor.stopping = True
@@ -97,8 +94,8 @@ async def _serve(server: _Server, sock: socket.socket,
             server.force_exit = True
         server.should_exit = True
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, on_signal, sig)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     worker_task: asyncio.Task[None] | None = None
     try:

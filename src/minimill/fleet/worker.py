@@ -1,5 +1,6 @@
 """`minimill worker`: one site of the fleet. Loads an engine, pulls leases from the control
-plane over HTTP and runs them (fleet/loops.py), until SIGTERM/SIGINT: then it stops leasing,
+plane over HTTP and runs them (fleet/loops.py), until SIGTERM/SIGINT (or SIGHUP, its owner's
+death): then it stops leasing,
 lets running requests finish for a while (MINIMILL_WORKER_DRAIN_S, default 10 s), checkpoints
 and hands back whatever is left, and exits; a second signal skips the wait. A signal while it
 is still starting (loading the model, or before its control plane ever answered) ends it at
@@ -22,7 +23,7 @@ from minimill.fleet.client import ControlPlaneClient, SiteAuthError
 from minimill.fleet.engines import EngineStartError, open_engine
 from minimill.fleet.loops import Worker
 from minimill.fleet.startup import StartClock
-from minimill.lifetime import die_with_parent, orphaned
+from minimill.lifetime import STOP_SIGNALS, die_with_parent, stop_reason
 from minimill.protocol import MAX_CHIP_CHARS
 
 log = logging.getLogger("minimill.worker")
@@ -34,21 +35,14 @@ class StoppedWhileStarting(BaseException):
     it."""
 
 
-def _say_if_orphaned() -> None:
-    parent = orphaned()
-    if parent is not None:
-        log.warning("parent process %d is gone; stopping", parent)
-
-
 def _stop_while_starting(signum: int, _frame: FrameType | None) -> None:
     # Raised in the main thread, between two bytecodes of whatever starts (imports, model
     # load, engine construction): the start unwinds and the process exits.
-    _say_if_orphaned()
-    raise StoppedWhileStarting(signal.Signals(signum).name)
+    raise StoppedWhileStarting(stop_reason(signum))
 
 
-def _stop(worker: Worker) -> None:
-    _say_if_orphaned()
+def _stop(worker: Worker, signum: int) -> None:
+    log.info("%s: stopping", stop_reason(signum))
     worker.stop()
 
 
@@ -71,8 +65,8 @@ async def _amain(*, server: str, site: str, token: str, engine: str, model: str,
                     stats_every_s=float(os.environ.get("MINIMILL_WORKER_STATS_S", "0")),
                     price_per_hour=price_per_hour, chip=chip)
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, _stop, worker)
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, _stop, worker, sig)
     log.info("worker for site %r ready: engine %s, models %s, capacity %d, control plane %s",
              site, engine, adapter.models, effective, server)
     timing = asyncio.create_task(_log_first_lease(worker, clock))
@@ -113,7 +107,7 @@ def run_worker(*, server: str, site: str, token: str, price_per_hour: float | No
                         stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per call is noise
     clock = StartClock()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, _stop_while_starting)
     die_with_parent()
     log.info("worker for site %r starting (pid %d)", site, os.getpid())
