@@ -7,7 +7,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from minimill.fleet.kernel_lock import clear_stale_kernel_locks
+from minimill.fleet.kernel_lock import clear_stale_kernel_locks, stale_kernel_locks_cleared
 
 
 def build_dir(root: Path, name: str, *, built: bool = True, lock_age_s: float = 60.0) -> Path:
@@ -38,3 +38,12 @@ def test_only_old_locks_beside_a_built_library_with_nobody_working_there_go(
     assert not stale.exists()
     assert fresh.exists() and first_build.exists() and busy.exists()
     assert clear_stale_kernel_locks(tmp_path / "nowhere") == []
+
+
+def test_a_start_waiting_on_a_leftover_goes_on(tmp_path: Path) -> None:
+    lock = build_dir(tmp_path, "cpu-left", lock_age_s=3.0)  # not old enough yet
+    with stale_kernel_locks_cleared(tmp_path, every_s=0.1):
+        deadline = time.time() + 10
+        while lock.exists() and time.time() < deadline:  # what torch's loader does
+            time.sleep(0.1)
+    assert not lock.exists()

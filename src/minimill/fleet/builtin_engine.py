@@ -55,16 +55,16 @@ class BuiltinEngineAdapter:
         from minimill.engine.async_engine import AsyncEngine
         from minimill.engine.config import EngineConfig
         from minimill.engine.native import kernel_cache_dir
-        from minimill.fleet.kernel_lock import clear_stale_kernel_locks
+        from minimill.fleet.kernel_lock import stale_kernel_locks_cleared
         from minimill.models.loader import load_model
         from minimill.models.types import ModelError
 
         clock.mark("engine imports")
-        clear_stale_kernel_locks(kernel_cache_dir())
         try:
             loaded = load_model(model, EngineConfig(dtype=dtype).torch_dtype)
             clock.mark(f"model load ({loaded.extra.get('warm_cache', 'no warm cache')})")
-            engine = AsyncEngine(loaded, dtype=dtype)
+            with stale_kernel_locks_cleared(kernel_cache_dir()):
+                engine = AsyncEngine(loaded, dtype=dtype)
             clock.mark("engine")
         except (ModelError, EngineError, ValueError, OSError) as exc:
             raise EngineStartError(f"cannot start the builtin engine for {model!r}: {exc}") \

@@ -6,14 +6,18 @@ that the cached build is current. A worker killed -9 in that moment leaves the f
 and every later start on the machine waits on it forever: one unlucky kill stops every
 restart. A lock is taken for a leftover when it is older than `min_age_s`, a built library
 sits beside it, and no process is working in that directory (the loader runs the compiler
-there): then it is removed.
+there): then it is removed. While a worker starts, a thread looks again every second, so a
+start that is already waiting on a leftover goes on as soon as it is removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger("minimill.worker")
@@ -34,7 +38,7 @@ def _busy_dirs() -> set[Path]:
     return found
 
 
-def clear_stale_kernel_locks(cache_dir: Path, min_age_s: float = 15.0) -> list[Path]:
+def clear_stale_kernel_locks(cache_dir: Path, min_age_s: float = 5.0) -> list[Path]:
     """Remove leftover build locks under `cache_dir`; returns the ones removed."""
     if not Path("/proc/self/cwd").exists():
         return []  # without /proc, a build in progress cannot be told from a leftover
@@ -54,3 +58,24 @@ def clear_stale_kernel_locks(cache_dir: Path, min_age_s: float = 15.0) -> list[P
         removed.append(lock)
         log.warning("removed a build lock left %.0fs ago by a killed process: %s", age_s, lock)
     return removed
+
+
+@contextlib.contextmanager
+def stale_kernel_locks_cleared(cache_dir: Path, every_s: float = 1.0) -> Iterator[None]:
+    """Sweep leftover locks under `cache_dir` every `every_s` while the block runs."""
+    done = threading.Event()
+
+    def sweep() -> None:
+        while True:
+            try:
+                clear_stale_kernel_locks(cache_dir)
+            except OSError as exc:  # a directory that vanished, a file we cannot remove
+                log.debug("kernel lock sweep: %s", exc)
+            if done.wait(every_s):
+                return
+
+    threading.Thread(target=sweep, name="minimill-kernel-locks", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
