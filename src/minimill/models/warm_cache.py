@@ -97,6 +97,7 @@ def write(loaded: LoadedModel, source: Path, dtype: torch.dtype, cache_dir: Path
     try:
         save_file({k: v.contiguous() for k, v in loaded.weights.items()}, str(partial),
                   metadata=_metadata(loaded, source, dtype))
+        partial.chmod(0o644)  # readable as the model file beside it is
         os.replace(partial, target)
     finally:
         partial.unlink(missing_ok=True)
