@@ -159,4 +159,5 @@ class LocalFleet:
         for proc in self.workers.values():
             proc.stop()
         self.serve.stop()
-        shutil.rmtree(self.home, ignore_errors=True)
+        if not os.environ.get("KEEP_BENCH_HOME"):
+            shutil.rmtree(self.home, ignore_errors=True)

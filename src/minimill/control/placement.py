@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from minimill.control import site_health
+from minimill.control import ranking, site_health
 from minimill.control.records import Tier
 
 
@@ -73,6 +73,7 @@ class SiteState:
     up_s: float = 0.0  # seconds observed up (see site_health.uptime)
     leases_granted: int = 0
     leases_expired: int = 0
+    chip: str | None = None  # what it runs on, as registered or declared by its worker
 
     def current_or_next_outage(self, now: float) -> Outage | None:
         upcoming = [o for o in self.outages if o.end_at > now]
@@ -131,6 +132,9 @@ class PlacementPolicy:
     handback_lead_s: float = 5.0
     # Held leases are weighed for an early handback only this close to an outage.
     handback_horizon_s: float = 3600.0
+    # Sites declaring the same chip at the same price whose measured rates are within this
+    # factor of each other count as equally fast and cheap (ranking.same_kind).
+    same_chip_rate_spread: float = 4.0
 
     def estimated_seconds(self, candidate: Candidate) -> float:
         return max(self.tokens(candidate), 1) / self.stream_tokens_per_s
@@ -157,33 +161,14 @@ def fits(site: SiteState, candidate: Candidate, now: float, policy: PlacementPol
                               <= outage.start_at - policy.handback_lead_s)
 
 
-def _faster(peer: SiteState, me: SiteState, now: float, policy: PlacementPolicy) -> bool:
-    """Does `peer` come before `me` for realtime work (reliable first, then faster)?"""
-    peer_reliable = site_health.loss_fraction(peer, now, policy) <= policy.reliable_max_loss
-    me_reliable = site_health.loss_fraction(me, now, policy) <= policy.reliable_max_loss
-    if peer_reliable != me_reliable:
-        return peer_reliable
-    return (site_health.busy_tokens_per_s(peer)
-            > site_health.busy_tokens_per_s(me) * (1 + policy.tolerance))
-
-
-def _cheaper(peer: SiteState, me: SiteState, now: float, policy: PlacementPolicy) -> bool:
-    return (site_health.effective_usd_per_mtok(peer, now, policy) * (1 + policy.tolerance)
-            < site_health.effective_usd_per_mtok(me, now, policy))
-
-
-def _equal(peer: SiteState, me: SiteState, now: float, policy: PlacementPolicy) -> bool:
-    """Neither is cheaper than the other by more than the tolerance: they share background."""
-    return not _cheaper(peer, me, now, policy) and not _cheaper(me, peer, now, policy)
-
-
 def _peers(snapshot: Snapshot) -> list[SiteState]:
     return [s for s in snapshot.sites if s.site_id != snapshot.site.site_id]
 
 
 def needs_backlog(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLICY) -> bool:
     """Whether deadline risk can change the answer: some live peer is cheaper."""
-    return any(site_health.alive(p, now, policy) and _cheaper(p, snapshot.site, now, policy)
+    return any(site_health.alive(p, now, policy)
+               and ranking.cheaper(p, snapshot.site, now, policy)
                for p in _peers(snapshot))
 
 
@@ -193,7 +178,7 @@ def reserved_slots(snapshot: Snapshot, now: float,
     its own capacity the queue must be read to find what it would get (and its fair share)."""
     me = snapshot.site
     return sum(site_health.free_slots(p, now, policy) for p in _peers(snapshot)
-               if _faster(p, me, now, policy) or not _cheaper(me, p, now, policy))
+               if ranking.faster(p, me, now, policy) or not ranking.cheaper(me, p, now, policy))
 
 
 def deadline_at_risk(snapshot: Snapshot, now: float,
@@ -204,7 +189,7 @@ def deadline_at_risk(snapshot: Snapshot, now: float,
         return None
     me = snapshot.site
     cheaper = [p for p in _peers(snapshot)
-               if site_health.alive(p, now, policy) and _cheaper(p, me, now, policy)]
+               if site_health.alive(p, now, policy) and ranking.cheaper(p, me, now, policy)]
     rate = sum(site_health.expected_tokens_per_s(p, now, policy) for p in cheaper)
     theirs = {p.site_id for p in cheaper}
     due: dict[float, int] = {}
@@ -244,14 +229,15 @@ def place(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLI
     if snapshot.capacity <= 0 or site_health.in_outage(me, now):
         return []
     peers = [p for p in _peers(snapshot) if site_health.free_slots(p, now, policy) > 0]
-    faster = sorted((p for p in peers if _faster(p, me, now, policy)),
+    faster = sorted((p for p in peers if ranking.faster(p, me, now, policy)),
                     key=lambda p: (site_health.loss_fraction(p, now, policy)
                                    > policy.reliable_max_loss,
                                    -site_health.busy_tokens_per_s(p), p.site_id))
-    cheaper = sorted((p for p in peers if _cheaper(p, me, now, policy)),
+    cheaper = sorted((p for p in peers if ranking.cheaper(p, me, now, policy)),
                      key=lambda p: (site_health.effective_usd_per_mtok(p, now, policy),
                                     p.site_id))
-    equals = sorted((p for p in peers if _equal(p, me, now, policy)), key=lambda p: p.site_id)
+    equals = sorted((p for p in peers if ranking.equal(p, me, now, policy)),
+                    key=lambda p: p.site_id)
     plan = Plan(peers, now, policy)
     urgent_until = deadline_at_risk(snapshot, now, policy)
 
