@@ -153,7 +153,9 @@ class Worker:
             if self.first_lease_at is None:
                 self.first_lease_at = time.monotonic()
             if self.stopping.is_set():
-                break  # those leases lapse and go to another site
+                for lease in resp.leases:  # granted as we stopped: straight back, unstarted
+                    self.releases.add_unstarted(lease)
+                break
             taken = [self._take(lease) for lease in resp.leases]
             resumed = [h for h in taken if h.resumed_tokens]
             if resumed:
@@ -177,9 +179,18 @@ class Worker:
             self._last_full_heartbeat = now
         return items
 
-    async def heartbeat_once(self, force_all: bool = False) -> None:
-        if self.releases.pending:
+    async def _send_releases(self) -> None:
+        """Hand back what is pending; a failure must not hold up the heartbeats of the rest."""
+        if not self.releases.pending:
+            return
+        try:
             await self.releases.send()
+        except ControlPlaneUnavailable as exc:
+            log.warning("handing back %d leases failed (%s); trying again",
+                        len(self.releases.pending), exc)
+
+    async def heartbeat_once(self, force_all: bool = False) -> None:
+        await self._send_releases()
         items = self._heartbeat_items(force_all)
         if not items:
             return
@@ -198,7 +209,7 @@ class Worker:
         if resp.handback and self.hand_back(resp.handback):
             log.info("an outage of this site is near: handing back %d leases",
                      len(self.releases.pending))
-            await self.releases.send()
+            await self._send_releases()
 
     async def heartbeat_loop(self) -> None:
         backoff = Backoff(cap_s=2.0)

@@ -13,7 +13,7 @@ import logging
 
 from minimill.fleet.client import ControlPlaneClient
 from minimill.fleet.held import HeldLease
-from minimill.protocol import Checkpoint, ReleaseItem, ReleaseRequest
+from minimill.protocol import Checkpoint, Lease, ReleaseItem, ReleaseRequest
 
 log = logging.getLogger("minimill.worker")
 MAX_RELEASES_PER_POST = 256
@@ -36,6 +36,11 @@ class Releases:
                       if held.progress else None)
         self.pending[held.request_id] = ReleaseItem(
             request_id=held.request_id, epoch=held.lease.epoch, checkpoint=checkpoint)
+
+    def add_unstarted(self, lease: Lease) -> None:
+        """Queue the release of a lease never started (its checkpoint stays as it is)."""
+        self.pending[lease.request_id] = ReleaseItem(request_id=lease.request_id,
+                                                     epoch=lease.epoch)
 
     def discard(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
