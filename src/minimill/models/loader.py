@@ -9,7 +9,6 @@ from pathlib import Path
 
 import torch
 
-from minimill.models.hf_loader import load_hf_dir
 from minimill.models.registry import (
     KNOWN_MODELS,
     minimill_home,
@@ -32,6 +31,8 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.bfloat16, *,
         path = pull_model(name_or_path)
     name = name_or_path if name_or_path in KNOWN_MODELS else Path(path).name
     if path.is_dir():
+        from minimill.models.hf_loader import load_hf_dir
+
         return load_hf_dir(path, dtype, name=name)
     if path.suffix.lower() == ".gguf":
         # A pulled model's warm file sits beside it; one given by path, in a shared directory.

@@ -32,7 +32,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from minimill.models.gguf_loader import check_shapes, load_gguf
+from minimill.models.shapes import check_shapes
 from minimill.models.tokenizer import Tokenizer
 from minimill.models.types import LoadedModel, ModelConfig
 
@@ -144,6 +144,9 @@ def read(path: Path, source: Path, dtype: torch.dtype, name: str) -> LoadedModel
 
 def load_gguf_warm(source: Path, dtype: torch.dtype, name: str, cache_dir: Path) -> LoadedModel:
     """`load_gguf`, through the warm cache when it is enabled."""
+    # Only a cold load reads GGUF: a warm start does without the gguf package's import.
+    from minimill.models.gguf_loader import load_gguf
+
     if not enabled():
         return load_gguf(source, dtype, name=name)
     path = cache_path(source, dtype, cache_dir)
