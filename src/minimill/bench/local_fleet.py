@@ -159,5 +159,4 @@ class LocalFleet:
         for proc in self.workers.values():
             proc.stop()
         self.serve.stop()
-        if not os.environ.get("KEEP_BENCH_HOME"):
-            shutil.rmtree(self.home, ignore_errors=True)
+        shutil.rmtree(self.home, ignore_errors=True)
