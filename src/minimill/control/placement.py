@@ -19,7 +19,9 @@ the asking site leaves it. Rules:
   background work due by some deadline in time (its tokens over their expected throughput,
   with a safety factor), the asking site takes that work first, whatever its price.
 - A peer counts as faster or cheaper only by more than `tolerance`: measurements are noisy, and
-  equal sites should share the queue rather than wait for each other.
+  equal sites should share the queue rather than wait for each other. Sites of the same chip
+  and price are not told apart by their measured rates, which follow the load each was given
+  (ranking.py says how two sites compare).
 - Equal sites (neither cheaper than the other) with free room share background work: the
   asking site takes its fair share, in proportion to its room (its leases plus its free
   capacity), of that work plus what the equal sites already hold, and leaves the rest to its
