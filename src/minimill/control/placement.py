@@ -134,9 +134,6 @@ class PlacementPolicy:
     handback_lead_s: float = 5.0
     # Held leases are weighed for an early handback only this close to an outage.
     handback_horizon_s: float = 3600.0
-    # Sites declaring the same chip at the same price whose measured rates are within this
-    # factor of each other count as equally fast and cheap (ranking.same_kind).
-    same_chip_rate_spread: float = 4.0
 
     def estimated_seconds(self, candidate: Candidate) -> float:
         return max(self.tokens(candidate), 1) / self.stream_tokens_per_s

@@ -3,11 +3,13 @@
 SiteStates, a clock and the policy.
 
 A site's measured rate is its busy throughput, and while it has free room it is only a lower
-bound: a site given 30 requests measures less than the same machine given 90. Sites that
-declare the same chip at the same price are taken for the same hardware, so a difference in
-their measured rates below `same_chip_rate_spread` is put down to the load each was given,
-not to what they can do: for them only reliability (expected loss) tells one from the other.
-Otherwise the site that got more work would measure faster, look cheaper, and get all of it.
+bound: a site given 30 requests measures less than the same machine given 90, and one that
+keeps restarting measures mostly its prefills. Sites that declare the same chip at the same
+price are taken for the same hardware, so a difference in their measured rates is put down to
+the load each was given, not to what they can do: for them only reliability (expected loss)
+tells one from the other. Otherwise the site that got more work would measure faster, look
+cheaper, and get all of it, and a kill of that one would lose all of it. (Different hardware
+should declare different chip names.)
 """
 
 from __future__ import annotations
@@ -22,14 +24,11 @@ if TYPE_CHECKING:
 
 
 def same_kind(a: SiteState, b: SiteState, policy: PlacementPolicy) -> bool:
-    """Same chip, prices within the tolerance, measured rates within the spread."""
+    """The same chip, at prices within the tolerance."""
     if a.chip is None or a.chip != b.chip:
         return False
     low, high = sorted((a.price_per_hour, b.price_per_hour))
-    if high > low * (1 + policy.tolerance):
-        return False
-    slow, fast = sorted((site_health.busy_tokens_per_s(a), site_health.busy_tokens_per_s(b)))
-    return fast <= slow * policy.same_chip_rate_spread
+    return high <= low * (1 + policy.tolerance)
 
 
 def _reliable(site: SiteState, now: float, policy: PlacementPolicy) -> bool:
