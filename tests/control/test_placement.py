@@ -275,16 +275,18 @@ def test_reserved_slots_count_only_peers_that_go_first() -> None:
 def test_same_chip_sites_are_not_told_apart_by_the_load_they_were_given() -> None:
     # Two machines alike: the one that got more work measured 2.6x the other's rate. Taken
     # at face value it would look cheaper and take the whole queue next time; as the same
-    # hardware they share it. A site that loses work still comes second, and another chip
-    # name (or price) is still told apart by its rate.
+    # hardware they share it. A site that loses work gets less of it (in proportion to what
+    # it keeps), not none; another chip name (or price) is still told apart by its rate.
     busy = replace(peer("busy", tps=442.0, free=200), chip="cpu")
     light = replace(peer("light", tps=167.0, free=200), chip="cpu")
     queue = work(96)
     assert len(ask_as(busy, *queue, others=(light,), capacity=200)) == 48
     assert len(ask_as(light, *queue, others=(busy,), capacity=200)) == 48
     assert not ranking.faster(busy, light, NOW, DEFAULT_POLICY)
-    flaky = replace(light, leases_granted=80, leases_expired=50)
-    assert ask_as(flaky, *queue, others=(busy,), capacity=200) == []
+    flaky = replace(light, leases_granted=80, leases_expired=50)  # keeps half its work
+    assert len(ask_as(flaky, *queue, others=(busy,), capacity=200)) == 32
+    assert len(ask_as(busy, *queue, others=(flaky,), capacity=200)) == 64
+    assert ranking.faster(busy, flaky, NOW, DEFAULT_POLICY)  # realtime: reliable first
     restarting = replace(busy, tokens_per_s=6.8)  # measured mostly prefills
     assert len(ask_as(light, *queue, others=(restarting,), capacity=200)) == 48
     other_chip = replace(busy, chip="mi300")

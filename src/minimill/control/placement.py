@@ -22,11 +22,12 @@ the asking site leaves it. Rules:
   equal sites should share the queue rather than wait for each other. Sites of the same chip
   and price are not told apart by their measured rates, which follow the load each was given
   (ranking.py says how two sites compare).
-- Equal sites (neither cheaper than the other) with free room share background work: the
-  asking site takes its fair share, in proportion to its room (its leases plus its free
-  capacity), of that work plus what the equal sites already hold, and leaves the rest to its
-  equals' free slots; the first to ask does not take the whole queue. Work no equal can take
-  (another model, an outage ahead) it takes anyway.
+- Equal sites (neither cheaper than the other, or of the same kind: ranking.py) with free room
+  share background work: the asking site takes its fair share, in proportion to its room (its
+  leases plus its free capacity) times the fraction of work it is expected to keep, of that
+  work plus what the equal sites already hold, and leaves the rest to its equals' free slots;
+  the first to ask does not take the whole queue, and a kill of one site does not lose it all.
+  Work no equal can take (another model, an outage ahead) it takes anyway.
 - Announced outages also hand work back (handback.py): no site gets work that it would not
   finish `handback_lead_s` before its outage starts, when it gives back all it still holds.
 """
@@ -277,14 +278,21 @@ def fair_share(snapshot: Snapshot, num_picked: int, equals: list[SiteState], num
                now: float, policy: PlacementPolicy = DEFAULT_POLICY) -> int:
     """How many of `num_shared` background requests the asking site takes, its equals with
     free room taking the rest: each site's share of the work (that plus what they already
-    hold) is in proportion to its room (what it holds plus its free capacity). Rounded up, so
-    that someone always takes the last request. `num_picked`: realtime it just got."""
+    hold) is in proportion to its room (what it holds plus its free capacity) times the
+    fraction of its work it is expected to keep, so a site that loses work gets less of it
+    but not none. Rounded up, so that someone always takes the last request. `num_picked`:
+    realtime it just got."""
     if not equals:
         return num_shared
     me = snapshot.site
+
+    def kept(site: SiteState) -> float:
+        return 1.0 - site_health.loss_fraction(site, now, policy)
+
     held = me.in_flight + num_picked
-    room = me.in_flight + snapshot.capacity
+    mine = (me.in_flight + snapshot.capacity) * kept(me)
     all_held = held + sum(p.in_flight for p in equals)
-    all_room = room + sum(p.in_flight + site_health.free_slots(p, now, policy) for p in equals)
-    target = (num_shared + all_held) * room / max(all_room, 1)
+    everyone = mine + sum((p.in_flight + site_health.free_slots(p, now, policy)) * kept(p)
+                          for p in equals)
+    target = (num_shared + all_held) * mine / everyone if everyone > 0 else num_shared
     return max(0, math.ceil(target - held - 1e-9))

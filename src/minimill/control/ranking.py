@@ -6,15 +6,16 @@ A site's measured rate is its busy throughput, and while it has free room it is 
 bound: a site given 30 requests measures less than the same machine given 90, and one that
 keeps restarting measures mostly its prefills. Sites that declare the same chip at the same
 price are taken for the same hardware, so a difference in their measured rates is put down to
-the load each was given, not to what they can do: for them only reliability (expected loss)
-tells one from the other. Otherwise the site that got more work would measure faster, look
-cheaper, and get all of it, and a kill of that one would lose all of it. (Different hardware
-should declare different chip names.)
+the load each was given, not to what they can do. Nor is either cheaper than the other for
+expected losses estimated from a few kills: they are equal, and share background work in
+proportion to what each is expected to keep (placement.fair_share). Otherwise the site that
+got more work would measure faster, look cheaper, and get all of it, and a kill of that one
+would lose all of it. (Different hardware should declare different chip names.) For realtime
+work a reliable site still goes before an unreliable one of the same kind.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from minimill.control import site_health
@@ -49,9 +50,7 @@ def faster(peer: SiteState, me: SiteState, now: float, policy: PlacementPolicy) 
 def cheaper(peer: SiteState, me: SiteState, now: float, policy: PlacementPolicy) -> bool:
     """Is `peer` cheaper per kept token than `me` by more than the tolerance?"""
     if same_kind(peer, me, policy):
-        # One rate for both: what is left to tell them apart is price and expected loss.
-        rate = max(peer.tokens_per_s or 0.0, me.tokens_per_s or 0.0) or None
-        peer, me = replace(peer, tokens_per_s=rate), replace(me, tokens_per_s=rate)
+        return False
     return (site_health.effective_usd_per_mtok(peer, now, policy) * (1 + policy.tolerance)
             < site_health.effective_usd_per_mtok(me, now, policy))
 
