@@ -155,6 +155,15 @@ def batch_cancel(batch_id: str, base_url: str = BaseUrlOption,
     cancel(batch_id, base_url=base_url, api_key=api_key)
 
 
+@bench_app.callback()
+def bench_callback() -> None:
+    """Benchmarks that print JSON figures."""
+    from minimill.lifetime import exit_on_sigterm
+
+    # A benchmark stopped by a timeout (SIGTERM) stops the processes it started on its way out.
+    exit_on_sigterm()
+
+
 WorkloadOption = typer.Option(Path("../shared/workloads/throughput-256.jsonl"),
                               help="Batch-format JSONL workload.")
 
@@ -314,8 +323,8 @@ def outage_add(
     from minimill.control.sites import add_outage, parse_time
 
     with _store(db) as store:
-        add_outage(store, site, parse_time(start, "from"), parse_time(end, "to"))
-    typer.echo(f"outage of {site} from {start} to {end} recorded")
+        outage_id = add_outage(store, site, parse_time(start, "from"), parse_time(end, "to"))
+    typer.echo(f"outage {outage_id} of {site} from {start} to {end} recorded")
 
 
 TierOption = typer.Option("realtime", "--tier", help="realtime or background (default: "
@@ -429,6 +438,50 @@ def _table(title: str, columns: tuple[str, ...], rows: Sequence[Sequence[str]],
         table.add_row(*row)
     # Piped output is not cut to 80 columns: every row stays on one line.
     Console(width=None if sys.stdout.isatty() else 300).print(table)
+
+
+@outage_app.command("list")
+def outage_list(
+    site: str | None = typer.Argument(None, help="Only this site's outages."),
+    include_past: bool = typer.Option(False, "--all", help="Past outages too."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    db: str | None = DbOption,
+) -> None:
+    """List announced outages (those not over yet) with their ids."""
+    import time
+    from dataclasses import asdict
+
+    from minimill.control.sites import list_outages
+
+    with _store(db) as store:
+        records = list_outages(store, time.time(), site, include_past=include_past)
+    if json_out:
+        typer.echo(json.dumps([asdict(r) for r in records], indent=2))
+        return
+    if not records:
+        typer.echo("no outages announced" + (f" for {site}" if site else ""))
+    for r in records:
+        typer.echo(f"{r.id:>6}  {r.site}  {_moment(r.start_at)} to {_moment(r.end_at)} UTC")
+
+
+@outage_app.command("remove")
+def outage_remove(
+    outage_id: int = typer.Argument(..., help="The outage's id (see `sites outage list`)."),
+    db: str | None = DbOption,
+) -> None:
+    """Withdraw an announced outage: the site gets work for that time again."""
+    from minimill.control.sites import remove_outage
+
+    with _store(db) as store:
+        record = remove_outage(store, outage_id)
+    typer.echo(f"outage {record.id} of {record.site} ({_moment(record.start_at)} to "
+               f"{_moment(record.end_at)} UTC) removed")
+
+
+def _moment(t: float) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
 if __name__ == "__main__":

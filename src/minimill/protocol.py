@@ -1,9 +1,12 @@
 """Wire messages between a worker (fleet/) and the control plane (api/ serves, control/ decides).
 
 Workers pull: they ask for leases with their free capacity, heartbeat (extending leases and
-carrying checkpoints), and complete with the lease's fencing epoch. A site needs no inbound
-connectivity. All routes are under `/v1/fleet/` and authenticated with the site token as a
-Bearer key. Times are Unix seconds (float) from the control plane's clock.
+carrying checkpoints), and complete with the lease's fencing epoch. A lease a worker will not
+finish (it is stopping, or the heartbeat answer lists it in `handback` ahead of an announced
+outage of its site) is released with its last checkpoint: the request is queued again at once
+and resumes elsewhere from there. A site needs no inbound connectivity. All routes are under
+`/v1/fleet/` and authenticated with the site token as a Bearer key. Times are Unix seconds
+(float) from the control plane's clock.
 """
 
 from __future__ import annotations
@@ -92,6 +95,31 @@ class HeartbeatResponse(BaseModel):
     extended: dict[str, float]
     # Leases the worker no longer holds (stale epoch, expired, cancelled): abort them.
     revoked: list[str]
+    # Leases of this site to give back now, before an announced outage of the site: stop
+    # them, and release each with its checkpoint (POST /release). Any lease the site holds may
+    # be named, not only those of this heartbeat.
+    handback: list[str] = Field(default_factory=list)
+
+
+class ReleaseItem(BaseModel):
+    request_id: str
+    epoch: int
+    # Progress so far; None keeps the checkpoint the control plane has.
+    checkpoint: Checkpoint | None = None
+
+
+class ReleaseRequest(BaseModel):
+    """Leases the worker gives back unfinished; it has stopped generating for them."""
+
+    leases: list[ReleaseItem]
+
+
+class ReleaseResponse(BaseModel):
+    # Queued again with the sent checkpoint (or already queued after an expiry, nobody having
+    # leased them since: the checkpoint is kept all the same).
+    released: list[str]
+    # Not this site's at that epoch any more (finished, cancelled, taken over): nothing done.
+    rejected: list[str]
 
 
 class Usage(BaseModel):

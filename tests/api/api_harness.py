@@ -134,6 +134,8 @@ class EchoSite:
     serve_delay_s: float = 0.0
     # Stop leasing after this many leases (None: no limit).
     max_leases: int | None = None
+    # Seconds a batch of leases is held before it is completed (as generating would take).
+    hold_s: float = 0.0
     completed: list[str] = field(default_factory=list)
     rejected: list[dict[str, Any]] = field(default_factory=list)
     leases_seen: list[dict[str, Any]] = field(default_factory=list)
@@ -179,6 +181,8 @@ class EchoSite:
                 continue
             self.leases_seen.extend(leases)
             results = [self._serve(lease) for lease in leases]
+            if self.hold_s:
+                self._stop.wait(self.hold_s)
             try:
                 answer = self._post("/complete", {"results": results})
             except httpx.HTTPError:

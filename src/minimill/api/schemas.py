@@ -238,6 +238,23 @@ class OutageCreate(BaseModel):
 
 
 class OutageCreated(BaseModel):
+    id: int
+    object: Literal["outage"] = "outage"
     site: str
     start_at: float
     end_at: float
+
+
+class OutageObject(OutageCreated):
+    created_at: float
+
+
+class OutageList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[OutageObject]
+
+
+class OutageDeleted(BaseModel):
+    id: int
+    object: Literal["outage.deleted"] = "outage.deleted"
+    deleted: bool = True

@@ -12,6 +12,8 @@
   exactly once. An accepted one is billed from the operator's price list (prices.py), whatever
   the site declares. Rejections are counted per site, with the tokens they wasted.
 - `reap_expired`: expired leases go back to `queued`, keeping their checkpoint.
+- Released leases (release.py) go back to `queued` at once, with the checkpoint sent; a
+  heartbeat answer names the leases a site should release ahead of its announced outage.
 
 Every transition is a conditional UPDATE (on status and epoch), and PostgreSQL candidates are
 picked with `FOR UPDATE SKIP LOCKED`, so several control-plane processes can run these at once.
@@ -44,6 +46,7 @@ from minimill.control.records import (
     Tier,
     new_id,
 )
+from minimill.control.release import handback_for, remaining_tokens
 from minimill.control.site_view import site_states
 from minimill.control.sites import touch_site
 from minimill.control.store import Store, retry_conflicts
@@ -83,13 +86,6 @@ def _count(value: int) -> int:
     return min(max(value, 0), MAX_COUNT)
 
 
-def _generated(checkpoint: dict[str, Any] | None) -> int:
-    if not checkpoint:
-        return 0
-    return max((len(c.get("token_ids") or []) for c in checkpoint.get("choices") or []),
-               default=0)
-
-
 def _candidates(conn: Connection, tier: Tier, models: list[str], limit: int) -> list[Candidate]:
     order = (requests.c.seq,) if tier == Tier.REALTIME else (requests.c.deadline, requests.c.seq)
     query = (select(requests.c.id, requests.c.model, requests.c.seq, requests.c.deadline,
@@ -99,8 +95,7 @@ def _candidates(conn: Connection, tier: Tier, models: list[str], limit: int) -> 
              .order_by(*order).limit(limit)
              .with_for_update(skip_locked=True))
     return [Candidate(request_id=r.id, tier=tier, model=r.model, seq=r.seq, deadline=r.deadline,
-                      remaining_tokens=None if r.max_tokens is None
-                      else max(r.max_tokens - _generated(r.checkpoint), 1))
+                      remaining_tokens=remaining_tokens(r.max_tokens, r.checkpoint))
             for r in conn.execute(query)]
 
 
@@ -123,10 +118,10 @@ def _backlog(conn: Connection) -> tuple[Backlog, ...]:
 
 def policy_for(config: ControlConfig,
                policy: PlacementPolicy = DEFAULT_POLICY) -> PlacementPolicy:
-    """A full site only heartbeats (every TTL/3): it counts as alive for at least one TTL."""
-    if config.lease_ttl_s <= policy.alive_within_s:
-        return policy
-    return replace(policy, alive_within_s=config.lease_ttl_s)
+    """A full site only heartbeats (every TTL/3): it counts as alive for at least one TTL, and
+    hears of a handback at most TTL/3 late, so it is told that much (and a second) earlier."""
+    return replace(policy, alive_within_s=max(policy.alive_within_s, config.lease_ttl_s),
+                   handback_lead_s=max(policy.handback_lead_s, config.lease_ttl_s / 3 + 1.0))
 
 
 def _snapshot(conn: Connection, site: Site, ask: LeaseRequest, capacity: int, models: list[str],
@@ -232,9 +227,11 @@ def heartbeat(store: Store, site: Site, beat: HeartbeatRequest, now: float,
                                      version=requests.c.version + 1))
         touch_site(conn, site.id, now, config.lease_ttl_s, beat.tokens_per_s,
                    busy=bool(extended))
+        handback = handback_for(conn, site.id, now, policy_for(config)) if extended else []
     return HeartbeatResponse(
         extended={i.request_id: expires_at for i in beat.leases if i.request_id in extended},
-        revoked=[i.request_id for i in beat.leases if i.request_id not in extended])
+        revoked=[i.request_id for i in beat.leases if i.request_id not in extended],
+        handback=handback)
 
 
 @retry_conflicts

@@ -10,10 +10,11 @@ from __future__ import annotations
 import math
 import secrets
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Connection, case, func, insert, select, update
+from sqlalchemy import Connection, case, delete, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from minimill.control import metering
@@ -141,13 +142,69 @@ def parse_time(text: str, param: str) -> float:
     return moment.timestamp()
 
 
-def add_outage(store: Store, site_name: str, start_at: float, end_at: float) -> None:
-    """Announce a planned or forecast outage; placement drains the site ahead of it."""
+def add_outage(store: Store, site_name: str, start_at: float, end_at: float) -> int:
+    """Announce a planned or forecast outage; placement drains the site ahead of it, and the
+    site hands back what it holds before it starts (handback.py). Returns the outage's id."""
+    if not (math.isfinite(start_at) and math.isfinite(end_at)):
+        raise InvalidRequestError("an outage's start and end must be finite times",
+                                  param="start_at")
     if end_at <= start_at:
         raise InvalidRequestError("an outage must end after it starts", param="end")
     with store.write() as conn:
         site_id = conn.execute(select(sites.c.id).where(sites.c.name == site_name)).scalar()
         if site_id is None:
             raise NotFoundError(f"no site named {site_name!r}", param="site")
-        conn.execute(insert(outages).values(site_id=site_id, start_at=start_at, end_at=end_at,
-                                            created_at=time.time()))
+        outage_id = conn.execute(insert(outages).values(
+            site_id=site_id, start_at=start_at, end_at=end_at, created_at=time.time())
+        ).inserted_primary_key
+    return int(outage_id[0]) if outage_id else 0
+
+
+@dataclass(frozen=True, slots=True)
+class OutageRecord:
+    """An announced outage, as operators see it."""
+
+    id: int
+    site: str
+    start_at: float
+    end_at: float
+    created_at: float
+
+
+def list_outages(store: Store, now: float, site_name: str | None = None, *,
+                 include_past: bool = False) -> list[OutageRecord]:
+    """Announced outages by start time: those not over yet (every one with `include_past`),
+    of one site or of all."""
+    query = (select(outages.c.id, sites.c.name, outages.c.start_at, outages.c.end_at,
+                    outages.c.created_at)
+             .join(sites, sites.c.id == outages.c.site_id)
+             .order_by(outages.c.start_at, outages.c.id))
+    if site_name is not None:
+        query = query.where(sites.c.name == site_name)
+    if not include_past:
+        query = query.where(outages.c.end_at > now)
+    with store.read() as conn:
+        if site_name is not None and conn.execute(
+                select(sites.c.id).where(sites.c.name == site_name)).first() is None:
+            raise NotFoundError(f"no site named {site_name!r}", param="site")
+        rows = conn.execute(query).all()
+    return [OutageRecord(id=int(r.id), site=r.name, start_at=r.start_at, end_at=r.end_at,
+                         created_at=r.created_at) for r in rows]
+
+
+def remove_outage(store: Store, outage_id: int, site_name: str | None = None) -> OutageRecord:
+    """Withdraw an announced outage (of `site_name` only, when given): placement and handback
+    stop counting it at once. NotFoundError if there is no such outage (of that site)."""
+    with store.write() as conn:
+        query = (select(outages.c.id, sites.c.name, outages.c.start_at, outages.c.end_at,
+                        outages.c.created_at)
+                 .join(sites, sites.c.id == outages.c.site_id)
+                 .where(outages.c.id == outage_id))
+        if site_name is not None:
+            query = query.where(sites.c.name == site_name)
+        row = conn.execute(query).first() if 0 <= outage_id < 2**63 else None
+        if row is None:
+            raise NotFoundError(f"no outage with id {outage_id}", param="outage_id")
+        conn.execute(delete(outages).where(outages.c.id == outage_id))
+    return OutageRecord(id=int(row.id), site=row.name, start_at=row.start_at,
+                        end_at=row.end_at, created_at=row.created_at)

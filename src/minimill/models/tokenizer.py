@@ -14,6 +14,9 @@ import tokenizers
 from minimill.models.chat_template import ChatTemplateError, render_chat_template
 
 _REPLACEMENT = "\ufffd"
+# Chat end-of-turn tokens that also end generation when a vocabulary has them.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>",
+                      "<|end|>", "<end_of_turn>", "<|eom_id|>")
 
 
 class Tokenizer:
