@@ -37,7 +37,7 @@ class InputMessage(_Body):
 
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputPart]
+    content: list[InputPart] | str
 
 
 class TextFormat(_Body):
@@ -53,7 +53,8 @@ class ResponseBody(_Body):
     """POST /v1/responses."""
 
     model: str = Field(min_length=1, max_length=200)
-    input: str | list[InputMessage] = Field(
+    # The list first: an error inside a list of items then names the item at fault.
+    input: list[InputMessage] | str = Field(
         description="A user message as a string, or a list of message items.")
     instructions: str | None = Field(None, description="The system message of this turn.")
     previous_response_id: str | None = Field(None, min_length=1, max_length=100)
@@ -75,8 +76,7 @@ class ResponseBody(_Body):
     truncation: Literal["auto", "disabled"] | None = None
     parallel_tool_calls: bool | None = None
     tool_choice: Literal["none", "auto"] | None = None
-    tools: list[dict[str, Any]] | None = Field(None, max_length=0,
-                                               description="Tools are not supported.")
+    tools: list[dict[str, Any]] | None = Field(None, description="Tools are not supported.")
     include: list[str] | None = None
     conversation: None = Field(None, description="Not supported: use previous_response_id.")
 
@@ -84,6 +84,8 @@ class ResponseBody(_Body):
     def _check(self) -> ResponseBody:
         if isinstance(self.input, list) and not 1 <= len(self.input) <= MAX_ITEMS:
             raise ValueError(f"input: a list of 1 to {MAX_ITEMS} items")
+        if self.tools:
+            raise ValueError("tools: not supported by this server")
         if self.background and self.store is False:
             raise ValueError("store: a background response must be stored (store: true)")
         if self.metadata is not None:
@@ -103,10 +105,6 @@ def parse_response_body(raw: Any) -> ResponseBody:
     except ValidationError as exc:
         message, param = describe_errors(exc.errors())
         raise InvalidRequestError(message, param=param) from None
-
-
-def _text(content: str | list[InputPart]) -> str:
-    return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
 def input_items(parsed: ResponseBody) -> list[dict[str, Any]]:
