@@ -55,6 +55,8 @@ def test_earlier_events_are_a_prefix_of_later_ones(text: str, cuts: list[int],
         assert later[:len(earlier)] == earlier
     final = lists[-1]
     assert [e["sequence_number"] for e in final] == list(range(len(final)))
+    for start in {0, *cuts}:  # a stream resumed after start - 1 gets the rest, built alike
+        assert response_events(states[-1], start) == final[start:]
     if end == RequestStatus.SUCCEEDED or text:
         assert deltas(final) == text
         done = next(e for e in final if e["type"] == "response.output_text.done")

@@ -91,10 +91,9 @@ class ResponseEventStream:
         watch: Watch = self.watcher.watch(self.record.id)
         try:
             while True:
-                events = response_events(self.record)
-                for event in events[self.next_seq:]:
+                for event in response_events(self.record, self.next_seq):
                     yield _sse(event)
-                self.next_seq = max(self.next_seq, len(events))
+                    self.next_seq = event["sequence_number"] + 1
                 if self.record.terminal:
                     finished = True
                     return

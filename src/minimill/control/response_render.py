@@ -11,7 +11,9 @@ non-space characters, sent once the text goes on past it (or the response has en
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable
 from typing import Any
 
 from minimill.control.records import RequestRecord, RequestStatus
@@ -138,40 +140,43 @@ def _pieces(text: str, final: bool) -> list[str]:
     return pieces if final else pieces[:-1]
 
 
-def response_events(record: RequestRecord) -> list[dict[str, Any]]:
-    """Every stream event the row's state implies, `sequence_number` 0 upward."""
+def response_events(record: RequestRecord, start: int = 0) -> list[dict[str, Any]]:
+    """The stream events the row's state implies whose `sequence_number` is `start` or more
+    (numbered from 0); earlier ones are counted, not built, so a long stream stays cheap."""
     events: list[dict[str, Any]] = []
+    seq = 0
 
-    def emit(kind: str, **fields: Any) -> None:
-        events.append({"type": kind, "sequence_number": len(events), **fields})
+    def emit(kind: str, fields: Callable[[], dict[str, Any]]) -> None:
+        nonlocal seq
+        if seq >= start:
+            events.append({"type": kind, "sequence_number": seq, **fields()})
+        seq += 1
 
     background = bool(spec(record).get("background"))
-    emit("response.created", response=render_response(
-        record, status="queued" if background else "in_progress", with_output=False))
-    emit("response.in_progress", response=render_response(record, status="in_progress",
-                                                          with_output=False))
+    emit("response.created", lambda: {"response": render_response(
+        record, status="queued" if background else "in_progress", with_output=False)})
+    emit("response.in_progress", lambda: {"response": render_response(
+        record, status="in_progress", with_output=False)})
     text = output_text(record)
-    succeeded = record.status == RequestStatus.SUCCEEDED
-    item_id = message_id(record.id)
-    where = {"item_id": item_id, "output_index": 0, "content_index": 0}
-    started = bool(text) or succeeded
+    where = {"item_id": message_id(record.id), "output_index": 0, "content_index": 0}
+    started = bool(text) or record.status == RequestStatus.SUCCEEDED
     if started:
-        emit("response.output_item.added", output_index=0,
-             item=_item(record, "", "in_progress"))
-        emit("response.content_part.added", **where, part=_part(""))
+        emit("response.output_item.added",
+             lambda: {"output_index": 0, "item": _item(record, "", "in_progress")})
+        emit("response.content_part.added", lambda: {**where, "part": _part("")})
         for piece in _pieces(text, record.terminal):
-            emit("response.output_text.delta", **where, delta=piece, logprobs=[])
+            emit("response.output_text.delta", functools.partial(
+                dict, where, delta=piece, logprobs=[]))
     if not record.terminal:
         return events
     if started:
-        emit("response.output_text.done", **where, text=text, logprobs=[])
-        emit("response.content_part.done", **where, part=_part(text))
-        emit("response.output_item.done", output_index=0,
-             item=_item(record, text, _item_status(record)))
-    status = status_of(record)
+        emit("response.output_text.done", lambda: {**where, "text": text, "logprobs": []})
+        emit("response.content_part.done", lambda: {**where, "part": _part(text)})
+        emit("response.output_item.done", lambda: {
+            "output_index": 0, "item": _item(record, text, _item_status(record))})
     final = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
-        status, "response.failed")  # no stream event says "cancelled": its status does
-    emit(final, response=render_response(record))
+        status_of(record), "response.failed")  # no stream event says "cancelled": its status does
+    emit(final, lambda: {"response": render_response(record)})
     return events
 
 
