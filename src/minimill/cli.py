@@ -33,7 +33,10 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(batch_app, name="batch")
 app.add_typer(bench_app, name="bench")
 app.add_typer(sites_app, name="sites")
+webhooks_app = typer.Typer(help="Webhook endpoints: where response and batch events go.",
+                           no_args_is_help=True)
 app.add_typer(prices_app, name="prices")
+app.add_typer(webhooks_app, name="webhooks")
 sites_app.add_typer(outage_app, name="outage")
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -387,6 +390,66 @@ def prices_list(db: str | None = DbOption,
     _table("minimill prices ($ per million tokens)",
            ("model", "tier", "input", "cached input", "output", "from entry"), rows,
            left=("model", "tier", "from entry"))
+
+
+@webhooks_app.command("create")
+def webhooks_create(
+    url: str = typer.Argument(..., help="Where events are posted (http:// or https://)."),
+    tenant: str | None = typer.Option(None, "--tenant", help="The tenant whose events it gets."),
+    fleet: bool = typer.Option(False, "--fleet", help="Every tenant's events (the operator's)."),
+    event: list[str] = typer.Option(
+        [], "--event", help="An event type, repeatable (default: all): response.completed, "
+        "response.failed, response.cancelled, response.incomplete, batch.completed, "
+        "batch.failed, batch.expired, batch.cancelled."),
+    name: str | None = typer.Option(None, help="A name for it (default: the URL)."),
+    db: str | None = DbOption,
+) -> None:
+    """Register a webhook endpoint and print its signing secret (shown once)."""
+    from minimill.control.keys import ensure_tenant
+    from minimill.control.webhooks import EVENT_TYPES, create_endpoint
+
+    if fleet == (tenant is not None):
+        raise SystemExit("error: give --tenant NAME or --fleet")
+    with _store(db) as store:
+        owner = ensure_tenant(store, tenant).id if tenant is not None else None
+        endpoint, secret = create_endpoint(store, owner, name or url, url,
+                                           list(event) or list(EVENT_TYPES))
+    typer.echo(f"{endpoint.id} {endpoint.url} ({', '.join(endpoint.event_types)})")
+    typer.echo(f"signing secret (shown once): {secret}")
+
+
+@webhooks_app.command("list")
+def webhooks_list(db: str | None = DbOption,
+                  json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Show every endpoint: whose events it gets, and its deliveries so far."""
+    from minimill.control.webhook_events import delivery_counts
+    from minimill.control.webhooks import EVENT_TYPES, all_endpoints
+
+    with _store(db) as store:
+        endpoints, counts = all_endpoints(store), delivery_counts(store)
+    if json_out:
+        typer.echo(json.dumps([
+            {"id": e.id, "tenant": tenant_name, "name": e.name, "url": e.url,
+             "event_types": list(e.event_types), "secret": e.secret_hint,
+             "deliveries": counts.get(e.id, {})} for e, tenant_name in endpoints], indent=2))
+        return
+    rows = [(e.id, tenant_name or "(fleet)", e.url,
+             "all" if set(e.event_types) == set(EVENT_TYPES) else ",".join(e.event_types),
+             *(str(counts.get(e.id, {}).get(s, 0)) for s in ("pending", "delivered", "failed")))
+            for e, tenant_name in endpoints]
+    _table("minimill webhooks", ("id", "tenant", "url", "events", "pending", "delivered",
+                                 "failed"), rows, left=("id", "tenant", "url", "events"))
+
+
+@webhooks_app.command("delete")
+def webhooks_delete(endpoint_id: str = typer.Argument(..., help="The endpoint's id (we_...)."),
+                    db: str | None = DbOption) -> None:
+    """Delete an endpoint; its undelivered events are dropped."""
+    from minimill.control.webhooks import delete_any_endpoint
+
+    with _store(db) as store:
+        delete_any_endpoint(store, endpoint_id)
+    typer.echo(f"{endpoint_id} deleted")
 
 
 @contextlib.contextmanager

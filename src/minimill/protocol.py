@@ -71,6 +71,9 @@ class Lease(BaseModel):
     # Realtime streaming requests want fresh checkpoints often; others every checkpoint_interval_s.
     stream: bool = False
     checkpoint_interval_s: float = 2.0
+    # The conversation the request belongs to (a Responses chain's root id, or the client's
+    # prompt_cache_key): requests sharing it share a prompt prefix. None: no session.
+    session_key: str | None = None
 
 
 class LeaseResponse(BaseModel):

@@ -60,6 +60,8 @@ VALID_BODIES = {
                              "messages": [{"role": "user", "content": "Say hi."}]},
     "/v1/completions": {"model": MODEL, "prompt": "Once upon", "max_tokens": 4,
                         "frequency_penalty": 0.5},
+    "/v1/responses": {"model": MODEL, "input": [{"role": "user", "content": "Say hi."}],
+                      "instructions": "Be brief.", "max_output_tokens": 8},
 }
 
 

@@ -1,8 +1,9 @@
 """The control plane's HTTP app: routers, errors, and the background tasks of one process.
 
-Each process runs a janitor (reap expired leases, expire and finalize batches) and a progress
-poller for its waiting realtime requests. Every piece of state is in the store, so any number
-of these processes can serve one store, and any of them can be killed at any moment.
+Each process runs a janitor (reap expired leases, expire and finalize batches), a webhook
+sender, and a progress poller for its waiting realtime requests and streams. Every piece of
+state is in the store, so any number of these processes can serve one store, and any of them
+can be killed at any moment.
 """
 
 from __future__ import annotations
@@ -31,9 +32,12 @@ from minimill.api.routes import (
     keys,
     models,
     prices,
+    responses,
     sites,
+    webhook_endpoints,
 )
 from minimill.api.settings import Settings
+from minimill.api.webhook_sender import run_webhook_sender
 from minimill.control.config import ControlConfig
 from minimill.control.janitor import tick
 from minimill.control.store import Store, open_store
@@ -67,6 +71,10 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         if settings.run_janitor:
             tasks.append(asyncio.create_task(
                 _janitor(the_store, config, settings.janitor_interval_s), name="minimill-janitor"))
+        if settings.run_webhooks:
+            tasks.append(asyncio.create_task(
+                run_webhook_sender(the_store, config, settings.webhook_interval_s,
+                                   settings.webhook_timeout_s), name="minimill-webhooks"))
         try:
             yield
         finally:
@@ -77,15 +85,17 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
                 the_store.close()
 
     app = FastAPI(title="minimill", version=__version__, lifespan=lifespan,
-                  description="OpenAI-compatible token factory: chat, completions, files, "
-                              "batches; plus the fleet protocol for worker sites.")
+                  description="OpenAI-compatible token factory: chat, completions, responses, "
+                              "files, batches, webhooks; plus the fleet protocol for worker "
+                              "sites.")
     app.state.store = the_store
     app.state.config = config
     app.state.settings = settings
     app.state.watcher = watcher
     errors.install(app)
     app.add_middleware(UploadLimitMiddleware, max_file_bytes=settings.max_file_bytes)
-    for module in (models, chat, completions, files, batches, fleet):
+    for module in (models, chat, completions, responses, files, batches, webhook_endpoints,
+                   fleet):
         app.include_router(module.router)
     operator_routers = (sites.router, prices.router, keys.router)
     for router in operator_routers:

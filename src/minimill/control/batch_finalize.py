@@ -27,6 +27,8 @@ from minimill.control.render import (
     render_response,
     usage_dict,
 )
+from minimill.control.requests import record
+from minimill.control.response_render import render_response as render_response_object
 from minimill.control.store import Store, retry_conflicts
 from minimill.control.tables import batches, requests
 
@@ -81,13 +83,13 @@ def finishable(store: Store, now: float, claim_ttl_s: float) -> list[str]:
 def _lines(conn: Connection, batch_id: str) -> tuple[list[bytes], list[bytes]]:
     output: list[bytes] = []
     errors: list[bytes] = []
-    query = (select(requests.c.id, requests.c.custom_id, requests.c.kind, requests.c.model,
-                    requests.c.tier, requests.c.status, requests.c.result, requests.c.error,
-                    requests.c.prompt_tokens, requests.c.completion_tokens,
-                    requests.c.billed_usd, requests.c.created_at)
-             .where(requests.c.batch_id == batch_id).order_by(requests.c.line_no))
+    query = (select(requests).where(requests.c.batch_id == batch_id)
+             .order_by(requests.c.line_no))
     for r in conn.execute(query):
-        if r.status == RequestStatus.SUCCEEDED:
+        if r.status == RequestStatus.SUCCEEDED and r.kind == Kind.RESPONSE:
+            body = render_response_object(record(r))
+            output.append(json.dumps(batch_output_line(r.id, r.custom_id, body)).encode())
+        elif r.status == RequestStatus.SUCCEEDED:
             body = render_response(Kind(r.kind), r.id, r.model, r.created_at, r.tier,
                                    (r.result or {}).get("choices", []),
                                    usage_dict(r.prompt_tokens, r.completion_tokens, r.billed_usd))

@@ -32,6 +32,7 @@ from minimill.control.records import (
 from minimill.control.requests import new_seed, row_values
 from minimill.control.store import Store, retry_conflicts
 from minimill.control.tables import batches, requests
+from minimill.control.webhook_events import watch
 
 _WINDOW = re.compile(r"^\s*(\d{1,6})\s*([hd])\s*$")
 MIN_WINDOW_S = 24 * 3600
@@ -161,6 +162,7 @@ def create_batch(store: Store, tenant_id: str, input_file_id: str, endpoint: str
         with store.write() as conn:
             conn.execute(insert(batches).values(**base, status=BatchStatus.FAILED.value,
                                                 failed_at=now, errors=errors))
+            watch(conn, "batch", str(base["id"]), tenant_id, now)
         return get_batch(store, tenant_id, str(base["id"]))
     # Good and bad lines go in separate bulk inserts: one executemany needs one set of columns.
     rows: list[dict[str, Any]] = []
@@ -183,6 +185,7 @@ def create_batch(store: Store, tenant_id: str, input_file_id: str, endpoint: str
     with store.write() as conn:
         conn.execute(insert(batches).values(**base, status=BatchStatus.IN_PROGRESS.value,
                                             in_progress_at=now))
+        watch(conn, "batch", str(base["id"]), tenant_id, now)
         for group in (rows, bad_rows):
             for start in range(0, len(group), 5000):
                 conn.execute(insert(requests), group[start:start + 5000])

@@ -41,6 +41,7 @@ from minimill.control.placement import (
 )
 from minimill.control.records import (
     TERMINAL_REQUEST_STATUSES,
+    Kind,
     RequestStatus,
     Site,
     Tier,
@@ -179,7 +180,7 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
                         attempts=requests.c.attempts + 1, version=requests.c.version + 1)
                 .returning(requests.c.id, requests.c.epoch, requests.c.kind, requests.c.model,
                            requests.c.body, requests.c.seed, requests.c.checkpoint,
-                           requests.c.stream)).all())
+                           requests.c.stream, requests.c.session_key)).all())
         # What the worker said, for the placement of its peers' lease calls; its measured
         # rate covers a time in which it held what it held before this call.
         touch_site(conn, site.id, now, config.lease_ttl_s, ask.tokens_per_s,
@@ -190,11 +191,12 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
     # Hand leases out in placement order (RETURNING order is unspecified).
     rank = {request_id: i for i, request_id in enumerate(picked)}
     leases = [Lease(request_id=r.id, lease_id=lease_id, epoch=r.epoch, expires_at=expires_at,
-                    kind=r.kind, model=r.model, body=r.body, seed=r.seed,
+                    kind=Kind(r.kind).wire_kind, model=r.model, body=r.body, seed=r.seed,
                     checkpoint=Checkpoint.model_validate(r.checkpoint) if r.checkpoint else None,
                     stream=bool(r.stream),
                     checkpoint_interval_s=(config.stream_checkpoint_interval_s if r.stream
-                                           else config.checkpoint_interval_s))
+                                           else config.checkpoint_interval_s),
+                    session_key=r.session_key)
               for r in sorted(rows, key=lambda r: rank[r.id])]
     return LeaseResponse(leases=leases, lease_ttl_s=config.lease_ttl_s)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 
 def new_id(prefix: str) -> str:
@@ -46,9 +46,18 @@ class Tier(StrEnum):
 class Kind(StrEnum):
     CHAT = "chat"  # /v1/chat/completions
     COMPLETION = "completion"  # /v1/completions
+    # /v1/responses: workers run it as a chat over the whole conversation (its body holds the
+    # chat messages), so leases hand it out as "chat" (wire_kind) and no worker changes.
+    RESPONSE = "response"
+
+    @property
+    def wire_kind(self) -> Literal["chat", "completion"]:
+        """The kind a worker is told in its lease: the engine path that runs it."""
+        return "completion" if self == Kind.COMPLETION else "chat"
 
 
-ENDPOINT_KINDS = {"/v1/chat/completions": Kind.CHAT, "/v1/completions": Kind.COMPLETION}
+ENDPOINT_KINDS = {"/v1/chat/completions": Kind.CHAT, "/v1/completions": Kind.COMPLETION,
+                  "/v1/responses": Kind.RESPONSE}
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +155,7 @@ class RequestRecord:
     billed_usd: float  # what the tenant is billed for it (prices.billed_usd at completion)
     created_at: float
     finished_at: float | None
+    session_key: str | None = None  # the conversation it belongs to (requests.session_key)
 
     @property
     def terminal(self) -> bool:

@@ -37,7 +37,8 @@ def record(row: Any) -> RequestRecord:
         body=row.body, status=RequestStatus(row.status), epoch=row.epoch, version=row.version,
         checkpoint=row.checkpoint, result=row.result, error=row.error,
         prompt_tokens=row.prompt_tokens, completion_tokens=row.completion_tokens,
-        billed_usd=row.billed_usd, created_at=row.created_at, finished_at=row.finished_at)
+        billed_usd=row.billed_usd, created_at=row.created_at, finished_at=row.finished_at,
+        session_key=row.session_key)
 
 
 def row_values(tenant_id: str, prepared: PreparedBody, now: float, deadline: float,
@@ -49,7 +50,8 @@ def row_values(tenant_id: str, prepared: PreparedBody, now: float, deadline: flo
             "max_tokens": prepared.max_tokens, "stream": prepared.stream,
             "status": RequestStatus.QUEUED.value, "epoch": 0, "attempts": 0, "version": 0,
             "prompt_tokens": 0, "completion_tokens": 0, "billed_usd": 0.0,
-            "created_at": now, "deadline": deadline, **extra}
+            "created_at": now, "deadline": deadline, "session_key": prepared.session_key,
+            **extra}
 
 
 def submit(store: Store, tenant_id: str, prepared: PreparedBody, now: float,

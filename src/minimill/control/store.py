@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
-from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event, inspect
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
@@ -151,9 +151,23 @@ class Store:
             if self.is_postgres:
                 conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_SCHEMA_LOCK_KEY})")
             metadata.create_all(conn)
+            _add_missing_columns(conn)
 
     def close(self) -> None:
         self.engine.dispose()
+
+
+def _add_missing_columns(conn: Connection) -> None:
+    """Add the nullable columns a newer schema has to the tables of an older store (create_all
+    only creates missing tables), so a store keeps working across an upgrade."""
+    inspector = inspect(conn)
+    for table in metadata.sorted_tables:
+        present = {c["name"] for c in inspector.get_columns(table.name)}
+        for column in table.columns:
+            if column.name in present or not column.nullable:
+                continue
+            kind = column.type.compile(dialect=conn.dialect)
+            conn.exec_driver_sql(f'ALTER TABLE "{table.name}" ADD COLUMN "{column.name}" {kind}')
 
 
 def open_store(url: str | None = None) -> Store:

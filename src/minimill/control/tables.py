@@ -175,6 +175,9 @@ requests = Table(
     Column("leased_at", Double),
     Column("finished_at", Double),
     Column("deadline", Double, nullable=False),
+    # The conversation a request belongs to (a response chain's root id, or the client's
+    # prompt_cache_key): what KV cache reuse and placement may group by. None: no session.
+    Column("session_key", String(200)),
     Index("ix_requests_queue", "status", "tier", "deadline", "seq"),
     Index("ix_requests_batch", "batch_id", "status"),
     Index("ix_requests_lease_expiry", "status", "lease_expires_at"),
@@ -225,4 +228,56 @@ outages = Table(
     Column("start_at", Double, nullable=False),
     Column("end_at", Double, nullable=False),
     Column("created_at", Double, nullable=False),
+)
+
+# Webhook endpoints: a tenant's (tenant_id set) or fleet-wide ones (tenant_id None, registered
+# by an operator) that receive the events of every tenant. The signing secret must be kept to
+# sign deliveries, so it is stored as given (it is shown once, at creation).
+webhook_endpoints = Table(
+    "webhook_endpoints", metadata,
+    Column("id", String(40), primary_key=True),
+    Column("tenant_id", String(40), index=True),
+    Column("name", String(200), nullable=False),
+    Column("url", Text, nullable=False),
+    Column("secret", String(100), nullable=False),
+    Column("event_types", JSON, nullable=False),
+    Column("created_at", Double, nullable=False),
+)
+
+# Objects whose end someone may want to hear of (background responses, batches): a row here
+# until its terminal event is recorded. Claimed by deleting it, in the transaction that writes
+# the event, so each object gets one event whatever number of control planes look.
+webhook_watches = Table(
+    "webhook_watches", metadata,
+    Column("subject_id", String(40), primary_key=True),  # a request id or a batch id
+    Column("subject_kind", String(20), nullable=False),  # "response" | "batch"
+    Column("tenant_id", String(40), nullable=False),
+    Column("created_at", Double, nullable=False),
+)
+
+webhook_events = Table(
+    "webhook_events", metadata,
+    Column("id", String(40), primary_key=True),  # evt_...: the webhook-id of every delivery
+    Column("tenant_id", String(40), nullable=False),
+    Column("type", String(40), nullable=False),
+    Column("subject_id", String(40), nullable=False, unique=True),
+    # The JSON body exactly as delivered (every attempt signs the same bytes).
+    Column("payload", Text, nullable=False),
+    Column("created_at", Double, nullable=False),
+)
+
+# One event to one endpoint. `next_attempt_at` doubles as the claim: a sender pushes it a
+# claim's length ahead before it posts, so a sender that dies leaves it due again later.
+webhook_deliveries = Table(
+    "webhook_deliveries", metadata,
+    Column("id", String(40), primary_key=True),
+    Column("event_id", String(40), nullable=False),
+    Column("endpoint_id", String(40), nullable=False, index=True),
+    Column("status", String(20), nullable=False),  # pending | delivered | failed
+    Column("attempts", Integer, nullable=False, default=0),
+    Column("next_attempt_at", Double, nullable=False),
+    Column("last_error", Text),
+    Column("created_at", Double, nullable=False),
+    Column("delivered_at", Double),
+    Index("ix_webhook_deliveries_due", "status", "next_attempt_at"),
 )
