@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-TARGET_RATIO = 0.85
+TARGET_RATIO = 0.9
 TARGET_INGEST_LINES_S = 5_000.0
 INGEST_LINES = 50_000
-DTYPE = "bfloat16"  # serve's default engine dtype; both sides use it
+DTYPE = "auto"  # serve's default engine dtype; both sides use it
 POLL_S = 0.25
 
 
@@ -133,7 +133,8 @@ def run_batch_bench(workload: Path, *, json_out: bool, model: str, limit: int | 
         fleet.close()
     ratio = served["output_tok_s"] / offline["output_tok_s"]
     report = {
-        "model": model, "dtype": DTYPE, "requests": served["requests"],
+        "model": model, "dtype": _resolved_dtype(), "cpu": _cpu(),
+        "requests": served["requests"],
         "failed": served["failed"],
         "output_tokens": served["output_tokens"], "seconds": round(served["seconds"], 3),
         "output_tok_s": round(served["output_tok_s"], 2),
@@ -153,3 +154,18 @@ def run_batch_bench(workload: Path, *, json_out: bool, model: str, limit: int | 
         return
     for key, value in report.items():
         print(f"{key:>24}: {value}", file=sys.stdout)
+
+
+def _resolved_dtype() -> str:
+    import torch
+
+    from minimill.engine.hardware import auto_dtype
+
+    return auto_dtype(torch.device("cpu"))[0] if DTYPE == "auto" else DTYPE
+
+
+def _cpu() -> dict[str, Any]:
+    from minimill.engine.hardware import cpu_info
+
+    info = cpu_info()
+    return {"model": info.model, "flags": info.relevant_flags()}

@@ -131,7 +131,10 @@ def _die_with_parent(parent_pid: int) -> None:
 def _child_main(conn: Connection, model: str, overrides: dict[str, Any],
                 parent_pid: int) -> None:
     _die_with_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    # The parent decides when to stop (a signal to the whole group must not cut streams its
+    # handback still needs); it dies with the parent all the same.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from minimill.engine.core import EngineCore
     from minimill.engine.llm import load
 

@@ -1,4 +1,6 @@
-"""Adapter for the builtin engine (`minimill.engine.AsyncEngine`) in the worker's process."""
+"""Adapter for the builtin engine in a worker: its step loop in a child process
+(`ProcessEngine`), so that the worker's own Python (HTTP, checkpoints, JSON) never holds the
+GIL the step loop needs; in the worker's process (`AsyncEngine`) when asked."""
 
 from __future__ import annotations
 
@@ -8,7 +10,12 @@ from typing import Any
 
 from minimill.engine.params import EngineError, InvalidRequestError, TokenLogprob
 from minimill.fleet.choices import ChoiceJob
-from minimill.fleet.engines import ChoiceUpdate, EngineStartError, JobError
+from minimill.fleet.engines import (
+    ChoiceUpdate,
+    EngineStartError,
+    EngineUnavailableError,
+    JobError,
+)
 from minimill.fleet.startup import StartClock
 
 # Context length used when the engine does not say; SmolLM2 and most small models have >= 2048.
@@ -39,7 +46,7 @@ def flatten_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class BuiltinEngineAdapter:
-    """Runs every choice as one request of a shared AsyncEngine (continuous batching)."""
+    """Runs every choice as one request of a shared engine (continuous batching)."""
 
     def __init__(self, engine: Any, model_names: list[str]) -> None:
         self._engine = engine
@@ -47,25 +54,20 @@ class BuiltinEngineAdapter:
         self._tokenizer = engine.tokenizer
 
     @classmethod
-    async def start(cls, *, model: str, dtype: str,
-                    clock: StartClock | None = None) -> BuiltinEngineAdapter:
-        """Load `model` (from its warm weights cache when there is one) and start the engine;
-        `clock` marks each phase."""
+    async def start(cls, *, model: str, dtype: str, clock: StartClock | None = None,
+                    in_process: bool = False) -> BuiltinEngineAdapter:
+        """Start the engine for `model` (loaded from its warm weights cache when there is
+        one): in a child process, or in this one with `in_process`; `clock` marks each
+        phase."""
         clock = clock or StartClock()
-        from minimill.engine.async_engine import AsyncEngine
-        from minimill.engine.config import EngineConfig
         from minimill.engine.native import kernel_cache_dir
         from minimill.fleet.kernel_lock import stale_kernel_locks_cleared
-        from minimill.models.loader import load_model
         from minimill.models.types import ModelError
 
         clock.mark("engine imports")
         try:
-            loaded = load_model(model, EngineConfig(dtype=dtype).torch_dtype)
-            clock.mark(f"model load ({loaded.extra.get('warm_cache', 'no warm cache')})")
             with stale_kernel_locks_cleared(kernel_cache_dir()):
-                engine = AsyncEngine(loaded, dtype=dtype)
-            clock.mark("engine")
+                engine = await asyncio.to_thread(_start_engine, model, dtype, in_process, clock)
         except (ModelError, EngineError, ValueError, OSError) as exc:
             raise EngineStartError(f"cannot start the builtin engine for {model!r}: {exc}") \
                 from exc
@@ -134,6 +136,8 @@ class BuiltinEngineAdapter:
                     finish_reason=reason, num_prompt_tokens=delta.num_prompt_tokens)
         except InvalidRequestError as exc:
             raise JobError(error_code(exc), str(exc)) from exc
+        except EngineError as exc:  # the engine (its process) failed, not the request
+            raise EngineUnavailableError(str(exc)) from exc
 
     def abort(self, engine_request_id: str) -> None:
         self._engine.abort(engine_request_id)
@@ -145,3 +149,21 @@ class BuiltinEngineAdapter:
     async def close(self) -> None:
         # close() joins the engine thread: keep the event loop free meanwhile.
         await asyncio.to_thread(self._engine.close)
+
+
+def _start_engine(model: str, dtype: str, in_process: bool, clock: StartClock) -> Any:
+    if not in_process:
+        from minimill.engine.engine_process import ProcessEngine
+
+        child = ProcessEngine(model, dtype=dtype)
+        clock.mark("engine process (model load and engine)")
+        return child
+    from minimill.engine.async_engine import AsyncEngine
+    from minimill.engine.config import EngineConfig
+    from minimill.models.loader import load_model
+
+    loaded = load_model(model, EngineConfig(dtype=dtype).torch_dtype)
+    clock.mark(f"model load ({loaded.extra.get('warm_cache', 'no warm cache')})")
+    engine = AsyncEngine(loaded, dtype=dtype)
+    clock.mark("engine")
+    return engine
