@@ -44,6 +44,18 @@ DTYPE_HELP = ("auto (bfloat16 where the chip computes it natively: GPUs, CPUs wi
               "or AMX; else float32), bfloat16, float16 or float32.")
 DbOption = typer.Option(None, "--db", help="Store URL (sqlite:///... or postgresql://...). "
                         "Default: SQLite under MINIMILL_HOME.")
+KV_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32", "int8")
+
+
+def _kv_dtype(value: str) -> str:
+    """A KV dtype the engine knows, refused at once rather than by a worker that restarts."""
+    if value not in KV_DTYPES:
+        raise typer.BadParameter(f"must be one of {', '.join(KV_DTYPES)}")
+    return value
+
+
+KV_DTYPE_HELP = ("KV cache dtype: auto (the engine dtype), bf16, fp32, or int8 (per-token "
+                 "asymmetric scales: about half the bytes, twice the sequences).")
 
 
 @app.command()
@@ -68,12 +80,13 @@ def generate(
     temperature: float = typer.Option(0.0, help="0 is greedy."),
     seed: int | None = typer.Option(None, help="Sampling seed."),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    kv_dtype: str = typer.Option("auto", help=KV_DTYPE_HELP, callback=_kv_dtype),
 ) -> None:
     """Generate one chat answer offline with the builtin engine and print it."""
     from minimill.engine.llm import generate_chat_cli
 
     generate_chat_cli(prompt, model=model, max_tokens=max_tokens, temperature=temperature,
-                      seed=seed, dtype=dtype)
+                      seed=seed, dtype=dtype, kv_dtype=kv_dtype)
 
 
 @app.command()
@@ -83,6 +96,7 @@ def serve(
     db: str | None = DbOption,
     model: str = typer.Option(DEFAULT_MODEL, help="Model the local worker serves."),
     dtype: str = typer.Option("auto", help="Engine dtype of the local worker: " + DTYPE_HELP),
+    kv_dtype: str = typer.Option("auto", help=KV_DTYPE_HELP, callback=_kv_dtype),
     local_worker: bool = typer.Option(True, help="Start one local worker process."),
     price_per_hour: float = typer.Option(
         0.10, help="What the local site costs in $/hour (cost only; tenants are billed by "
@@ -91,7 +105,7 @@ def serve(
     """Serve the OpenAI-compatible API (control plane) plus one local worker process."""
     from minimill.api.serve import run_serve
 
-    run_serve(host=host, port=port, db=db, model=model, dtype=dtype,
+    run_serve(host=host, port=port, db=db, model=model, dtype=dtype, kv_dtype=kv_dtype,
               local_worker=local_worker, price_per_hour=price_per_hour)
 
 
@@ -262,13 +276,14 @@ def worker(
     engine: str = typer.Option("builtin", help="'builtin' or an OpenAI-compatible base URL."),
     model: str = typer.Option(DEFAULT_MODEL, help="Model to serve."),
     dtype: str = typer.Option("auto", help="Builtin engine dtype: " + DTYPE_HELP),
+    kv_dtype: str = typer.Option("auto", help=KV_DTYPE_HELP, callback=_kv_dtype),
     capacity: int = typer.Option(256, help="Most requests in flight."),
 ) -> None:
     """Join a fleet: pull work from the control plane under leases and run it."""
     from minimill.fleet.worker import run_worker
 
     run_worker(server=server, site=site, token=token, price_per_hour=price_per_hour, chip=chip,
-               engine=engine, model=model, dtype=dtype, capacity=capacity)
+               engine=engine, model=model, dtype=dtype, kv_dtype=kv_dtype, capacity=capacity)
 
 
 @sites_app.command("create")

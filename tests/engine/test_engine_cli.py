@@ -25,6 +25,26 @@ def test_generate_prints_the_answer(minimill_home: Path) -> None:
     assert "Paris" in result.stdout
 
 
+def test_generate_with_an_int8_kv_cache(minimill_home: Path) -> None:
+    result = run_cli(["generate", "What is the capital of France?", "--max-tokens", "16",
+                      "--dtype", "float32", "--kv-dtype", "int8"], minimill_home)
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+
+
+@pytest.mark.parametrize("command", ["serve", "worker", "generate"])
+def test_an_unknown_kv_dtype_is_refused_before_anything_starts(minimill_home: Path,
+                                                                command: str) -> None:
+    args = {"serve": ["serve", "--port", "0"],
+            "worker": ["worker", "--server", "http://127.0.0.1:9", "--site", "s",
+                       "--token", "mms-x"],
+            "generate": ["generate", "hi"]}[command]
+    result = run_cli([*args, "--kv-dtype", "int3"], minimill_home, timeout=60)
+    assert result.returncode == 2
+    assert "Invalid value for '--kv-dtype'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_generate_with_an_unknown_model_fails_cleanly(minimill_home: Path) -> None:
     result = run_cli(["generate", "hi", "--model", "no-such-model"], minimill_home)
     assert result.returncode == 1

@@ -173,7 +173,7 @@ def _progress(total: int) -> _Progress:
 
 
 def generate_chat_cli(prompt: str, *, model: str, max_tokens: int, temperature: float,
-                      seed: int | None, dtype: str) -> None:
+                      seed: int | None, dtype: str, kv_dtype: str = "auto") -> None:
     """`minimill generate`: answer one user message and print it."""
     from rich.console import Console
 
@@ -183,8 +183,8 @@ def generate_chat_cli(prompt: str, *, model: str, max_tokens: int, temperature: 
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
         with err.status(f"loading {model} ..."):
-            loaded, config = load(model, {"dtype": dtype}, auto_pull=True)
-            llm = LLM(loaded, **{"dtype": config.dtype})
+            loaded, config = load(model, {"dtype": dtype, "kv_dtype": kv_dtype}, auto_pull=True)
+            llm = LLM(loaded, dtype=config.dtype, kv_dtype=config.kv_dtype)
         out = llm.chat([[{"role": "user", "content": prompt}]], params)[0]
     except (ModelError, EngineError) as exc:
         err.print(f"[red]error:[/red] {exc}")

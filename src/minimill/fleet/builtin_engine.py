@@ -54,7 +54,8 @@ class BuiltinEngineAdapter:
         self._tokenizer = engine.tokenizer
 
     @classmethod
-    async def start(cls, *, model: str, dtype: str, clock: StartClock | None = None,
+    async def start(cls, *, model: str, dtype: str, kv_dtype: str = "auto",
+                    clock: StartClock | None = None,
                     in_process: bool = False) -> BuiltinEngineAdapter:
         """Start the engine for `model` (loaded from its warm weights cache when there is
         one): in a child process, or in this one with `in_process`; `clock` marks each
@@ -67,7 +68,8 @@ class BuiltinEngineAdapter:
         clock.mark("engine imports")
         try:
             with stale_kernel_locks_cleared(kernel_cache_dir()):
-                engine = await asyncio.to_thread(_start_engine, model, dtype, in_process, clock)
+                engine = await asyncio.to_thread(_start_engine, model, dtype, kv_dtype,
+                                           in_process, clock)
         except (ModelError, EngineError, ValueError, OSError) as exc:
             raise EngineStartError(f"cannot start the builtin engine for {model!r}: {exc}") \
                 from exc
@@ -151,11 +153,12 @@ class BuiltinEngineAdapter:
         await asyncio.to_thread(self._engine.close)
 
 
-def _start_engine(model: str, dtype: str, in_process: bool, clock: StartClock) -> Any:
+def _start_engine(model: str, dtype: str, kv_dtype: str, in_process: bool,
+                  clock: StartClock) -> Any:
     if not in_process:
         from minimill.engine.engine_process import ProcessEngine
 
-        child = ProcessEngine(model, dtype=dtype)
+        child = ProcessEngine(model, dtype=dtype, kv_dtype=kv_dtype)
         clock.mark("engine process (model load and engine)")
         return child
     from minimill.engine.async_engine import AsyncEngine
@@ -164,6 +167,6 @@ def _start_engine(model: str, dtype: str, in_process: bool, clock: StartClock) -
 
     loaded = load_model(model, EngineConfig(dtype=dtype).torch_dtype)
     clock.mark(f"model load ({loaded.extra.get('warm_cache', 'no warm cache')})")
-    engine = AsyncEngine(loaded, dtype=dtype)
+    engine = AsyncEngine(loaded, dtype=dtype, kv_dtype=kv_dtype)
     clock.mark("engine")
     return engine

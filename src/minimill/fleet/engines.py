@@ -84,12 +84,13 @@ class EngineAdapter(Protocol):
 
 
 async def open_engine(engine: str, *, model: str, dtype: str, capacity: int,
-                      clock: StartClock | None = None) -> EngineAdapter:
+                      kv_dtype: str = "auto", clock: StartClock | None = None) -> EngineAdapter:
     """'builtin' loads `model` into the builtin engine; an http(s) URL uses that server."""
     if engine == "builtin":
         from minimill.fleet.builtin_engine import BuiltinEngineAdapter
 
-        return await BuiltinEngineAdapter.start(model=model, dtype=dtype, clock=clock)
+        return await BuiltinEngineAdapter.start(model=model, dtype=dtype, kv_dtype=kv_dtype,
+                                                clock=clock)
     if engine.startswith(("http://", "https://")):
         from minimill.fleet.http_engine import HttpEngineAdapter
 

@@ -23,11 +23,12 @@ RESTART_BACKOFF_MAX_S = 30.0
 
 
 def worker_command(server: str, model: str, dtype: str, price_per_hour: float,
-                   chip: str) -> list[str]:
+                   chip: str, kv_dtype: str = "auto") -> list[str]:
     return [sys.executable, "-m", "minimill.cli", "worker",
             "--server", server, "--site", LOCAL_SITE,
             "--price-per-hour", str(price_per_hour), "--chip", chip,
-            "--engine", "builtin", "--model", model, "--dtype", dtype]
+            "--engine", "builtin", "--model", model, "--dtype", dtype,
+            "--kv-dtype", kv_dtype]
 
 
 class WorkerSupervisor:

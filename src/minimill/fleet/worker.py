@@ -54,10 +54,10 @@ async def _log_first_lease(worker: Worker, clock: StartClock) -> None:
 
 
 async def _amain(*, server: str, site: str, token: str, engine: str, model: str, dtype: str,
-                 capacity: int, price_per_hour: float | None, chip: str | None,
+                 kv_dtype: str, capacity: int, price_per_hour: float | None, chip: str | None,
                  clock: StartClock) -> None:
-    adapter = await open_engine(engine, model=model, dtype=dtype, capacity=capacity,
-                                clock=clock)
+    adapter = await open_engine(engine, model=model, dtype=dtype, kv_dtype=kv_dtype,
+                                capacity=capacity, clock=clock)
     client = ControlPlaneClient(server, token)
     effective = min(capacity, adapter.capacity) if engine == "builtin" else capacity
     worker = Worker(client, adapter, capacity=effective,
@@ -94,7 +94,8 @@ def _check_declared(price_per_hour: float | None, chip: str | None) -> str | Non
 
 
 def run_worker(*, server: str, site: str, token: str, price_per_hour: float | None,
-               chip: str | None, engine: str, model: str, dtype: str, capacity: int) -> None:
+               chip: str | None, engine: str, model: str, dtype: str, capacity: int,
+               kv_dtype: str = "auto") -> None:
     """Join the fleet at `server` as `site` and serve until SIGTERM/SIGINT.
 
     The worker declares `price_per_hour` and `chip` with every lease call: they replace what
@@ -117,7 +118,8 @@ def run_worker(*, server: str, site: str, token: str, price_per_hour: float | No
     started = time.monotonic()
     try:
         asyncio.run(_amain(server=server, site=site, token=token, engine=engine, model=model,
-                           dtype=dtype, capacity=capacity, price_per_hour=price_per_hour,
+                           dtype=dtype, kv_dtype=kv_dtype, capacity=capacity,
+                           price_per_hour=price_per_hour,
                            chip=chip, clock=clock))
     except (EngineStartError, SiteAuthError) as exc:
         log.error("%s", exc)
