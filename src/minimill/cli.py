@@ -202,6 +202,7 @@ def bench_engine(
     random_weights: bool = typer.Option(
         False, help="Random weights of the shape: measures the chip without downloading."),
     kernels: str = typer.Option("auto", help="auto, native or torch (the portable path)."),
+    kv_dtype: str = typer.Option("auto", help=KV_DTYPE_HELP, callback=_kv_dtype),
     peer: str | None = typer.Option(None, help="Also measure this engine: vllm."),
     peer_python: str | None = typer.Option(
         None, help="Python of the environment where the peer is installed."),
@@ -212,7 +213,7 @@ def bench_engine(
     run_engine_bench(EngineBenchOptions(
         workload=workload, json_out=json_out, model=model, dtype=dtype, limit=limit,
         skip_hf=skip_hf, shape=shape, config=config, random_weights=random_weights,
-        kernels=kernels, peer=peer, peer_python=peer_python))
+        kernels=kernels, kv_dtype=kv_dtype, peer=peer, peer_python=peer_python))
 
 
 @bench_app.command("kv")

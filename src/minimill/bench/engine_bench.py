@@ -45,6 +45,7 @@ class EngineBenchOptions:
     config: Path | None = None
     random_weights: bool = False
     kernels: str = "auto"
+    kv_dtype: str = "auto"
     peer: str | None = None
     peer_python: str | None = None
 
@@ -103,7 +104,8 @@ def _load(options: EngineBenchOptions) -> tuple[Any, Any, str]:
     from minimill.models.loader import load_model
     from minimill.models.shapes import NAMED_SHAPES, random_model, shape_from_hf_config
 
-    overrides: dict[str, Any] = {"dtype": options.dtype, "kernels": options.kernels}
+    overrides: dict[str, Any] = {"dtype": options.dtype, "kernels": options.kernels,
+                                 "kv_dtype": options.kv_dtype}
     if options.shape is None and options.config is None:
         if options.random_weights:
             raise ValueError("--random-weights needs --shape or --config")
@@ -139,7 +141,7 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
             tok.apply_chat_template(i.messages, add_generation_prompt=True),
             add_special_tokens=False)] for i in items]
         started = time.perf_counter()
-        llm = LLM(loaded, dtype=config.dtype, kernels=config.kernels)
+        llm = LLM(loaded, dtype=config.dtype, kernels=config.kernels, kv_dtype=config.kv_dtype)
         start_s = time.perf_counter() - started
     runner = llm.engine.runner
     params = [SamplingParams(max_tokens=i.max_tokens, temperature=i.temperature,
@@ -161,7 +163,7 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
     info = cpu_info()
     report: dict[str, Any] = {
         "model": measured, "random_weights": options.random_weights,
-        "dtype": config.dtype, "dtype_reason": config.dtype_reason,
+        "dtype": config.dtype, "dtype_reason": config.dtype_reason, "kv_dtype": config.kv_dtype,
         "kernels": runner.kernels.name, "device": config.device,
         "cpu": {"model": info.model, "flags": info.relevant_flags(),
                 "threads": torch.get_num_threads()},
