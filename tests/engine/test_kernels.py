@@ -78,9 +78,9 @@ def attention_case(dtype: torch.dtype, kv_dtype: torch.dtype, heads: int, kv_hea
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(-(-n // block_size))] for n in seq_lens]
     kv = allocate_kv_cache(num_blocks, 2, kv_heads, block_size, head_dim, kv_dtype, CPU)
-    if kv_dtype == torch.int8:  # random values, then valid positive scales
-        kv.copy_(torch.randint(-127, 128, kv.shape, generator=g, dtype=torch.int8))
-        scales = kv[..., -2 * block_size:].view(torch.float16)
+    if kv_dtype == torch.int8:  # random values and zero points, then valid positive scales
+        kv.copy_(torch.randint(-128, 128, kv.shape, generator=g, dtype=torch.int8))
+        scales = kv[..., -3 * block_size:-block_size].view(torch.float16)
         scales.copy_(torch.rand(scales.shape, generator=g) * 0.05 + 0.001)
     else:
         kv.copy_(torch.randn(kv.shape, generator=g).to(dtype))
@@ -120,9 +120,10 @@ def test_rotary_kv_write_and_paged_attention_match_the_reference(
     q_nat = native.rotary_kv_write(case.qkv, case.positions, case.cos_sin, k_nat, v_nat,
                                    slots, heads, kv_heads, block_size)
     close(q_nat, q_ref, dtype)
-    if int8_cache:  # the same slots, layout and scales; a value may round the other way
+    if int8_cache:  # the same slots, layout, scales and zero points; a value may round the
+        # other way
         assert (kv_native.float() - case.kv.float()).abs().max() <= 1
-        assert torch.equal(kv_native[..., -2 * block_size:], case.kv[..., -2 * block_size:])
+        assert torch.equal(kv_native[..., -3 * block_size:], case.kv[..., -3 * block_size:])
     else:  # the same slots, the same layout
         close(kv_native, case.kv, dtype)
     scale = head_dim ** -0.5
@@ -195,16 +196,20 @@ def test_int8_quantization_error_is_within_half_a_step() -> None:
     g = torch.Generator().manual_seed(3)
     x = torch.randn(1000, 3, 64, generator=g) * torch.rand(1000, 3, 1, generator=g) * 10
     x[0, 0] = 0.0  # an all-zero vector keeps a usable scale
-    values, scales = quantize_int8(x)
-    assert values.dtype == torch.int8 and scales.dtype == torch.float16
-    assert values.abs().max() <= 127
-    restored = values.float() * scales.float()[..., None]
+    x[1] = x[1].abs() + 1  # all positive: the range still holds 0, the zero point fits
+    x[2, :, 0] = -40.0  # lopsided: one large negative outlier
+    values, scales, zeros = quantize_int8(x)
+    assert values.dtype == zeros.dtype == torch.int8 and scales.dtype == torch.float16
+    restored = (values.float() - zeros.float()[..., None]) * scales.float()[..., None]
     step = scales.float()[..., None]
     assert ((restored - x).abs() <= step / 2 + 1e-6).all()
     assert torch.equal(restored[0, 0], torch.zeros(64))
-    # The error relative to a vector's largest value is at most 1/254 (+ float16 scale rounding).
-    worst = ((restored - x).abs().amax(-1) / x.abs().amax(-1).clamp(min=1e-9)).max()
-    assert worst < 1 / 254 + 1e-3
+    # The error relative to a vector's span (with 0) is at most 1/510 (+ float16 rounding).
+    span = x.amax(-1).clamp(min=0) - x.amin(-1).clamp(max=0)
+    worst = ((restored - x).abs().amax(-1) / span.clamp(min=1e-9)).max()
+    assert worst < 1 / 510 + 1e-3
+    # Asymmetric: a lopsided vector gets a finer step than max|x| / 127 would give.
+    assert (step[2, :, 0] < x[2].abs().amax(-1) / 127 * 0.75).all()
 
 
 def test_int8_kv_engines_agree_and_resume_exactly(smol_f32: LoadedModel) -> None:
@@ -216,8 +221,20 @@ def test_int8_kv_engines_agree_and_resume_exactly(smol_f32: LoadedModel) -> None
                      num_kv_blocks=256)
         assert engine.engine.runner.kv_cache.dtype == torch.int8
         runs[kernels] = engine.generate(prompts, params)
+    # Rotary in C++ and in PyTorch may differ in the last bit, so a value may be quantized one
+    # step apart: the runs agree up to a near tie, never on a clear choice.
+    agreed = 0
     for a, b in zip(runs["native"], runs["torch"], strict=True):
-        assert a.output_token_ids == b.output_token_ids
+        assert a.logprobs is not None and b.logprobs is not None
+        for i, (x, y) in enumerate(zip(a.output_token_ids, b.output_token_ids, strict=True)):
+            (best, best_lp), (_, second_lp) = a.logprobs[i].top
+            assert abs(best_lp - dict(b.logprobs[i].top).get(best, -99.0)) < 0.1
+            if x != y:
+                assert best_lp - second_lp < 0.02, (i, a.logprobs[i].top, b.logprobs[i].top)
+                break
+        else:
+            agreed += 1
+    assert agreed >= len(prompts) // 2
     # Batch-invariant with int8 KV too: resumed requests continue bit for bit.
     engine = LLM(smol_f32, dtype="float32", kv_dtype="int8", num_kv_blocks=256)
     full = runs["native"]

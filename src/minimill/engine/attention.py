@@ -9,9 +9,11 @@ plainly, with values of a 2-byte dtype kept in pairs (P = 2; P = 1 for float32) 
     K: [head_dim / P, block_size, P]   a vector register holds one dimension pair of many keys
     V: [block_size / P, head_dim, P]   ... or many dimensions of one key pair
 An int8 cache (kv_dtype "int8") keeps, per block, layer and kv head, K [head_dim, block_size]
-and V [block_size, head_dim] as int8, each followed by block_size float16 scales, one per
-token (value = int8 * scale, scale = max|x| / 127 over the token's head_dim values): about
-half the bytes of bf16. Attention dequantizes as it reads, never into a copy.
+and V [block_size, head_dim] as int8, each followed by block_size float16 scales and then
+block_size int8 zero points, one of each per token (value = scale * (int8 - zero), over the
+token's head_dim values, asymmetric: a range [min(x, 0), max(x, 0)] in 255 steps, so a
+lopsided vector keeps up to twice the resolution of a symmetric one): about half the bytes of
+bf16. Attention dequantizes as it reads, never into a copy.
 
 A step's tokens are the new tokens of every scheduled sequence back to back (decodes and prompt
 chunks in any order). Sequence s owns query rows [query_start[s], query_start[s + 1]) and, once
@@ -65,9 +67,10 @@ def build_metadata(query_lens: list[int], seq_lens: list[int], block_tables: lis
 
 
 def block_elems(block_size: int, head_dim: int, kv_dtype: torch.dtype) -> int:
-    """Elements of one block of one layer, K or V, and kv head (int8: values then scales)."""
+    """Elements of one block of one layer, K or V, and kv head (int8: values, scales, zero
+    points)."""
     if kv_dtype == torch.int8:
-        return block_size * head_dim + 2 * block_size
+        return block_size * (head_dim + 3)
     return block_size * head_dim
 
 
@@ -103,25 +106,28 @@ def layer_views(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch
     return kv_cache[:, layer, 0], kv_cache[:, layer, 1]
 
 
-def _int8_parts(blocks: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 values [..., bs * d], float16 scales [..., bs]) of int8 blocks (views)."""
-    values = blocks[..., :-2 * block_size]
-    scales = blocks[..., -2 * block_size:].view(torch.float16)
-    return values, scales
+def _int8_parts(blocks: torch.Tensor, block_size: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(int8 values [..., bs * d], float16 scales [..., bs], int8 zero points [..., bs]) of
+    int8 blocks (views)."""
+    values = blocks[..., :-3 * block_size]
+    scales = blocks[..., -3 * block_size:-block_size].view(torch.float16)
+    return values, scales, blocks[..., -block_size:]
 
 
-def _dequantized(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """[..., bs, d] int8 values and [..., bs] scales -> float32 [..., bs, d]."""
-    return values.float() * scales.float()[..., None]
+def _dequantized(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+                 ) -> torch.Tensor:
+    """[..., bs, d] int8 values, [..., bs] scales and zero points -> float32 [..., bs, d]."""
+    return (values.float() - zeros.float()[..., None]) * scales.float()[..., None]
 
 
 def _unpacked_k(k_blocks: torch.Tensor, block_size: int) -> torch.Tensor:
     """[..., kv_heads, block elements] in the K layout -> [..., kv_heads, bs, d]."""
     if k_blocks.dtype == torch.int8:
-        values, scales = _int8_parts(k_blocks, block_size)
+        values, scales, zeros = _int8_parts(k_blocks, block_size)
         head_dim = values.shape[-1] // block_size
         return _dequantized(values.unflatten(-1, (head_dim, block_size)).transpose(-1, -2),
-                            scales)
+                            scales, zeros)
     p = kv_pack(k_blocks.dtype)
     head_dim = k_blocks.shape[-1] // block_size
     k = k_blocks.unflatten(-1, (head_dim // p, block_size, p))  # [..., d/p, bs, p]
@@ -131,21 +137,30 @@ def _unpacked_k(k_blocks: torch.Tensor, block_size: int) -> torch.Tensor:
 def _unpacked_v(v_blocks: torch.Tensor, block_size: int) -> torch.Tensor:
     """[..., kv_heads, block elements] in the V layout -> [..., kv_heads, bs, d]."""
     if v_blocks.dtype == torch.int8:
-        values, scales = _int8_parts(v_blocks, block_size)
-        return _dequantized(values.unflatten(-1, (block_size, -1)), scales)
+        values, scales, zeros = _int8_parts(v_blocks, block_size)
+        return _dequantized(values.unflatten(-1, (block_size, -1)), scales, zeros)
     p = kv_pack(v_blocks.dtype)
     head_dim = v_blocks.shape[-1] // block_size
     v = v_blocks.unflatten(-1, (block_size // p, head_dim, p))  # [..., bs/p, d, p]
     return v.transpose(-1, -2).flatten(-3, -2)  # [..., bs/p, p, d] -> [..., bs, d]
 
 
-def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-vector symmetric int8 over the last dimension: (int8 values, float16 scales); the
-    values are rounded with the float16 scale, so dequantizing gives what attention reads."""
-    amax = x.float().abs().amax(-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).to(torch.float16)
-    values = torch.round(x.float() / scale.float()).clamp_(-127, 127).to(torch.int8)
-    return values, scale.squeeze(-1)
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-vector asymmetric int8 over the last dimension: (int8 values, float16 scales, int8
+    zero points), value ~ scale * (int8 - zero). The range [min(x, 0), max(x, 0)] is cut in
+    255 steps; it holds 0, so the zero point fits in int8. Values are rounded with the float16
+    scale, so dequantizing gives what attention reads (the C++ kernel quantizes the same way)."""
+    x = x.float()
+    low = x.amin(-1, keepdim=True).clamp(max=0)
+    high = x.amax(-1, keepdim=True).clamp(min=0)
+    span = high - low
+    # Rounded up to float16 (a step 2^-10 larger, then to nearest), so that the range still
+    # fits in 255 steps and no value is clipped.
+    scale = torch.where(span > 0, span / 255 * (1 + 2**-10), torch.ones_like(span))
+    scale = scale.to(torch.float16).float()
+    zero = (torch.round(-low / scale) - 128).clamp_(-128, 127)
+    values = (torch.round(x / scale) + zero).clamp_(-128, 127).to(torch.int8)
+    return values, scale.to(torch.float16).squeeze(-1), zero.to(torch.int8).squeeze(-1)
 
 
 def write_kv_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
@@ -155,14 +170,15 @@ def write_kv_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Te
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
     if k_cache.dtype == torch.int8:
         for cache, x, transposed in ((k_cache, k, True), (v_cache, v, False)):
-            values, scales = _int8_parts(cache, block_size)
-            q, s = quantize_int8(x)
+            values, scales, zeros = _int8_parts(cache, block_size)
+            q, s, z = quantize_int8(x)
             if transposed:  # K: [kv_heads, d, bs] -> [blocks, bs, kv_heads, d] at (b, o)
                 view = values.unflatten(-1, (head_dim, block_size)).permute(0, 3, 1, 2)
             else:  # V: [kv_heads, bs, d] -> [blocks, bs, kv_heads, d]
                 view = values.unflatten(-1, (block_size, head_dim)).transpose(1, 2)
             view[blocks, offsets] = q
             scales.transpose(1, 2)[blocks, offsets] = s
+            zeros.transpose(1, 2)[blocks, offsets] = z
         return
     p = kv_pack(k_cache.dtype)
     # K [blocks, kv_heads, d/p, bs, p] indexed at (block, offset): [tokens, kv_heads, d/p, p].

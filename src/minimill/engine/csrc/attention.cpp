@@ -25,8 +25,9 @@ namespace {
 //
 // An int8 cache (the `int8_t` cache type below) holds, per block, layer and kv head, the
 // values K [head_dim][block_size] and V [block_size][head_dim] as int8, each followed by
-// block_size float16 scales, one per token: value = int8 * scale, scale = max|x| / 127 over the
-// token's head_dim values. About half the bytes of bf16; attention dequantizes as it reads.
+// block_size float16 scales and block_size int8 zero points, one of each per token:
+// value = scale * (int8 - zero), the range [min(x, 0), max(x, 0)] of the token's head_dim
+// values in 255 steps. About half the bytes of bf16; attention dequantizes as it reads.
 
 template <typename T> constexpr int64_t kPack = sizeof(T) == 2 ? 2 : 1;
 
@@ -34,7 +35,7 @@ template <typename T> constexpr int64_t kPack = sizeof(T) == 2 ? 2 : 1;
 template <typename C>
 inline int64_t block_elems(int64_t block_size, int64_t head_dim) {
   if constexpr (std::is_same_v<C, int8_t>) {
-    return block_size * head_dim + 2 * block_size;
+    return block_size * (head_dim + 3);
   } else {
     return block_size * head_dim;
   }
@@ -42,6 +43,10 @@ inline int64_t block_elems(int64_t block_size, int64_t head_dim) {
 
 inline const at::Half* int8_scales(const int8_t* block, int64_t block_size, int64_t head_dim) {
   return reinterpret_cast<const at::Half*>(block + block_size * head_dim);
+}
+
+inline const int8_t* int8_zeros(const int8_t* block, int64_t block_size, int64_t head_dim) {
+  return block + block_size * (head_dim + 2);
 }
 
 // kVec int8 values as floats.
@@ -65,17 +70,26 @@ inline fVec load_half(const at::Half* p) {
   return out;
 }
 
-// One token's head_dim values as int8 with their scale (written as float16, and used as
-// rounded, so that dequantizing gives exactly what attention reads).
-inline at::Half quantize_i8(const float* x, int64_t n, int8_t* out, int64_t out_stride) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const at::Half scale(amax > 0.f ? amax / 127.f : 1.f);
-  const float s = static_cast<float>(scale);
+// One token's head_dim values as asymmetric int8: writes the values and its zero point,
+// returns its scale (float16, and used as rounded, so that dequantizing gives exactly what
+// attention reads). The range holds 0, so the zero point fits in int8.
+inline at::Half quantize_i8(const float* x, int64_t n, int8_t* out, int64_t out_stride,
+                            int8_t* zero_out) {
+  float low = 0.f, high = 0.f;
   for (int64_t i = 0; i < n; ++i) {
-    const float q = std::nearbyint(x[i] / s);
-    out[i * out_stride] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, q)));
+    low = std::min(low, x[i]);
+    high = std::max(high, x[i]);
   }
+  const float span = high - low;
+  // Rounded up to float16, so that the range fits in 255 steps and nothing is clipped.
+  const at::Half scale(span > 0.f ? span / 255.f * (1.f + 1.f / 1024.f) : 1.f);
+  const float s = static_cast<float>(scale);
+  const float zero = std::max(-128.f, std::min(127.f, std::nearbyint(-low / s) - 128.f));
+  for (int64_t i = 0; i < n; ++i) {
+    const float q = std::nearbyint(x[i] / s) + zero;
+    out[i * out_stride] = static_cast<int8_t>(std::max(-128.f, std::min(127.f, q)));
+  }
+  *zero_out = static_cast<int8_t>(zero);
   return scale;
 }
 
@@ -153,10 +167,14 @@ void rotary_kv_write_impl(const at::Tensor& qkv, const at::Tensor& positions,
         if constexpr (std::is_same_v<C, int8_t>) {
           auto* k_scales = const_cast<at::Half*>(int8_scales(kdst, block_size, head_dim));
           auto* v_scales = const_cast<at::Half*>(int8_scales(vdst, block_size, head_dim));
-          k_scales[offset] = quantize_i8(rotated, head_dim, kdst + offset, block_size);
+          auto* k_zeros = const_cast<int8_t*>(int8_zeros(kdst, block_size, head_dim));
+          auto* v_zeros = const_cast<int8_t*>(int8_zeros(vdst, block_size, head_dim));
+          k_scales[offset] = quantize_i8(rotated, head_dim, kdst + offset, block_size,
+                                         k_zeros + offset);
           float vf[kMaxHeadDim];
           for (int64_t d = 0; d < head_dim; ++d) vf[d] = to_f(v[d]);
-          v_scales[offset] = quantize_i8(vf, head_dim, vdst + offset * head_dim, 1);
+          v_scales[offset] = quantize_i8(vf, head_dim, vdst + offset * head_dim, 1,
+                                         v_zeros + offset);
         } else {
           for (int64_t d = 0; d < head_dim; ++d) {
             kdst[k_index<C>(d, offset, block_size)] = from_f<C>(rotated[d]);
@@ -271,13 +289,15 @@ inline void score_block(const Queries& qs, const T* kt, int64_t block_size, int6
       for (int i = 0; i < NQ; ++i) s[i].store(scores + i * kPartKeys + c);
     }
   } else if constexpr (std::is_same_v<T, int8_t>) {
-    // Dequantize as read: the int8 dot products, times each key's scale.
+    // Dequantize as read: dot products with (int8 - zero), times each key's scale.
     const at::Half* scales = int8_scales(kt, block_size, head_dim);
+    const int8_t* zeros = int8_zeros(kt, block_size, head_dim);
     for (int64_t c = 0; c < block_size; c += kVec) {
       fVec s[NQ];
       for (int i = 0; i < NQ; ++i) s[i] = fVec(0.f);
+      const fVec kz = load_i8(zeros + c);
       for (int64_t d = 0; d < head_dim; ++d) {
-        const fVec kv = load_i8(kt + d * block_size + c);
+        const fVec kv = load_i8(kt + d * block_size + c) - kz;
         for (int i = 0; i < NQ; ++i) s[i] = at::vec::fmadd(fVec(qs.q[i * head_dim + d]), kv, s[i]);
       }
       const fVec ks = load_half(scales + c);
@@ -328,15 +348,17 @@ inline void accumulate_block(const float* p, const int32_t* p_pairs, const T* vt
       }
     }
   } else if constexpr (std::is_same_v<T, int8_t>) {
-    // Each key's scale folds into its probability.
+    // Each key's scale folds into its probability, its zero point into its values.
     const at::Half* scales = int8_scales(vt, block_size, head_dim);
+    const int8_t* zeros = int8_zeros(vt, block_size, head_dim);
     for (int64_t j = 0; j < keys; ++j) {
       const int8_t* vrow = vt + j * head_dim;
       const float scale = static_cast<float>(scales[j]);
+      const fVec vz(static_cast<float>(zeros[j]));
       fVec pj[NQ];
       for (int i = 0; i < NQ; ++i) pj[i] = fVec(p[i * kPartKeys + j] * scale);
       for (int64_t v = 0; v < dvecs; ++v) {
-        const fVec vv = load_i8(vrow + v * kVec);
+        const fVec vv = load_i8(vrow + v * kVec) - vz;
         for (int i = 0; i < NQ; ++i) acc[i][v] = at::vec::fmadd(pj[i], vv, acc[i][v]);
       }
     }
