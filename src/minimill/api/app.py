@@ -1,7 +1,9 @@
 """The control plane's HTTP app: routers, errors, and the background tasks of one process.
 
-Each process runs a janitor (reap expired leases, expire and finalize batches) and a progress
-poller for its waiting realtime requests. Every piece of state is in the store, so any number
+Each process runs a janitor (reap expired leases, expire and finalize batches, delete expired
+files), a batch ingester (queues the lines of new batches, in a worker thread so that the event
+loop and the heartbeats it serves never wait on it) and a progress poller for its waiting
+realtime requests. Every piece of state is in the store, so any number
 of these processes can serve one store, and any of them can be killed at any moment.
 """
 
@@ -19,12 +21,12 @@ from fastapi import FastAPI
 
 from minimill import __version__
 from minimill.api import errors
-from minimill.api.limits import UploadLimitMiddleware
+from minimill.api.limits import BodyLimitMiddleware
 from minimill.api.progress import ProgressWatcher
 from minimill.api.routes import batches, chat, completions, files, fleet, models, sites
 from minimill.api.settings import Settings
 from minimill.control.config import ControlConfig
-from minimill.control.janitor import tick
+from minimill.control.janitor import ingest, tick
 from minimill.control.store import Store, open_store
 
 __all__ = ["Settings", "create_app"]
@@ -42,6 +44,22 @@ async def _janitor(store: Store, config: ControlConfig, interval_s: float) -> No
         await asyncio.sleep(interval_s)
 
 
+async def _ingester(store: Store, config: ControlConfig, wake: asyncio.Event,
+                    interval_s: float) -> None:
+    """Ingest new batches as they come (a create wakes it; it also polls, for batches created
+    through other processes or left behind by a dead one)."""
+    while True:
+        wake.clear()
+        try:
+            done = await anyio.to_thread.run_sync(ingest, store, time.time(), config)
+            if done:
+                log.info("ingest: %d batches validated", done)
+        except Exception:  # the store may be briefly unreachable; try again
+            log.exception("batch ingest failed")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), interval_s)
+
+
 def create_app(settings: Settings | None = None, store: Store | None = None) -> FastAPI:
     """The app; `store` may be passed in (tests, or a caller that opened it already)."""
     settings = settings or Settings()
@@ -49,6 +67,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     owned = store is None
     the_store = store if store is not None else open_store(settings.db)
     watcher = ProgressWatcher(the_store, settings.poll_interval_s)
+    ingest_wake = asyncio.Event()
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -56,6 +75,9 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         if settings.run_janitor:
             tasks.append(asyncio.create_task(
                 _janitor(the_store, config, settings.janitor_interval_s), name="minimill-janitor"))
+            tasks.append(asyncio.create_task(
+                _ingester(the_store, config, ingest_wake, max(settings.janitor_interval_s, 1.0)),
+                name="minimill-ingest"))
         try:
             yield
         finally:
@@ -72,8 +94,11 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     app.state.config = config
     app.state.settings = settings
     app.state.watcher = watcher
+    app.state.ingest_wake = ingest_wake
     errors.install(app)
-    app.add_middleware(UploadLimitMiddleware, max_file_bytes=settings.max_file_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes,
+                       max_file_bytes=settings.max_file_bytes,
+                       max_fleet_body_bytes=settings.max_fleet_body_bytes)
     for module in (models, chat, completions, files, batches, fleet, sites):
         app.include_router(module.router)
     _openapi_without_422(app)

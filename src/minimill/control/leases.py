@@ -5,11 +5,13 @@
   becomes `leased` with a bumped fencing epoch, a lease id and an expiry. The site row records
   what the worker said (free capacity after the grant, when, its models, its rate, and the
   price and chip it declares, if any) for metering and the placement of its peers' calls.
-- `heartbeat`: extends leases the site still holds at the sent epoch and stores checkpoints;
-  everything else is reported revoked.
+- `heartbeat`: extends leases the site still holds at the sent epoch and appends their
+  checkpoint deltas (checkpoints.py); everything else is reported revoked.
 - `complete`: accepted only at the row's current epoch, from the site that holds (or last held)
   it, while the row is not terminal: the first valid completion wins and each request completes
-  exactly once. Rejections are counted per site, with the tokens they wasted.
+  exactly once. Resending an accepted result is answered `accepted` again, and counted nowhere.
+  Rejections are counted per site, with the tokens they threw away: those beyond what the
+  request's next lease resumed from.
 - `reap_expired`: expired leases go back to `queued`, keeping their checkpoint.
 
 Every transition is a conditional UPDATE (on status and epoch), and PostgreSQL candidates are
@@ -24,7 +26,7 @@ from typing import Any, Literal
 
 from sqlalchemy import Connection, case, func, select, tuple_, update
 
-from minimill.control import metering
+from minimill.control import checkpoints, metering
 from minimill.control.config import ControlConfig
 from minimill.control.placement import (
     DEFAULT_POLICY,
@@ -48,7 +50,6 @@ from minimill.control.sites import touch_site
 from minimill.control.store import Store, retry_conflicts
 from minimill.control.tables import requests, sites
 from minimill.protocol import (
-    Checkpoint,
     CompleteRequest,
     CompleteResponse,
     HeartbeatRequest,
@@ -82,24 +83,17 @@ def _count(value: int) -> int:
     return min(max(value, 0), MAX_COUNT)
 
 
-def _generated(checkpoint: dict[str, Any] | None) -> int:
-    if not checkpoint:
-        return 0
-    return max((len(c.get("token_ids") or []) for c in checkpoint.get("choices") or []),
-               default=0)
-
-
 def _candidates(conn: Connection, tier: Tier, models: list[str], limit: int) -> list[Candidate]:
     order = (requests.c.seq,) if tier == Tier.REALTIME else (requests.c.deadline, requests.c.seq)
     query = (select(requests.c.id, requests.c.model, requests.c.seq, requests.c.deadline,
-                    requests.c.max_tokens, requests.c.checkpoint)
+                    requests.c.max_tokens, requests.c.checkpoint_tokens)
              .where(requests.c.status == _QUEUED, requests.c.tier == tier.value,
                     requests.c.model.in_(models))
              .order_by(*order).limit(limit)
              .with_for_update(skip_locked=True))
     return [Candidate(request_id=r.id, tier=tier, model=r.model, seq=r.seq, deadline=r.deadline,
                       remaining_tokens=None if r.max_tokens is None
-                      else max(r.max_tokens - _generated(r.checkpoint), 1))
+                      else max(r.max_tokens - r.checkpoint_tokens, 1))
             for r in conn.execute(query)]
 
 
@@ -180,10 +174,12 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
                 .where(requests.c.id.in_(picked), requests.c.status == _QUEUED)
                 .values(status=_LEASED, epoch=requests.c.epoch + 1, lease_id=lease_id,
                         site_id=site.id, lease_expires_at=expires_at, leased_at=now,
-                        attempts=requests.c.attempts + 1, version=requests.c.version + 1)
+                        attempts=requests.c.attempts + 1, version=requests.c.version + 1,
+                        lease_base_tokens=requests.c.checkpoint_tokens)
                 .returning(requests.c.id, requests.c.epoch, requests.c.kind, requests.c.model,
-                           requests.c.body, requests.c.seed, requests.c.checkpoint,
+                           requests.c.body, requests.c.seed, requests.c.progress,
                            requests.c.stream)).all())
+        resumed = checkpoints.load(conn, [r.id for r in rows if r.progress])
         # What the worker said, for the placement of its peers' lease calls; its measured
         # rate covers a time in which it held what it held before this call.
         touch_site(conn, site.id, now, config.lease_ttl_s, ask.tokens_per_s,
@@ -195,7 +191,7 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
     rank = {request_id: i for i, request_id in enumerate(picked)}
     leases = [Lease(request_id=r.id, lease_id=lease_id, epoch=r.epoch, expires_at=expires_at,
                     kind=r.kind, model=r.model, body=r.body, seed=r.seed,
-                    checkpoint=Checkpoint.model_validate(r.checkpoint) if r.checkpoint else None,
+                    checkpoint=resumed.get(r.id),
                     stream=bool(r.stream),
                     checkpoint_interval_s=(config.stream_checkpoint_interval_s if r.stream
                                            else config.checkpoint_interval_s))
@@ -206,7 +202,7 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
 @retry_conflicts
 def heartbeat(store: Store, site: Site, beat: HeartbeatRequest, now: float,
               config: ControlConfig) -> HeartbeatResponse:
-    """Extend the leases still held at their epochs; store checkpoints; report the rest."""
+    """Extend the leases still held at their epochs; append checkpoints; report the rest."""
     expires_at = now + config.lease_ttl_s
     extended: set[str] = set()
     plausible = [i for i in beat.leases if _epoch_ok(i.epoch)]
@@ -221,19 +217,13 @@ def heartbeat(store: Store, site: Site, beat: HeartbeatRequest, now: float,
                 .values(lease_expires_at=expires_at)
                 .returning(requests.c.id)).scalars().all()
             extended.update(held)
-        for item in beat.leases:
-            if item.checkpoint is not None and item.request_id in extended:
-                conn.execute(update(requests)
-                             .where(requests.c.id == item.request_id,
-                                    requests.c.epoch == item.epoch,
-                                    requests.c.status == _LEASED)
-                             .values(checkpoint=item.checkpoint.model_dump(mode="json"),
-                                     version=requests.c.version + 1))
+        resync = checkpoints.save(conn, [i for i in plausible if i.request_id in extended])
         touch_site(conn, site.id, now, config.lease_ttl_s, beat.tokens_per_s,
                    busy=bool(extended))
     return HeartbeatResponse(
         extended={i.request_id: expires_at for i in beat.leases if i.request_id in extended},
-        revoked=[i.request_id for i in beat.leases if i.request_id not in extended])
+        revoked=[i.request_id for i in beat.leases if i.request_id not in extended],
+        resync=resync)
 
 
 @retry_conflicts
@@ -241,8 +231,9 @@ def complete(store: Store, site: Site, done: CompleteRequest, now: float,
              config: ControlConfig) -> CompleteResponse:
     """Accept completions at the current epoch; reject stale ones and count them."""
     accepted: list[str] = []
+    finished: list[str] = []
     rejected: list[RejectedCompletion] = []
-    generated = wasted = 0
+    generated = wasted = stale = 0
     with store.write() as conn:
         price = conn.execute(select(sites.c.price_per_hour, sites.c.tokens_per_s)
                              .where(sites.c.id == site.id)).one()
@@ -253,7 +244,7 @@ def complete(store: Store, site: Site, done: CompleteRequest, now: float,
             tokens_out = _count(item.usage.completion_tokens if item.usage
                                 else sum(len(c.token_ids) for c in item.choices))
             values: dict[str, Any] = {"finished_at": now, "lease_expires_at": None,
-                                      "version": requests.c.version + 1}
+                                      "version": requests.c.version + 1, "progress": None}
             if item.outcome == "succeeded":
                 values.update(
                     status=RequestStatus.SUCCEEDED.value,
@@ -273,24 +264,42 @@ def complete(store: Store, site: Site, done: CompleteRequest, now: float,
                 .values(**values)).rowcount
             if hit:
                 accepted.append(item.request_id)
+                finished.append(item.request_id)
                 generated += tokens_out
                 continue
-            status = conn.execute(select(requests.c.status)
-                                  .where(requests.c.id == item.request_id)).scalar()
-            reason: RejectReason = ("unknown_request" if status is None
-                      else "already_completed" if status in TERMINAL_REQUEST_STATUSES
-                      else "stale_epoch")
+            row = conn.execute(select(requests.c.status, requests.c.epoch, requests.c.site_id,
+                                      requests.c.lease_base_tokens, requests.c.wasted_epoch)
+                               .where(requests.c.id == item.request_id)).first()
+            if row is not None and _completed_by(row, item.epoch, site.id):
+                accepted.append(item.request_id)  # a resend after a lost answer
+                continue
+            reason: RejectReason = ("unknown_request" if row is None
+                                    else "already_completed"
+                                    if row.status in TERMINAL_REQUEST_STATUSES
+                                    else "stale_epoch")
             rejected.append(RejectedCompletion(request_id=item.request_id, reason=reason))
-            if reason != "unknown_request":
-                wasted += tokens_out
-        stale = sum(1 for r in rejected if r.reason != "unknown_request")
+            if row is not None and row.wasted_epoch != item.epoch and _epoch_ok(item.epoch):
+                conn.execute(update(requests).where(requests.c.id == item.request_id)
+                             .values(wasted_epoch=item.epoch))
+                stale += 1
+                # What a later lease resumed from was kept; the rest was generated for nothing.
+                kept = row.lease_base_tokens if row.epoch > item.epoch else 0
+                wasted += max(0, tokens_out - kept)
+        checkpoints.drop(conn, finished)
         touch_site(
             conn, site.id, now, config.lease_ttl_s,
-            completions=sites.c.completions + len(accepted),
+            completions=sites.c.completions + len(finished),
             tokens_generated=sites.c.tokens_generated + generated,
             stale_completions=sites.c.stale_completions + stale,
             wasted_tokens=sites.c.wasted_tokens + wasted)
     return CompleteResponse(accepted=accepted, rejected=rejected)
+
+
+def _completed_by(row: Any, epoch: int, site_id: str) -> bool:
+    """Whether the row's outcome is this site's completion at this epoch (only a completion
+    ends a row as succeeded or failed at a leased epoch)."""
+    return (row.status in (RequestStatus.SUCCEEDED, RequestStatus.FAILED) and row.epoch == epoch
+            and row.site_id == site_id)
 
 
 @retry_conflicts

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
-from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event, inspect
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
@@ -115,6 +115,27 @@ def _sqlite_engine(url: str) -> Engine:
     return engine
 
 
+def _add_missing(conn: Connection, name: str) -> None:
+    """Add the columns and indexes `tables.py` has and an existing table lacks. New columns
+    are nullable or carry a server default, so rows written before read as they should."""
+    table = metadata.tables[name]
+    found = inspect(conn)
+    have = {c["name"] for c in found.get_columns(name)}
+    preparer = conn.dialect.identifier_preparer
+    for column in table.columns:
+        if column.name in have:
+            continue
+        spec = f"{preparer.quote(column.name)} {column.type.compile(dialect=conn.dialect)}"
+        default = getattr(column.server_default, "arg", None)
+        if default is not None:
+            spec += f" NOT NULL DEFAULT {getattr(default, 'text', default)}"
+        conn.exec_driver_sql(f"ALTER TABLE {preparer.quote(name)} ADD COLUMN {spec}")
+    indexes = {i["name"] for i in found.get_indexes(name)}
+    for index in table.indexes:
+        if index.name not in indexes:
+            index.create(conn)
+
+
 class Store:
     """Owns the engine; hands out transactions. Safe to share between threads."""
 
@@ -146,11 +167,16 @@ class Store:
             yield conn
 
     def create_schema(self) -> None:
-        """Create missing tables; several processes may do this at once."""
+        """Create missing tables, and the columns and indexes that a store made by an older
+        version lacks; several processes may do this at once."""
         with self.write() as conn:
             if self.is_postgres:
                 conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_SCHEMA_LOCK_KEY})")
+            existing = set(inspect(conn).get_table_names())
             metadata.create_all(conn)
+            for table in metadata.sorted_tables:
+                if table.name in existing:
+                    _add_missing(conn, table.name)
 
     def close(self) -> None:
         self.engine.dispose()
