@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
-from sqlalchemy import Connection, and_, delete, func, insert, or_, select, update
+from sqlalchemy import Connection, and_, delete, insert, or_, select, update
 
 from minimill.control.errors import InvalidRequestError, NotFoundError, PayloadTooLargeError
 from minimill.control.records import FileRecord, new_id
@@ -239,9 +239,3 @@ def sweep(store: Store, now: float, writing_ttl_s: float, limit: int = 16) -> in
         _remove(store, file_id)
     return len(ids)
 
-
-def count_chunks(store: Store, file_id: str) -> int:
-    """How many chunks the file has (tests check that deletion leaves none)."""
-    with store.read() as conn:
-        return int(conn.execute(select(func.count()).select_from(file_chunks)
-                                .where(file_chunks.c.file_id == file_id)).scalar_one())
