@@ -61,15 +61,17 @@ class SentCheckpoint:
     full: bool
 
 
-def approx_bytes(choices: list[ChoiceProgress] | list[ChoiceDelta]) -> int:
+def _approx_bytes(choice: ChoiceProgress, base: Lengths) -> int:
+    """About how many bytes a choice's progress beyond `base` takes as JSON."""
+    lps = choice.logprobs or []
+    tops = len(lps[-1].get("top_logprobs") or []) if lps else 0
+    return (64 + 2 * (len(choice.text) - base.chars) + 8 * (len(choice.token_ids) - base.tokens)
+            + (len(lps) - base.logprobs) * _LOGPROB_BYTES * (1 + tops))
+
+
+def approx_bytes(choices: list[ChoiceProgress]) -> int:
     """About how many bytes these choices take as JSON (to keep requests under the limit)."""
-    total = 0.0
-    for c in choices:
-        lps = c.logprobs or []
-        tops = sum(len(lp.get("top_logprobs") or []) for lp in lps[:8])
-        total += 64 + 2 * len(c.text) + 8 * len(c.token_ids) \
-            + len(lps) * _LOGPROB_BYTES * (1 + tops / max(len(lps[:8]), 1))
-    return int(total)
+    return sum(_approx_bytes(c, Lengths()) for c in choices)
 
 
 class Tally:
@@ -146,9 +148,9 @@ class HeldLease:
 
     def pending_bytes(self) -> int:
         """About how large the next checkpoint of this lease is."""
-        if self.needs_full:
-            return approx_bytes(list(self.progress.values()))
-        return approx_bytes(self._delta().choices)
+        return sum(_approx_bytes(p, Lengths() if self.needs_full
+                                 else self.acked.get(i, Lengths()))
+                   for i, p in self.progress.items())
 
     def heartbeat_item(self, with_checkpoint: bool) -> tuple[HeartbeatItem,
                                                              SentCheckpoint | None]:

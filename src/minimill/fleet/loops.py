@@ -189,10 +189,10 @@ class Worker:
         sent = {i.request_id: i.epoch for i in items}
         self._answer_checkpoints(checkpoints, set(resp.extended), set(resp.resync))
         revoked = [r for r in resp.revoked
-                   if r in self.held and self.held[r].lease.epoch == sent.get(r)]
+                   if r in self.held and self.held[r].lease.epoch == sent.get(r)
+                   and self.held[r].result is None]  # a finished result is still offered
         for request_id in revoked:
-            if self.held[request_id].result is None:
-                self._drop(request_id)
+            self._drop(request_id)
         if revoked:
             self.stats["revoked"] += len(revoked)
             log.info("%d leases revoked (cancelled, expired or taken over); aborted them",
