@@ -278,9 +278,12 @@ def complete(store: Store, site: Site, done: CompleteRequest, now: float,
                                     if row.status in TERMINAL_REQUEST_STATUSES
                                     else "stale_epoch")
             rejected.append(RejectedCompletion(request_id=item.request_id, reason=reason))
-            if row is not None and row.wasted_epoch != item.epoch and _epoch_ok(item.epoch):
-                conn.execute(update(requests).where(requests.c.id == item.request_id)
-                             .values(wasted_epoch=item.epoch))
+            # Counted once per (request, epoch): a resend of a refused result is the same work.
+            if row is not None and _epoch_ok(item.epoch) and conn.execute(
+                    update(requests)
+                    .where(requests.c.id == item.request_id,
+                           requests.c.wasted_epoch.is_distinct_from(item.epoch))
+                    .values(wasted_epoch=item.epoch)).rowcount:
                 stale += 1
                 # What a later lease resumed from was kept; the rest was generated for nothing.
                 kept = row.lease_base_tokens if row.epoch > item.epoch else 0
