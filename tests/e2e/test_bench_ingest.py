@@ -30,3 +30,6 @@ def test_bench_ingest_prints_memory_and_heartbeat_figures(e2e_home: Path) -> Non
     assert report["heartbeats"] > 0 and report["client_errors"] == 0
     assert report["longest_heartbeat_gap_s"] >= report["heartbeat_interval_s"] * 0.9
     assert isinstance(report["meets_targets"], bool)
+    by_phase = report["longest_heartbeat_gap_by_phase_s"]
+    assert {"ingest", "serve_and_finalize"} <= set(by_phase)
+    assert max(by_phase.values()) == report["longest_heartbeat_gap_s"]

@@ -1,9 +1,9 @@
 """The control plane's HTTP app: routers, errors, and the background tasks of one process.
 
-Each process runs a janitor (reap expired leases, expire and finalize batches, delete expired
-files), a batch ingester (queues the lines of new batches, in a worker thread so that the event
-loop and the heartbeats it serves never wait on it) and a progress poller for its waiting
-realtime requests. Every piece of state is in the store, so any number
+Each process runs a janitor (reap expired leases, expire batches, delete expired files), the
+batch jobs (queue the lines of new batches, write the files of finished ones: in a worker
+process, so that the event loop and the heartbeats it serves never wait on them) and a progress
+poller for its waiting realtime requests. Every piece of state is in the store, so any number
 of these processes can serve one store, and any of them can be killed at any moment.
 """
 
@@ -17,7 +17,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+import anyio.to_process
 from fastapi import FastAPI
+from sqlalchemy.engine import make_url
 
 from minimill import __version__
 from minimill.api import errors
@@ -26,7 +28,7 @@ from minimill.api.progress import ProgressWatcher
 from minimill.api.routes import batches, chat, completions, files, fleet, models, sites
 from minimill.api.settings import Settings
 from minimill.control.config import ControlConfig
-from minimill.control.janitor import ingest, tick
+from minimill.control.janitor import batch_jobs, run_batch_jobs, tick
 from minimill.control.store import Store, open_store
 
 __all__ = ["Settings", "create_app"]
@@ -36,7 +38,7 @@ log = logging.getLogger("minimill.api")
 async def _janitor(store: Store, config: ControlConfig, interval_s: float) -> None:
     while True:
         try:
-            report = await anyio.to_thread.run_sync(tick, store, time.time(), config)
+            report = await anyio.to_thread.run_sync(tick, store, time.time(), config, False)
             if report.reaped_leases or report.expired_batches:
                 log.info("janitor: %s", report)
         except Exception:  # the store may be briefly unreachable; try again next tick
@@ -44,18 +46,26 @@ async def _janitor(store: Store, config: ControlConfig, interval_s: float) -> No
         await asyncio.sleep(interval_s)
 
 
-async def _ingester(store: Store, config: ControlConfig, wake: asyncio.Event,
-                    interval_s: float) -> None:
-    """Ingest new batches as they come (a create wakes it; it also polls, for batches created
-    through other processes or left behind by a dead one)."""
+async def _batch_jobs(store: Store, config: ControlConfig, wake: asyncio.Event,
+                      interval_s: float, in_process: bool) -> None:
+    """Ingest new batches as they come and finalize finished ones (a create wakes it; it also
+    polls, for batches of other processes or left behind by a dead one). A store held only
+    in this process's memory cannot be opened by another: then the jobs run in a thread."""
+    in_process = in_process or make_url(store.url).database in (None, "", ":memory:")
     while True:
         wake.clear()
         try:
-            done = await anyio.to_thread.run_sync(ingest, store, time.time(), config)
-            if done:
-                log.info("ingest: %d batches validated", done)
+            if in_process:
+                done = await anyio.to_thread.run_sync(batch_jobs, store, time.time(), config)
+            else:
+                # Cancellable: on shutdown the worker process is killed; its claims go stale
+                # and another process resumes its jobs.
+                done = await anyio.to_process.run_sync(run_batch_jobs, store.url, time.time(),
+                                                       config, cancellable=True)
+            if any(done):
+                log.info("batch jobs: %d validated, %d finalized", *done)
         except Exception:  # the store may be briefly unreachable; try again
-            log.exception("batch ingest failed")
+            log.exception("batch jobs failed")
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(wake.wait(), interval_s)
 
@@ -76,8 +86,8 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
             tasks.append(asyncio.create_task(
                 _janitor(the_store, config, settings.janitor_interval_s), name="minimill-janitor"))
             tasks.append(asyncio.create_task(
-                _ingester(the_store, config, ingest_wake, max(settings.janitor_interval_s, 1.0)),
-                name="minimill-ingest"))
+                _batch_jobs(the_store, config, ingest_wake, settings.janitor_interval_s,
+                            settings.batch_jobs_in_process), name="minimill-batch-jobs"))
         try:
             yield
         finally:

@@ -25,7 +25,7 @@ class Settings(BaseSettings):
     # creation; 0 keeps them until deleted.
     file_expires_after_s: float = Field(default=30 * 24 * 3600.0, ge=0)
     # Batch ingest: lines per transaction, and how long a silent ingester keeps its batch.
-    ingest_group_lines: int = Field(default=1000, ge=1)
+    ingest_group_lines: int = Field(default=250, ge=1)
     ingest_claim_ttl_s: float = Field(default=60.0, gt=0)
     lease_ttl_s: float = Field(default=30.0, gt=0)
     checkpoint_interval_s: float = Field(default=2.0, gt=0)
@@ -35,6 +35,9 @@ class Settings(BaseSettings):
     # How often the janitor reaps leases and finalizes batches.
     janitor_interval_s: float = Field(default=0.5, gt=0)
     run_janitor: bool = True
+    # Run batch ingest and finalization in a thread of this process rather than in a worker
+    # process (where they cannot slow the event loop and the heartbeats it serves).
+    batch_jobs_in_process: bool = False
     # How often waiting realtime requests poll the store for progress made elsewhere.
     poll_interval_s: float = Field(default=0.025, gt=0)
 

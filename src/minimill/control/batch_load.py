@@ -36,7 +36,7 @@ from minimill.control.store import Store
 from minimill.control.tables import batches, files, requests
 
 # A group also ends once its lines hold this many bytes, whatever `ingest_group_lines` says.
-GROUP_BYTES = 4 * 1024 * 1024
+GROUP_BYTES = 1024 * 1024
 # Lines parsed between two chances for other threads (the event loop) to take the GIL.
 YIELD_EVERY_LINES = 64
 _VALIDATING = BatchStatus.VALIDATING.value

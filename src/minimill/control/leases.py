@@ -206,7 +206,7 @@ def heartbeat(store: Store, site: Site, beat: HeartbeatRequest, now: float,
     expires_at = now + config.lease_ttl_s
     extended: set[str] = set()
     plausible = [i for i in beat.leases if _epoch_ok(i.epoch)]
-    with store.write() as conn:
+    with store.write(urgent=True) as conn:
         for start in range(0, len(plausible), 500):
             part = plausible[start:start + 500]
             held = conn.execute(
