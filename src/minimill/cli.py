@@ -5,27 +5,43 @@ Imports are inside the commands so that `minimill --help` stays fast (no torch i
 
 from __future__ import annotations
 
+import contextlib
+import json
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
+
+if TYPE_CHECKING:
+    from minimill.control.site_view import SiteStatus
+    from minimill.control.store import Store
 
 app = typer.Typer(
     help="minimill: a token factory serving open-weight LLMs for background agents.",
     no_args_is_help=True,
     add_completion=False,
 )
-keys_app = typer.Typer(help="API keys and tenants.", no_args_is_help=True)
+keys_app = typer.Typer(help="API keys: tenants' and operators'.", no_args_is_help=True)
 batch_app = typer.Typer(help="Submit and follow Batch API jobs.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks that print JSON figures.", no_args_is_help=True)
 sites_app = typer.Typer(help="Sites of the fleet (mini mills).", no_args_is_help=True)
 outage_app = typer.Typer(help="Planned or forecast outages of a site.", no_args_is_help=True)
+prices_app = typer.Typer(help="The price list: what tenants are billed per model and tier.",
+                         no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 app.add_typer(batch_app, name="batch")
 app.add_typer(bench_app, name="bench")
 app.add_typer(sites_app, name="sites")
+webhooks_app = typer.Typer(help="Webhook endpoints: where response and batch events go.",
+                           no_args_is_help=True)
+app.add_typer(prices_app, name="prices")
+app.add_typer(webhooks_app, name="webhooks")
 sites_app.add_typer(outage_app, name="outage")
 
 DEFAULT_MODEL = "smollm2-135m"
+DTYPE_HELP = ("auto (bfloat16 where the chip computes it natively: GPUs, CPUs with AVX-512 BF16 "
+              "or AMX; else float32), bfloat16, float16 or float32.")
 DbOption = typer.Option(None, "--db", help="Store URL (sqlite:///... or postgresql://...). "
                         "Default: SQLite under MINIMILL_HOME.")
 
@@ -51,7 +67,7 @@ def generate(
     max_tokens: int = typer.Option(64, help="Most tokens to generate."),
     temperature: float = typer.Option(0.0, help="0 is greedy."),
     seed: int | None = typer.Option(None, help="Sampling seed."),
-    dtype: str = typer.Option("bfloat16", help="bfloat16, float16 or float32."),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
 ) -> None:
     """Generate one chat answer offline with the builtin engine and print it."""
     from minimill.engine.llm import generate_chat_cli
@@ -66,9 +82,11 @@ def serve(
     port: int = typer.Option(8000, help="Port to listen on."),
     db: str | None = DbOption,
     model: str = typer.Option(DEFAULT_MODEL, help="Model the local worker serves."),
-    dtype: str = typer.Option("bfloat16", help="Engine dtype of the local worker."),
+    dtype: str = typer.Option("auto", help="Engine dtype of the local worker: " + DTYPE_HELP),
     local_worker: bool = typer.Option(True, help="Start one local worker process."),
-    price_per_hour: float = typer.Option(0.10, help="The local site's price in $/hour."),
+    price_per_hour: float = typer.Option(
+        0.10, help="What the local site costs in $/hour (cost only; tenants are billed by "
+        "`minimill prices`)."),
 ) -> None:
     """Serve the OpenAI-compatible API (control plane) plus one local worker process."""
     from minimill.api.serve import run_serve
@@ -79,13 +97,19 @@ def serve(
 
 @keys_app.command("create")
 def keys_create(
-    tenant: str = typer.Option(..., "--tenant", help="Tenant name (created if new)."),
+    tenant: str | None = typer.Option(None, "--tenant", help="Tenant name (created if new)."),
+    operator: bool = typer.Option(False, "--operator",
+                                  help="An operator key: sites, outages, prices, keys."),
     db: str | None = DbOption,
 ) -> None:
-    """Create an API key for a tenant and print it (works whether or not serve is running)."""
-    from minimill.control.keys import create_key_cli
+    """Create an API key for a tenant, or an operator key, and print it (works whether or not
+    serve is running)."""
+    from minimill.control.keys import create_key, create_operator_key
 
-    typer.echo(create_key_cli(tenant=tenant, db=db))
+    if operator == (tenant is not None):
+        raise SystemExit("error: give --tenant NAME or --operator")
+    with _store(db) as store:
+        typer.echo(create_operator_key(store) if tenant is None else create_key(store, tenant))
 
 
 BaseUrlOption = typer.Option("http://127.0.0.1:8000/v1", envvar="MINIMILL_BASE_URL",
@@ -134,6 +158,15 @@ def batch_cancel(batch_id: str, base_url: str = BaseUrlOption,
     cancel(batch_id, base_url=base_url, api_key=api_key)
 
 
+@bench_app.callback()
+def bench_callback() -> None:
+    """Benchmarks that print JSON figures."""
+    from minimill.lifetime import exit_on_sigterm
+
+    # A benchmark stopped by a timeout (SIGTERM) stops the processes it started on its way out.
+    exit_on_sigterm()
+
+
 WorkloadOption = typer.Option(Path("../shared/workloads/throughput-256.jsonl"),
                               help="Batch-format JSONL workload.")
 
@@ -143,15 +176,51 @@ def bench_engine(
     workload: Path = WorkloadOption,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
     model: str = typer.Option(DEFAULT_MODEL, help="Model name or path."),
-    dtype: str = typer.Option("bfloat16", help="Engine dtype."),
+    dtype: str = typer.Option("auto", help="Engine dtype: " + DTYPE_HELP),
     limit: int | None = typer.Option(None, help="Use only the first N requests."),
     skip_hf: bool = typer.Option(False, help="Skip the HF transformers baseline."),
+    shape: str | None = typer.Option(
+        None, help="Measure a named model shape instead of --model (e.g. llama3-8b, "
+        "qwen2.5-7b, llama3-70b, smollm2-135m); needs --random-weights."),
+    config: Path | None = typer.Option(
+        None, exists=True, dir_okay=False,
+        help="An HF config.json whose shape to measure; needs --random-weights."),
+    random_weights: bool = typer.Option(
+        False, help="Random weights of the shape: measures the chip without downloading."),
+    kernels: str = typer.Option("auto", help="auto, native or torch (the portable path)."),
+    peer: str | None = typer.Option(None, help="Also measure this engine: vllm."),
+    peer_python: str | None = typer.Option(
+        None, help="Python of the environment where the peer is installed."),
 ) -> None:
-    """Offline engine throughput vs the speed of light and vs HF transformers."""
-    from minimill.bench.engine_bench import run_engine_bench
+    """Offline engine throughput vs the speed of light, HF transformers and (optionally) vLLM."""
+    from minimill.bench.engine_bench import EngineBenchOptions, run_engine_bench
 
-    run_engine_bench(workload, json_out=json_out, model=model, dtype=dtype, limit=limit,
-                     skip_hf=skip_hf)
+    run_engine_bench(EngineBenchOptions(
+        workload=workload, json_out=json_out, model=model, dtype=dtype, limit=limit,
+        skip_hf=skip_hf, shape=shape, config=config, random_weights=random_weights,
+        kernels=kernels, peer=peer, peer_python=peer_python))
+
+
+@bench_app.command("kv")
+def bench_kv(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    model: str = typer.Option(DEFAULT_MODEL, help="Model name or path."),
+    dtype: str = typer.Option("auto", help="Engine dtype: " + DTYPE_HELP),
+    kv_dtypes: str = typer.Option("int8", help="Compressed KV dtypes to measure, comma-separated "
+                                  "(the model dtype is always measured as the reference)."),
+    perplexity_tokens: int = typer.Option(16384, help="Tokens of the text for perplexity."),
+    prompts: int = typer.Option(64, help="Prompts for the greedy agreement."),
+    new_tokens: int = typer.Option(128, help="Tokens generated per prompt."),
+    budget_mb: float = typer.Option(48.0, help="The fixed KV memory budget, MB."),
+) -> None:
+    """KV cache dtypes: bytes/token, perplexity, greedy agreement, throughput at one budget."""
+    from minimill.bench.kv_bench import KvBenchOptions, run_kv_bench
+
+    run_kv_bench(KvBenchOptions(
+        json_out=json_out, model=model, dtype=dtype,
+        kv_dtypes=tuple(k.strip() for k in kv_dtypes.split(",") if k.strip()),
+        perplexity_tokens=perplexity_tokens, prompts=prompts, new_tokens=new_tokens,
+        budget_mb=budget_mb))
 
 
 @bench_app.command("batch")
@@ -211,12 +280,13 @@ def worker(
     site: str = typer.Option(..., help="This site's name."),
     token: str = typer.Option(..., envvar="MINIMILL_SITE_TOKEN", help="Site token."),
     price_per_hour: float | None = typer.Option(
-        None, help="This site's price in $/hour (default: as the site was registered)."),
+        None, help="What this site costs in $/hour (default: as the site was registered; "
+        "cost only, never what tenants are billed)."),
     chip: str | None = typer.Option(
         None, help="Chip name, for the registry (default: as the site was registered)."),
     engine: str = typer.Option("builtin", help="'builtin' or an OpenAI-compatible base URL."),
     model: str = typer.Option(DEFAULT_MODEL, help="Model to serve."),
-    dtype: str = typer.Option("bfloat16", help="Builtin engine dtype."),
+    dtype: str = typer.Option("auto", help="Builtin engine dtype: " + DTYPE_HELP),
     capacity: int = typer.Option(256, help="Most requests in flight."),
 ) -> None:
     """Join a fleet: pull work from the control plane under leases and run it."""
@@ -229,23 +299,45 @@ def worker(
 @sites_app.command("create")
 def sites_create(
     name: str = typer.Argument(..., help="Site name."),
-    price_per_hour: float = typer.Option(0.10, help="Price in $/hour."),
+    price_per_hour: float = typer.Option(0.10, help="What the site costs in $/hour."),
     chip: str = typer.Option("cpu", help="Chip name."),
     db: str | None = DbOption,
 ) -> None:
     """Register a site and print its token."""
-    from minimill.control.sites import create_site_cli
+    from minimill.control.sites import create_site
 
-    typer.echo(create_site_cli(name=name, price_per_hour=price_per_hour, chip=chip, db=db))
+    with _store(db) as store:
+        typer.echo(create_site(store, name, price_per_hour, chip))
 
 
 @sites_app.command("list")
 def sites_list(db: str | None = DbOption,
                json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    """Show every site: status, chip, price, tokens/s, uptime, $/Mtok."""
-    from minimill.control.sites import list_sites_cli
+    """Show every site: health, throughput (reported and measured), cost, billed, margin."""
+    import time
+    from dataclasses import asdict
 
-    list_sites_cli(db=db, json_out=json_out)
+    from minimill.control.site_view import list_sites
+
+    with _store(db) as store:
+        statuses = list_sites(store, time.time())
+    if json_out:
+        typer.echo(json.dumps([asdict(s) for s in statuses], indent=2))
+        return
+    columns = ("site", "status", "chip", "$/hour", "tok/s said", "tok/s measured", "uptime",
+               "cost $/Mtok", "eff $/Mtok", "in flight", "free", "leases", "expired", "stale",
+               "wasted tok", "billed $", "cost $", "margin $", "next outage (UTC)")
+    rows = [(s.name, s.status, s.chip, f"{s.price_per_hour:.4f}", _num(s.tokens_per_s, ".1f"),
+             _num(s.measured_tokens_per_s, ".1f"), _num(s.uptime, ".1%"),
+             _num(s.cost_usd_per_mtok, ".4f"), f"{s.effective_usd_per_mtok:.4f}",
+             str(s.in_flight), str(s.free_capacity), str(s.leases_granted),
+             str(s.leases_expired), str(s.stale_completions), str(s.wasted_tokens),
+             f"{s.billed_usd:.6f}", f"{s.cost_usd:.6f}", f"{s.margin_usd:.6f}", _next_outage(s))
+            for s in statuses]
+    _table("minimill sites", columns, rows, left=("site", "status", "chip",
+                                                   "next outage (UTC)"))
+    billed, cost = sum(s.billed_usd for s in statuses), sum(s.cost_usd for s in statuses)
+    typer.echo(f"billed ${billed:.6f}, cost ${cost:.6f}, margin ${billed - cost:.6f}")
 
 
 @outage_app.command("add")
@@ -256,9 +348,228 @@ def outage_add(
     db: str | None = DbOption,
 ) -> None:
     """Announce a planned or forecast outage of a site."""
-    from minimill.control.sites import add_outage_cli
+    from minimill.control.sites import add_outage, parse_time
 
-    add_outage_cli(site=site, start=start, end=end, db=db)
+    with _store(db) as store:
+        outage_id = add_outage(store, site, parse_time(start, "from"), parse_time(end, "to"))
+    typer.echo(f"outage {outage_id} of {site} from {start} to {end} recorded")
+
+
+TierOption = typer.Option("realtime", "--tier", help="realtime or background (default: "
+                          "realtime; background is realtime times the discount unless set).")
+
+
+@prices_app.command("set")
+def prices_set(
+    model: str = typer.Argument(..., help="Model name, or '*' for the default entry."),
+    input_price: float = typer.Option(..., "--input", help="$ per million input tokens."),
+    output_price: float = typer.Option(..., "--output", help="$ per million output tokens."),
+    cached_input: float | None = typer.Option(
+        None, "--cached-input", help="$ per million cached input tokens (default: --input)."),
+    tier: str = TierOption,
+    db: str | None = DbOption,
+) -> None:
+    """Set what tenants are billed for a model and tier (create or replace the entry)."""
+    from minimill.control.prices import set_price
+
+    with _store(db) as store:
+        quoted = set_price(store, model, tier, input_price, output_price, cached_input)
+    p = quoted.price
+    typer.echo(f"{quoted.model} {quoted.tier}: input {p.input_usd_per_mtok:g}, cached input "
+               f"{p.cached_input_usd_per_mtok:g}, output {p.output_usd_per_mtok:g} $/Mtok")
+
+
+@prices_app.command("delete")
+def prices_delete(model: str = typer.Argument(..., help="Model name, or '*'."),
+                  tier: str = TierOption, db: str | None = DbOption) -> None:
+    """Remove an entry: the model and tier fall back to the next rule (see prices list)."""
+    from minimill.control.prices import delete_price
+
+    with _store(db) as store:
+        delete_price(store, model, tier)
+    typer.echo(f"{model} {tier}: entry removed")
+
+
+@prices_app.command("list")
+def prices_list(db: str | None = DbOption,
+                json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Show what tenants are billed: the default entry and each listed model, both tiers."""
+    from minimill.api.settings import Settings
+    from minimill.control.prices import read_price_list
+
+    factor = Settings().background_price_factor
+    with _store(db) as store:
+        table = read_price_list(store).table(factor)
+    if json_out:
+        typer.echo(json.dumps([{"model": q.model, "tier": q.tier.value, "entry": q.entry,
+                                "discounted": q.discounted,
+                                "input_usd_per_mtok": q.price.input_usd_per_mtok,
+                                "cached_input_usd_per_mtok": q.price.cached_input_usd_per_mtok,
+                                "output_usd_per_mtok": q.price.output_usd_per_mtok}
+                               for q in table], indent=2))
+        return
+    rows = [(q.model, q.tier.value, f"{q.price.input_usd_per_mtok:g}",
+             f"{q.price.cached_input_usd_per_mtok:g}", f"{q.price.output_usd_per_mtok:g}",
+             q.source + (f" x {factor:g}" if q.discounted else ""))
+            for q in table]
+    _table("minimill prices ($ per million tokens)",
+           ("model", "tier", "input", "cached input", "output", "from entry"), rows,
+           left=("model", "tier", "from entry"))
+
+
+@webhooks_app.command("create")
+def webhooks_create(
+    url: str = typer.Argument(..., help="Where events are posted (http:// or https://)."),
+    tenant: str | None = typer.Option(None, "--tenant", help="The tenant whose events it gets."),
+    fleet: bool = typer.Option(False, "--fleet", help="Every tenant's events (the operator's)."),
+    event: list[str] = typer.Option(
+        [], "--event", help="An event type, repeatable (default: all): response.completed, "
+        "response.failed, response.cancelled, response.incomplete, batch.completed, "
+        "batch.failed, batch.expired, batch.cancelled."),
+    name: str | None = typer.Option(None, help="A name for it (default: the URL)."),
+    db: str | None = DbOption,
+) -> None:
+    """Register a webhook endpoint and print its signing secret (shown once)."""
+    from minimill.control.keys import ensure_tenant
+    from minimill.control.webhooks import EVENT_TYPES, create_endpoint
+
+    if fleet == (tenant is not None):
+        raise SystemExit("error: give --tenant NAME or --fleet")
+    with _store(db) as store:
+        owner = ensure_tenant(store, tenant).id if tenant is not None else None
+        endpoint, secret = create_endpoint(store, owner, name or url, url,
+                                           list(event) or list(EVENT_TYPES))
+    typer.echo(f"{endpoint.id} {endpoint.url} ({', '.join(endpoint.event_types)})")
+    typer.echo(f"signing secret (shown once): {secret}")
+
+
+@webhooks_app.command("list")
+def webhooks_list(db: str | None = DbOption,
+                  json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Show every endpoint: whose events it gets, and its deliveries so far."""
+    from minimill.control.webhook_events import delivery_counts
+    from minimill.control.webhooks import EVENT_TYPES, all_endpoints
+
+    with _store(db) as store:
+        endpoints, counts = all_endpoints(store), delivery_counts(store)
+    if json_out:
+        typer.echo(json.dumps([
+            {"id": e.id, "tenant": tenant_name, "name": e.name, "url": e.url,
+             "event_types": list(e.event_types), "secret": e.secret_hint,
+             "deliveries": counts.get(e.id, {})} for e, tenant_name in endpoints], indent=2))
+        return
+    rows = [(e.id, tenant_name or "(fleet)", e.url,
+             "all" if set(e.event_types) == set(EVENT_TYPES) else ",".join(e.event_types),
+             *(str(counts.get(e.id, {}).get(s, 0)) for s in ("pending", "delivered", "failed")))
+            for e, tenant_name in endpoints]
+    _table("minimill webhooks", ("id", "tenant", "url", "events", "pending", "delivered",
+                                 "failed"), rows, left=("id", "tenant", "url", "events"))
+
+
+@webhooks_app.command("delete")
+def webhooks_delete(endpoint_id: str = typer.Argument(..., help="The endpoint's id (we_...)."),
+                    db: str | None = DbOption) -> None:
+    """Delete an endpoint; its undelivered events are dropped."""
+    from minimill.control.webhooks import delete_any_endpoint
+
+    with _store(db) as store:
+        delete_any_endpoint(store, endpoint_id)
+    typer.echo(f"{endpoint_id} deleted")
+
+
+@contextlib.contextmanager
+def _store(db: str | None) -> Iterator[Store]:
+    """The store at `db`; its errors and domain errors end the command with a message."""
+    from minimill.control.errors import ControlError
+    from minimill.control.store import StoreError, open_store
+
+    try:
+        store = open_store(db)
+    except StoreError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    try:
+        yield store
+    except ControlError as exc:
+        raise SystemExit(f"error: {exc.message}") from None
+    finally:
+        store.close()
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _next_outage(status: SiteStatus) -> str:
+    from datetime import UTC, datetime
+
+    if not status.outages:
+        return "-"
+    first = min(status.outages, key=lambda o: o["start_at"])
+
+    def moment(t: float) -> str:
+        return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M")
+
+    return f"{moment(first['start_at'])} to {moment(first['end_at'])}"
+
+
+def _table(title: str, columns: tuple[str, ...], rows: Sequence[Sequence[str]],
+           left: tuple[str, ...]) -> None:
+    import sys
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, no_wrap=True, justify="left" if column in left else "right")
+    for row in rows:
+        table.add_row(*row)
+    # Piped output is not cut to 80 columns: every row stays on one line.
+    Console(width=None if sys.stdout.isatty() else 300).print(table)
+
+
+@outage_app.command("list")
+def outage_list(
+    site: str | None = typer.Argument(None, help="Only this site's outages."),
+    include_past: bool = typer.Option(False, "--all", help="Past outages too."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    db: str | None = DbOption,
+) -> None:
+    """List announced outages (those not over yet) with their ids."""
+    import time
+    from dataclasses import asdict
+
+    from minimill.control.sites import list_outages
+
+    with _store(db) as store:
+        records = list_outages(store, time.time(), site, include_past=include_past)
+    if json_out:
+        typer.echo(json.dumps([asdict(r) for r in records], indent=2))
+        return
+    if not records:
+        typer.echo("no outages announced" + (f" for {site}" if site else ""))
+    for r in records:
+        typer.echo(f"{r.id:>6}  {r.site}  {_moment(r.start_at)} to {_moment(r.end_at)} UTC")
+
+
+@outage_app.command("remove")
+def outage_remove(
+    outage_id: int = typer.Argument(..., help="The outage's id (see `sites outage list`)."),
+    db: str | None = DbOption,
+) -> None:
+    """Withdraw an announced outage: the site gets work for that time again."""
+    from minimill.control.sites import remove_outage
+
+    with _store(db) as store:
+        record = remove_outage(store, outage_id)
+    typer.echo(f"outage {record.id} of {record.site} ({_moment(record.start_at)} to "
+               f"{_moment(record.end_at)} UTC) removed")
+
+
+def _moment(t: float) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
 if __name__ == "__main__":

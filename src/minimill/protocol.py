@@ -1,15 +1,19 @@
 """Wire messages between a worker (fleet/) and the control plane (api/ serves, control/ decides).
 
 Workers pull: they ask for leases with their free capacity, heartbeat (extending leases and
-carrying checkpoints), and complete with the lease's fencing epoch. A site needs no inbound
-connectivity. All routes are under `/v1/fleet/` and authenticated with the site token as a
-Bearer key. Times are Unix seconds (float) from the control plane's clock.
+carrying checkpoints), and complete with the lease's fencing epoch. A lease a worker will not
+finish (it is stopping, or the heartbeat answer lists it in `handback` ahead of an announced
+outage of its site) is released with its last checkpoint: the request is queued again at once
+and resumes elsewhere from there. A site needs no inbound connectivity. All routes are under
+`/v1/fleet/` and authenticated with the site token as a Bearer key. Times are Unix seconds
+(float) from the control plane's clock.
 
 Checkpoints are incremental: a heartbeat carries, per choice, only what is new since the
 control plane's last accepted checkpoint (`CheckpointDelta`), with the lengths it extends. A
 delta whose base lengths differ from what the control plane holds (a lost answer, say) is not
 applied and the lease is listed in `resync`: the worker then sends its whole progress once as
-`checkpoint`. A lease's own checkpoint (what it resumes from) is the base of its first delta.
+`checkpoint`. A lease's own checkpoint (what it resumes from) is the base of its first delta; a
+release carries the whole progress.
 
 `complete` is idempotent: resending an accepted result (same request, epoch and site) answers
 `accepted` again. A lease revoked by expiry that nobody else took is still the current epoch:
@@ -79,8 +83,9 @@ class LeaseRequest(BaseModel):
     # Output tokens/s the worker measured recently; the control plane keeps it per site.
     tokens_per_s: float | None = None
     # The site's price and chip as its worker declares them (`minimill worker --price-per-hour
-    # --chip`); when given they replace what the site was registered with, so metering and
-    # placement use them. None: keep the registered values.
+    # --chip`); when given they replace what the site was registered with, so the site's cost
+    # (metering) and placement use them; never a tenant's bill. None: keep the registered
+    # values.
     price_per_hour: float | None = Field(default=None, ge=0, le=MAX_PRICE_PER_HOUR,
                                           allow_inf_nan=False)
     chip: str | None = Field(default=None, min_length=1, max_length=MAX_CHIP_CHARS,
@@ -102,6 +107,9 @@ class Lease(BaseModel):
     # Realtime streaming requests want fresh checkpoints often; others every checkpoint_interval_s.
     stream: bool = False
     checkpoint_interval_s: float = 2.0
+    # The conversation the request belongs to (a Responses chain's root id, or the client's
+    # prompt_cache_key): requests sharing it share a prompt prefix. None: no session.
+    session_key: str | None = None
 
 
 class LeaseResponse(BaseModel):
@@ -132,6 +140,31 @@ class HeartbeatResponse(BaseModel):
     revoked: list[str]
     # Extended leases whose delta did not extend the stored checkpoint: send `checkpoint`.
     resync: list[str] = Field(default_factory=list)
+    # Leases of this site to give back now, before an announced outage of the site: stop
+    # them, and release each with its checkpoint (POST /release). Any lease the site holds may
+    # be named, not only those of this heartbeat.
+    handback: list[str] = Field(default_factory=list)
+
+
+class ReleaseItem(BaseModel):
+    request_id: str
+    epoch: int
+    # Progress so far; None keeps the checkpoint the control plane has.
+    checkpoint: Checkpoint | None = None
+
+
+class ReleaseRequest(BaseModel):
+    """Leases the worker gives back unfinished; it has stopped generating for them."""
+
+    leases: list[ReleaseItem]
+
+
+class ReleaseResponse(BaseModel):
+    # Queued again with the sent checkpoint (or already queued after an expiry, nobody having
+    # leased them since: the checkpoint is kept all the same).
+    released: list[str]
+    # Not this site's at that epoch any more (finished, cancelled, taken over): nothing done.
+    rejected: list[str]
 
 
 class Usage(BaseModel):

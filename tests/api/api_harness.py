@@ -21,7 +21,7 @@ import pytest
 import uvicorn
 
 from minimill.api.app import Settings, create_app
-from minimill.control.keys import create_key
+from minimill.control.keys import create_key, create_operator_key
 from minimill.control.sites import create_site
 from minimill.control.store import Store, open_store
 
@@ -61,13 +61,15 @@ class ServerThread:
 
 @dataclass
 class ApiEnv:
-    """A running control plane plus credentials; `store` is the test's own handle on its DB."""
+    """A running control plane plus credentials (a tenant's key, an operator key, a site
+    token); `store` is the test's own handle on its DB."""
 
     backend: str
     db_url: str
     server: ServerThread
     store: Store
     key: str
+    operator_key: str
     site_token: str
 
     @property
@@ -88,7 +90,7 @@ def start_env(backend: str, db_url: str, **settings: Any) -> ApiEnv:
     server = ServerThread(Settings(db=db_url, **{**defaults, **settings}))
     store = open_store(db_url)
     return ApiEnv(backend=backend, db_url=db_url, server=server, store=store,
-                  key=create_key(store, "tenant-a"),
+                  key=create_key(store, "tenant-a"), operator_key=create_operator_key(store),
                   site_token=create_site(store, f"site-{uuid.uuid4().hex[:6]}", 0.36, "cpu"))
 
 
@@ -124,8 +126,12 @@ class EchoSite:
     token: str
     capacity: int = 64
     tokens_per_s: float = 100.0
+    # The price per hour it declares with each lease call (None: declares none).
+    price_per_hour: float | None = None
     # Seconds between streamed tokens (streaming leases checkpoint after every token).
     token_delay_s: float = 0.02
+    # Seconds each other lease takes to serve (time the site holds it before completing).
+    serve_delay_s: float = 0.0
     # Stop leasing after this many leases (None: no limit).
     max_leases: int | None = None
     # Stream checkpoints as whole progress (what older workers send) rather than deltas.
@@ -134,6 +140,8 @@ class EchoSite:
     # answer): the control plane asks for a resync and the site sends its whole progress.
     stale_base_at: int | None = None
     resyncs: list[str] = field(default_factory=list)
+    # Seconds a batch of leases is held before it is completed (as generating would take).
+    hold_s: float = 0.0
     completed: list[str] = field(default_factory=list)
     rejected: list[dict[str, Any]] = field(default_factory=list)
     leases_seen: list[dict[str, Any]] = field(default_factory=list)
@@ -167,8 +175,10 @@ class EchoSite:
                 if room <= 0:
                     return
             try:
-                leases = self._post("/lease", {"capacity": room, "models": [MODEL],
-                                               "tokens_per_s": self.tokens_per_s})["leases"]
+                ask = {"capacity": room, "models": [MODEL], "tokens_per_s": self.tokens_per_s}
+                if self.price_per_hour is not None:
+                    ask["price_per_hour"] = self.price_per_hour
+                leases = self._post("/lease", ask)["leases"]
             except httpx.HTTPError:
                 time.sleep(0.1)  # the server is restarting or gone
                 continue
@@ -177,6 +187,8 @@ class EchoSite:
                 continue
             self.leases_seen.extend(leases)
             results = [self._serve(lease) for lease in leases]
+            if self.hold_s:
+                self._stop.wait(self.hold_s)
             try:
                 answer = self._post("/complete", {"results": results})
             except httpx.HTTPError:
@@ -238,6 +250,8 @@ class EchoSite:
                 full = self.full_checkpoints or lease["request_id"] in answer["resync"]
                 self.resyncs.extend(answer["resync"])
                 time.sleep(self.token_delay_s)
+        else:
+            time.sleep(self.serve_delay_s)
         # A resumed lease continues its checkpoint: the echo text is the same from any point.
         assert all(r.get("text", "") == "".join(tokens)[:len(r.get("text", ""))]
                    for r in resumed.values())

@@ -108,7 +108,8 @@ def test_batch_of_250_lines_with_bad_lines(client: OpenAI, site: EchoSite) -> No
     first = out[0]["response"]
     assert first["status_code"] == 200
     assert first["body"]["choices"][0]["message"]["content"] == "echo item 0"
-    assert first["body"]["usage"]["cost_usd"] == pytest.approx(3e-6 * 0.5)
+    # The built-in price (0.10 $/Mtok in, 0.40 out) at the background discount.
+    assert first["body"]["usage"]["cost_usd"] == pytest.approx((5 * 0.10 + 3 * 0.40) / 1e6 * 0.5)
     codes = {e["custom_id"]: e["error"]["code"] for e in err}
     assert codes == {None: "invalid_json", "req-3": "duplicate_custom_id",
                      "bad-model": "model_not_found", "bad-temp": "invalid_request",
@@ -116,7 +117,8 @@ def test_batch_of_250_lines_with_bad_lines(client: OpenAI, site: EchoSite) -> No
     assert {e["error"]["line"] for e in err} == set(range(101, 107))
     assert done.usage is not None and done.usage.output_tokens == 750
     assert done.usage.model_extra is not None
-    assert done.usage.model_extra["cost_usd"] == pytest.approx(750 * 5e-7)
+    assert done.usage.model_extra["cost_usd"] == pytest.approx(
+        (250 * 5 * 0.10 + 750 * 0.40) / 1e6 * 0.5)
 
 
 def test_unusable_files_fail_at_validation(client: OpenAI) -> None:

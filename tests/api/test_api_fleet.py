@@ -13,7 +13,8 @@ import httpx
 from api_harness import MODEL, ApiEnv, wait_for
 from openai import OpenAI
 
-from minimill.control.sites import create_site, list_sites
+from minimill.control.site_view import list_sites
+from minimill.control.sites import create_site
 
 SERVER_SETTINGS = {"lease_ttl_s": 1.0, "janitor_interval_s": 0.1}
 
@@ -93,7 +94,8 @@ def test_expired_lease_requeues_with_checkpoint_and_fences_the_zombie(
         assert second["checkpoint"]["choices"][0]["text"] == "echo"
         late_beat = zombie.post("/heartbeat", json={"leases": [
             {"request_id": first["request_id"], "epoch": first["epoch"]}]}).json()
-        assert late_beat == {"extended": {}, "revoked": [first["request_id"]], "resync": []}
+        assert late_beat == {"extended": {}, "revoked": [first["request_id"]], "resync": [],
+                             "handback": []}
         stale = zombie.post("/complete", json=done(first["request_id"], first["epoch"],
                                                    "zombie")).json()
         assert stale["rejected"] == [{"request_id": first["request_id"],
@@ -179,14 +181,72 @@ def test_sites_as_json_and_self_announced_outages(env: ApiEnv, client: OpenAI) -
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "end"
         assert dark.post("/lease", json={"capacity": 4, "models": [MODEL]}).json()[
             "leases"] == []
-    listed = httpx.get(env.v1 + "/sites", headers={"Authorization": f"Bearer {env.key}"})
+    listed = httpx.get(env.v1 + "/sites",
+                       headers={"Authorization": f"Bearer {env.operator_key}"})
     assert listed.status_code == 200
     mine = {s["name"]: s for s in listed.json()["data"]}[name]
     assert mine["status"] == "outage" and mine["price_per_hour"] == 0.72
     assert mine["outages"] == [{"start_at": now - 1, "end_at": now + 600}]
-    assert httpx.get(env.v1 + "/sites").status_code == 401
+    assert httpx.get(env.v1 + "/sites").status_code == 404
     _, other = new_site(env)
     with fleet(env, other) as lit:
         got = lease_one(lit)
         lit.post("/complete", json=done(got["request_id"], got["epoch"], "elsewhere"))
+    assert wait_for(lambda: client.batches.retrieve(batch_id).status == "completed")
+
+
+def test_a_site_lists_and_withdraws_its_outages(env: ApiEnv) -> None:
+    _, token = new_site(env)
+    _, other_token = new_site(env)
+    now = time.time()
+    with fleet(env, token) as mine, fleet(env, other_token) as other:
+        made = mine.post("/outages", json={"start_at": now + 3600, "end_at": now + 7200})
+        assert made.status_code == 200
+        outage_id = made.json()["id"]
+        past = mine.post("/outages", json={"start_at": now - 600, "end_at": now - 60}).json()
+        listed = mine.get("/outages").json()
+        assert listed["object"] == "list"
+        assert [o["id"] for o in listed["data"]] == [outage_id]
+        assert listed["data"][0]["object"] == "outage"
+        every = mine.get("/outages", params={"include_past": "true"}).json()["data"]
+        assert [o["id"] for o in every] == [past["id"], outage_id]
+        assert other.get("/outages").json()["data"] == []
+        # Another site's outage, an unknown one, a malformed id: OpenAI-style errors.
+        foreign = other.delete(f"/outages/{outage_id}")
+        assert foreign.status_code == 404 and foreign.json()["error"]["param"] == "outage_id"
+        assert mine.delete("/outages/999999999").status_code == 404
+        assert mine.delete(f"/outages/{2**70}").status_code in (400, 404)
+        assert mine.delete("/outages/soon").status_code == 400
+        gone = mine.delete(f"/outages/{outage_id}")
+        assert gone.status_code == 200 and gone.json() == {
+            "id": outage_id, "object": "outage.deleted", "deleted": True}
+        assert mine.get("/outages").json()["data"] == []
+        assert mine.delete(f"/outages/{outage_id}").status_code == 404
+    assert httpx.get(env.base_url + "/v1/fleet/outages").status_code == 401
+
+
+def test_a_released_lease_goes_to_the_next_site_with_its_checkpoint(env: ApiEnv,
+                                                                     client: OpenAI) -> None:
+    _, first_token = new_site(env)
+    _, second_token = new_site(env)
+    batch_id = one_line_batch(client, "hand me over")
+    checkpoint = {"num_prompt_tokens": 4, "choices": [
+        {"index": 0, "token_ids": [7, 8, 9], "text": "so far"}]}
+    with fleet(env, first_token) as first, fleet(env, second_token) as second:
+        held = lease_one(first)
+        released = first.post("/release", json={"leases": [
+            {"request_id": held["request_id"], "epoch": held["epoch"],
+             "checkpoint": checkpoint}]})
+        assert released.status_code == 200
+        assert released.json() == {"released": [held["request_id"]], "rejected": []}
+        again = lease_one(second)  # at once: no expiry to wait for
+        assert again["request_id"] == held["request_id"]
+        assert again["epoch"] == held["epoch"] + 1
+        assert again["checkpoint"]["choices"][0]["token_ids"] == [7, 8, 9]
+        stale = first.post("/release", json={"leases": [
+            {"request_id": held["request_id"], "epoch": held["epoch"]}]})
+        assert stale.json() == {"released": [], "rejected": [held["request_id"]]}
+        bad = first.post("/release", json={"leases": [{"request_id": 5}]})
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+        second.post("/complete", json=done(again["request_id"], again["epoch"], "so far, done"))
     assert wait_for(lambda: client.batches.retrieve(batch_id).status == "completed")

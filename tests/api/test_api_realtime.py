@@ -27,9 +27,9 @@ def test_chat_completion_non_stream(client: OpenAI, site: EchoSite) -> None:
     assert r.choices[0].finish_reason == "stop"
     assert r.usage is not None
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 4, 9)
-    # 0.36 $/hour at 100 tokens/s: 1e-6 $ per output token, realtime at full price.
+    # The built-in price (no price list set): 0.10 $/Mtok in, 0.40 out; realtime at full price.
     assert r.usage.model_extra is not None
-    assert r.usage.model_extra["cost_usd"] == pytest.approx(4e-6)
+    assert r.usage.model_extra["cost_usd"] == pytest.approx((5 * 0.10 + 4 * 0.40) / 1e6)
     assert r.service_tier == "default"
 
 
@@ -51,7 +51,7 @@ def test_flex_tier_is_background_and_cheaper(client: OpenAI, site: EchoSite) -> 
         model=MODEL, messages=[{"role": "user", "content": "a b c"}], service_tier="flex")
     assert r.service_tier == "flex"
     assert r.usage is not None and r.usage.model_extra is not None
-    assert r.usage.model_extra["cost_usd"] == pytest.approx(4 * 1e-6 * 0.5)
+    assert r.usage.model_extra["cost_usd"] == pytest.approx((5 * 0.10 + 4 * 0.40) / 1e6 * 0.5)
 
 
 def test_chat_stream_deltas_and_usage(client: OpenAI, site: EchoSite) -> None:

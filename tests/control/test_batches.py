@@ -41,7 +41,7 @@ def test_ingest_finalize_output_and_error_files(store: Store) -> None:
     assert done.status == BatchStatus.COMPLETED and done.completed_at is not None
     assert (done.counts.completed, done.counts.failed) == (2, 2)
     assert done.usage.completion_tokens == 4
-    assert done.usage.cost_usd == pytest.approx(4 * 1e-6 * 0.5)
+    assert done.usage.billed_usd == pytest.approx((6 * 0.10 + 4 * 0.40) / 1e6 * 0.5)
     out = lines_of(store, owner.id, done.output_file_id)
     err = lines_of(store, owner.id, done.error_file_id)
     assert [(o["custom_id"], o["response"]["body"]["choices"][0]["message"]["content"])

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from sqlalchemy import select
 
 from minimill.control.leases import complete, lease
-from minimill.control.sites import list_sites
+from minimill.control.site_view import list_sites
 from minimill.control.store import Store
 from minimill.control.tables import requests
 from minimill.protocol import LeaseRequest
@@ -32,14 +32,18 @@ def test_a_declared_price_and_chip_replace_the_registered_ones(store: Store) -> 
     # 0.72 $/hour at 100 tokens/s: 2 $ per million output tokens (0.36 would be 1 $).
     assert (status.price_per_hour, status.chip) == (0.72, "h200")
     assert status.usd_per_mtok == pytest.approx(2.0)
-    # Metering reads the price from the site row: the completion is charged at 0.72 $/hour.
+    # The declared price is what the site costs, never what the tenant pays: the bill is the
+    # price list's (here the built-in price, 0.10 $/Mtok in and 0.40 out, at the discount).
     accepted = complete(store, mill, success(got.request_id, got.epoch, tokens=4), T0 + 1,
                         CONFIG).accepted
     assert accepted == [got.request_id]
     with store.read() as conn:
-        cost = conn.execute(select(requests.c.cost_usd)
-                            .where(requests.c.id == got.request_id)).scalar()
-    assert cost == pytest.approx(4 * 2e-6 * CONFIG.background_price_factor)
+        billed = conn.execute(select(requests.c.billed_usd)
+                              .where(requests.c.id == got.request_id)).scalar()
+    assert billed == pytest.approx((3 * 0.10 + 4 * 0.40) / 1e6 * CONFIG.background_price_factor)
+    # The second it held the request cost 0.72 $/hour.
+    (status,) = list_sites(store, T0 + 1)
+    assert status.cost_usd == pytest.approx(0.72 / 3600)
     # A lease call that declares nothing (an older worker) keeps what was declared last.
     lease(store, mill, ask(), T0 + 2, CONFIG)
     (status,) = list_sites(store, T0 + 2)

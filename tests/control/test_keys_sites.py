@@ -14,11 +14,11 @@ from sqlalchemy import select
 from minimill.control.errors import ConflictError, InvalidRequestError, NotFoundError
 from minimill.control.keys import authenticate, create_key, ensure_tenant
 from minimill.control.leases import lease
+from minimill.control.site_view import list_sites
 from minimill.control.sites import (
     add_outage,
     authenticate_site,
     create_site,
-    list_sites,
     parse_time,
     touch_site,
 )
@@ -132,3 +132,30 @@ def test_cli_keys_and_sites_commands(store_url: str, store: Store, tmp_path: Pat
     assert row["outages"][0]["end_at"] - row["outages"][0]["start_at"] == 6 * 3600
     table = minimill("sites", "list", "--db", store_url)
     assert table.returncode == 0 and "mill-a" in table.stdout and "mi300" in table.stdout
+
+
+def test_cli_outage_list_and_remove(store_url: str, store: Store) -> None:
+    for name in ("mill-a", "mill-b"):
+        assert minimill("sites", "create", name, "--db", store_url).returncode == 0
+    added = [minimill("sites", "outage", "add", site, "--from", start, "--to", end,
+                      "--db", store_url)
+             for site, start, end in (("mill-a", "2030-01-01T00:00:00Z", "2030-01-01T06:00Z"),
+                                      ("mill-b", "2030-02-01T00:00:00Z", "2030-02-02T00:00Z"),
+                                      ("mill-a", "2001-01-01T00:00:00Z", "2001-01-02T00:00Z"))]
+    assert all(a.returncode == 0 for a in added), [a.stderr for a in added]
+    ids = [int(a.stdout.split()[1]) for a in added]  # "outage ID of SITE ..."
+    listed = json.loads(minimill("sites", "outage", "list", "--json", "--db", store_url).stdout)
+    assert [(o["id"], o["site"]) for o in listed] == [(ids[0], "mill-a"), (ids[1], "mill-b")]
+    only_a = json.loads(minimill("sites", "outage", "list", "mill-a", "--all", "--json",
+                                 "--db", store_url).stdout)
+    assert [o["id"] for o in only_a] == [ids[2], ids[0]]  # past ones too, by start
+    table = minimill("sites", "outage", "list", "--db", store_url)
+    assert table.returncode == 0 and "2030-01-01 00:00:00 to 2030-01-01 06:00:00" in table.stdout
+    removed = minimill("sites", "outage", "remove", str(ids[0]), "--db", store_url)
+    assert removed.returncode == 0 and "removed" in removed.stdout
+    left = json.loads(minimill("sites", "outage", "list", "--json", "--db", store_url).stdout)
+    assert [o["id"] for o in left] == [ids[1]]
+    for bad in (minimill("sites", "outage", "remove", str(ids[0]), "--db", store_url),
+                minimill("sites", "outage", "list", "nowhere", "--db", store_url)):
+        assert bad.returncode != 0 and "error:" in bad.stderr
+        assert "Traceback" not in bad.stderr

@@ -6,6 +6,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from control_factory import CONFIG, MODEL, ask, batch, chat_line, site, success, tenant
 from sqlalchemy import select
 
@@ -13,7 +14,7 @@ from minimill.control.bodies import ChatBody, prepare_body
 from minimill.control.leases import complete, heartbeat, lease, reap_expired
 from minimill.control.records import Kind, RequestStatus
 from minimill.control.requests import cancel_request, checkpoint_of, get_request, submit
-from minimill.control.sites import list_sites
+from minimill.control.site_view import list_sites
 from minimill.control.store import Store, open_store
 from minimill.control.tables import requests
 from minimill.protocol import (
@@ -97,7 +98,8 @@ def test_completion_is_accepted_once_at_the_current_epoch(store: Store) -> None:
     assert done.status == RequestStatus.SUCCEEDED
     assert done.result is not None and done.result["choices"][0]["text"] == "first"
     assert (done.prompt_tokens, done.completion_tokens) == (3, 4)
-    assert done.cost_usd == 4e-6  # 0.36 $/h at 100 tokens/s, realtime: 1e-6 $/token
+    # The built-in price (0.10 $/Mtok in, 0.40 out), realtime: the site's price plays no part.
+    assert done.billed_usd == pytest.approx((3 * 0.10 + 4 * 0.40) / 1e6)
     (stats,) = list_sites(store, now)
     assert (stats.completions, stats.stale_completions, stats.wasted_tokens) == (1, 1, 2)
     assert stats.tokens_generated == 4

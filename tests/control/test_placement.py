@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from minimill.control import site_health
+from minimill.control import ranking, site_health
 from minimill.control.placement import (
     DEFAULT_POLICY,
     Backlog,
@@ -119,7 +119,57 @@ def test_a_cheap_site_that_went_quiet_or_dark_reserves_nothing() -> None:
 
 def test_nearly_equal_sites_share_the_queue() -> None:
     a, b = peer("a", price=0.10), peer("b", price=0.104)  # 4% apart: within the tolerance
-    assert ask_as(b, *work(3), others=(a,)) == ["b0", "b1", "b2"]
+    # Equal room (10 free each): the first to ask takes half (rounded up), not all three.
+    assert ask_as(b, *work(3), others=(a,)) == ["b0", "b1"]
+    # A full peer leaves it everything; a peer gone quiet reserves nothing.
+    assert ask_as(b, *work(3), others=(replace(a, free_capacity=0),)) == ["b0", "b1", "b2"]
+    assert ask_as(b, *work(3), others=(replace(a, capacity_at=NOW - 60),)) == \
+        ["b0", "b1", "b2"]
+
+
+def test_equal_sites_with_room_split_background_work_in_turn() -> None:
+    """Three equal sites, 256 free slots each, ask one after the other for a queue of 256:
+    each ends with about a third, whoever asks first."""
+    queue = work(256)
+    held: dict[str, int] = {name: 0 for name in ("a", "b", "c")}
+    left = list(queue)
+    for name in ("a", "b", "c", "a", "b", "c"):
+        me = replace(peer(name, free=256 - held[name]), in_flight=held[name])
+        others = tuple(replace(peer(o, free=256 - held[o]), in_flight=held[o])
+                       for o in held if o != name)
+        picked = ask_as(me, *left, others=others, capacity=256 - held[name])
+        held[name] += len(picked)
+        left = [c for c in left if c.request_id not in picked]
+    assert left == [] and sum(held.values()) == 256
+    assert max(held.values()) - min(held.values()) <= 2, held
+
+
+def test_fair_share_counts_what_each_already_holds_and_its_room() -> None:
+    # b already holds 6 of its 10 slots; a holds none: of 6 new requests a takes enough to
+    # even out the load (6 + 6 = 12 over 20 slots: 6 each), leaving b nothing.
+    a = replace(peer("a", free=10), in_flight=0)
+    b = replace(peer("b", free=4), in_flight=6)
+    assert ask_as(a, *work(6), others=(b,)) == [f"b{i}" for i in range(6)]
+    assert ask_as(replace(b, free_capacity=4), *work(6), others=(replace(a, free_capacity=10),),
+                  capacity=4) == []
+    # Twice the room, twice the share.
+    big = peer("big", free=20)
+    assert len(ask_as(big, *work(9), others=(peer("small", free=10),), capacity=20)) == 6
+
+
+def test_work_no_equal_can_take_is_taken_anyway() -> None:
+    # The equal peer serves another model, or drains for an outage the long requests would
+    # not finish before: the asking site takes them all.
+    queue = work(4, tokens=100)
+    other_model = peer("other", models=frozenset({"x"}))
+    draining = peer("draining", outages=(Outage(NOW + 20, NOW + 600),))
+    for other in (other_model, draining):
+        assert ask_as(peer("me"), *queue, others=(other,)) == [c.request_id for c in queue]
+
+
+def test_realtime_is_not_split_among_equals() -> None:
+    calls = work(4, Tier.REALTIME)
+    assert ask_as(peer("a"), *calls, others=(peer("b"),)) == [c.request_id for c in calls]
 
 
 def test_expected_loss_makes_a_nominally_cheap_site_dear() -> None:
@@ -216,4 +266,33 @@ def test_reserved_slots_count_only_peers_that_go_first() -> None:
     snapshot = Snapshot(site=me, capacity=4, models=frozenset({"m"}), candidates=(),
                         sites=(me, *others))
     assert reserved_slots(snapshot, NOW) == 12
+    # An equal peer's free slots count too: the asking site must see the work it shares.
+    equal = peer("equal", free=9)
+    assert reserved_slots(replace(snapshot, sites=(me, *others, equal)), NOW) == 21
     assert not needs_backlog(replace(snapshot, sites=(me, others[2])), NOW)
+
+
+def test_same_chip_sites_are_not_told_apart_by_the_load_they_were_given() -> None:
+    # Two machines alike: the one that got more work measured 2.6x the other's rate. Taken
+    # at face value it would look cheaper and take the whole queue next time; as the same
+    # hardware they share it. A site that loses work gets less of it (in proportion to what
+    # it keeps), not none; another chip name (or price) is still told apart by its rate.
+    busy = replace(peer("busy", tps=442.0, free=200), chip="cpu")
+    light = replace(peer("light", tps=167.0, free=200), chip="cpu")
+    queue = work(96)
+    assert len(ask_as(busy, *queue, others=(light,), capacity=200)) == 48
+    assert len(ask_as(light, *queue, others=(busy,), capacity=200)) == 48
+    assert not ranking.faster(busy, light, NOW, DEFAULT_POLICY)
+    flaky = replace(light, leases_granted=80, leases_expired=50)  # keeps half its work
+    assert len(ask_as(flaky, *queue, others=(busy,), capacity=200)) == 32
+    assert len(ask_as(busy, *queue, others=(flaky,), capacity=200)) == 64
+    assert ranking.faster(busy, flaky, NOW, DEFAULT_POLICY)  # realtime: reliable first
+    restarting = replace(busy, tokens_per_s=6.8)  # measured mostly prefills
+    assert len(ask_as(light, *queue, others=(restarting,), capacity=200)) == 48
+    other_chip = replace(busy, chip="mi300")
+    assert ask_as(light, *queue, others=(other_chip,), capacity=200) == []
+    assert ranking.faster(other_chip, light, NOW, DEFAULT_POLICY)
+    dearer = replace(busy, price_per_hour=0.2)
+    assert not ranking.same_kind(dearer, light, DEFAULT_POLICY)
+    assert not ranking.same_kind(replace(busy, chip=None), replace(light, chip=None),
+                                 DEFAULT_POLICY)

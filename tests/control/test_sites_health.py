@@ -13,8 +13,8 @@ from control_factory import CONFIG, MODEL, ask, batch, chat_line, site, success,
 from sqlalchemy import select
 
 from minimill.control.leases import complete, heartbeat, lease, reap_expired
-from minimill.control.site_view import site_states
-from minimill.control.sites import add_outage, list_sites, touch_site
+from minimill.control.site_view import list_sites, site_states
+from minimill.control.sites import add_outage, touch_site
 from minimill.control.store import Store
 from minimill.control.tables import sites
 from minimill.protocol import HeartbeatItem, HeartbeatRequest, LeaseRequest

@@ -1,7 +1,8 @@
 """Real `minimill serve` / `minimill worker` processes for end-to-end and fleet tests.
 
 Each process runs in its own session (process group), so a test can kill -9 a whole serve:
-the control plane and its local worker together, as a power cut would.
+the control plane and its local worker together, as a power cut would. The test process owns
+them (minimill.lifetime): a test run that is killed leaves none of them behind.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import IO, Any
 
 import httpx
 from openai import OpenAI
+
+from minimill.lifetime import owned_env
 
 MODEL = "smollm2-135m"
 # Short leases and frequent checkpoints keep failure tests quick.
@@ -61,7 +64,7 @@ class Proc:
 
     def start(self) -> None:
         self._log = self.log_path.open("ab")
-        self.popen = subprocess.Popen(self.args, env=self.env, stdout=self._log,
+        self.popen = subprocess.Popen(self.args, env=owned_env(self.env), stdout=self._log,
                                       stderr=subprocess.STDOUT, start_new_session=True)
 
     @property

@@ -4,6 +4,8 @@ custom_id after the crash point is still caught). SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections import Counter
 from pathlib import Path
@@ -18,6 +20,28 @@ from minimill.control.tables import requests
 pytestmark = pytest.mark.slow
 NUM_LINES = 20_000
 INGEST_ENV = {"MINIMILL_INGEST_GROUP_LINES": "100", "MINIMILL_INGEST_CLAIM_TTL_S": "2"}
+
+
+def batch_job_processes(parent: int) -> list[int]:
+    """The children of `parent` that run batch jobs (anyio's worker processes)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and b"anyio.to_process" in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie waiting for its reaper does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres",
@@ -45,6 +69,15 @@ def test_kill9_mid_ingest_resumes_without_duplicates(
         assert before.status == "validating"  # caught in the middle of the ingest
         assert before.request_counts is not None
         assert 0 < before.request_counts.total < NUM_LINES
+        # The ingest runs in a process of the control plane's own; kill -9 of the control
+        # plane alone takes it along (it must not go on ingesting beside the next one).
+        jobs = batch_job_processes(first.pid)
+        assert jobs, "no batch-jobs process under the control plane"
+        os.kill(first.pid, signal.SIGKILL)
+        deadline = time.time() + 10
+        while any(alive(pid) for pid in jobs) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not any(alive(pid) for pid in jobs), "the batch-jobs process outlived its parent"
     finally:
         first.kill9()
 

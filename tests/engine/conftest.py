@@ -26,6 +26,13 @@ def llm(smol_f32: LoadedModel) -> LLM:
 
 
 @pytest.fixture(scope="session")
+def llm_bf16(model_file: Path) -> LLM:
+    """A bfloat16 engine (the dtype most CPUs and GPUs serve in)."""
+    return LLM(load_model(str(model_file), torch.bfloat16), dtype="bfloat16",
+               num_kv_blocks=1024, max_model_len=2048)
+
+
+@pytest.fixture(scope="session")
 def hf_model(smol_f32: LoadedModel) -> Any:
     from minimill.bench.hf_baseline import build_hf_model
 

@@ -52,11 +52,37 @@ def test_bench_engine_prints_figures_and_their_yardsticks(minimill_home: Path,
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["requests"] == 2 and report["output_tokens"] == 48  # ignore_eos
-    for key in ("output_tok_s", "sol_tok_s", "hf_output_tok_s", "peak_rss_mb",
-                "matmul_gflop_s"):
+    for key in ("output_tok_s", "sol_tok_s", "hf_output_tok_s", "peak_rss_mb", "hf_batch_size"):
         assert report[key] > 0, key
+    # What ran, on what: the dtype auto chose and why, the CPU and its relevant flags.
+    assert report["dtype"] in ("bfloat16", "float32") and report["dtype_reason"]
+    assert report["cpu"]["model"] and isinstance(report["cpu"]["flags"], list)
+    assert report["kernels"] in ("native-cpu", "torch")
+    # An honest yardstick: the engine cannot beat its own machine's speed of light.
+    assert 0 < report["sol_fraction"] <= 1.0 and "sol_fraction_bug" not in report
     assert report["sol_fraction"] == pytest.approx(
         report["output_tok_s"] / report["sol_tok_s"], rel=0.01)
+    assert report["sol_detail"]["memory_gb_s"] > 0
     assert report["hf_speedup"] == pytest.approx(
         report["output_tok_s"] / report["hf_output_tok_s"], rel=0.01)
     assert isinstance(report["meets_targets"], bool)
+
+
+def test_bench_engine_measures_a_shape_with_random_weights(minimill_home: Path, workload: Path,
+                                                           tmp_path: Path) -> None:
+    config = tmp_path / "tiny" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps({
+        "model_type": "qwen2", "vocab_size": 49152, "hidden_size": 128,
+        "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 1024}))
+    result = run_cli(["bench", "engine", "--workload", str(workload), "--json", "--limit", "3",
+                      "--config", str(config), "--random-weights"], minimill_home)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["model"] == "tiny" and report["random_weights"] is True
+    assert report["output_tokens"] == 72 and "hf_output_tok_s" not in report
+    refused = run_cli(["bench", "engine", "--workload", str(workload), "--shape", "llama3-8b"],
+                      minimill_home)
+    assert refused.returncode == 1 and "--random-weights" in refused.stderr
+    assert "Traceback" not in refused.stderr

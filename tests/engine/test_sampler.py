@@ -1,15 +1,42 @@
-"""Sampling depends only on (seed, output position, logits), and honours its filters."""
+"""Sampling depends only on (seed, output position, logits), and honours its filters; the
+compiled CPU kernel picks exactly what the PyTorch reference picks."""
 
 from __future__ import annotations
 
 import math
+import random
+from collections.abc import Callable
+from typing import Any
 
+import pytest
 import torch
 
-from minimill.engine.params import SamplingParams
-from minimill.engine.sampler import argmax, sample, uniform_for
+from minimill.engine.kernels import CpuKernels, TorchKernels
+from minimill.engine.native import load_cpu_kernels
+from minimill.engine.params import InvalidRequestError, SamplingParams
+from minimill.engine.sampler import adjustments_for, uniform_for
+from minimill.engine.sampler import sample as sample_with
 
 VOCAB = 50
+Sample = Callable[..., tuple[list[int], list[Any]]]
+
+
+def native_kernels() -> CpuKernels:
+    state = load_cpu_kernels()
+    assert state.available, state.reason
+    return CpuKernels()
+
+
+@pytest.fixture(params=["torch", "native"])
+def sample(request: pytest.FixtureRequest) -> Sample:
+    kernels = TorchKernels() if request.param == "torch" else native_kernels()
+
+    def run(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+            indices: list[int], counts: list[dict[int, int] | None] | None = None
+            ) -> tuple[list[int], list[Any]]:
+        return sample_with(logits, params, seeds, indices, kernels, counts)
+
+    return run
 
 
 def logits_for(seed: int, rows: int = 1) -> torch.Tensor:
@@ -25,7 +52,7 @@ def test_uniform_is_a_pure_function_in_unit_interval() -> None:
     assert abs(sum(values) / len(values) - 0.5) < 0.05
 
 
-def test_token_depends_only_on_seed_position_and_logits() -> None:
+def test_token_depends_only_on_seed_position_and_logits(sample: Sample) -> None:
     params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=8)
     row = logits_for(0)
     alone = [sample(row, [params], [7], [i])[0][0] for i in range(30)]
@@ -42,7 +69,7 @@ def test_token_depends_only_on_seed_position_and_logits() -> None:
     assert other_seed != alone
 
 
-def test_greedy_picks_argmax_and_ignores_seed() -> None:
+def test_greedy_picks_argmax_and_ignores_seed(sample: Sample) -> None:
     rows = logits_for(3, 4)
     tokens, _ = sample(rows, [SamplingParams(temperature=0.0)] * 4, [1, 2, 3, 4], [0, 1, 2, 3])
     assert tokens == rows.argmax(-1).tolist()
@@ -50,7 +77,7 @@ def test_greedy_picks_argmax_and_ignores_seed() -> None:
     assert top_k_one == tokens
 
 
-def test_top_k_and_top_p_never_leave_their_set() -> None:
+def test_top_k_and_top_p_never_leave_their_set(sample: Sample) -> None:
     row = logits_for(4)
     order = row[0].argsort(descending=True).tolist()
     probs = torch.softmax(row[0].double(), -1)
@@ -67,7 +94,7 @@ def test_top_k_and_top_p_never_leave_their_set() -> None:
         assert tp in nucleus
 
 
-def test_frequencies_follow_the_distribution() -> None:
+def test_frequencies_follow_the_distribution(sample: Sample) -> None:
     row = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     n = 4000
     counts = [0] * 4
@@ -78,14 +105,14 @@ def test_frequencies_follow_the_distribution() -> None:
         assert abs(counts[token] / n - p) < 5 * sd
 
 
-def test_temperature_sharpens() -> None:
+def test_temperature_sharpens(sample: Sample) -> None:
     row = torch.log(torch.tensor([[0.6, 0.4]]))
     cold = sum(sample(row, [SamplingParams(temperature=0.1)], [2], [i])[0][0] == 0
                for i in range(500))
     assert cold > 480  # p(token 0) = 1 / (1 + (0.4 / 0.6) ** 10) = 0.983
 
 
-def test_logprobs_are_the_model_distribution() -> None:
+def test_logprobs_are_the_model_distribution(sample: Sample) -> None:
     rows = logits_for(6, 2)
     params = [SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3),
               SamplingParams(temperature=0.0)]
@@ -100,13 +127,81 @@ def test_logprobs_are_the_model_distribution() -> None:
     assert top[0][0] == tokens[0]
 
 
-def test_fast_argmax_is_torch_argmax_including_ties() -> None:
+def test_greedy_is_torch_argmax_including_ties(sample: Sample) -> None:
     g = torch.Generator().manual_seed(0)
     for vocab in (49152, 50001, 5000):
         for dtype in (torch.float32, torch.bfloat16):
             rows = torch.randn(6, vocab, generator=g).to(dtype)
             rows[1, 17] = rows[1, 4000] = rows[1, vocab - 1] = 100.0  # ties: first wins
-            rows[2, vocab - 1] = 100.0  # the max in the ragged last chunk
+            rows[2, vocab - 1] = 100.0  # the max in the ragged tail
             rows[3, 0] = 100.0
-            assert argmax(rows).tolist() == rows.argmax(-1).tolist()
-            assert argmax(rows)[1] == 17
+            tokens, _ = sample(rows, [SamplingParams(temperature=0.0)] * 6, [0] * 6, [0] * 6)
+            assert tokens == rows.argmax(-1).tolist()
+            assert tokens[1] == 17
+
+
+def test_penalties_and_logit_bias_do_what_openai_documents(sample: Sample) -> None:
+    row = torch.zeros(1, VOCAB)
+    row[0, 3] = 5.0
+    row[0, 4] = 4.0
+    greedy = SamplingParams(temperature=0.0)
+    assert sample(row, [greedy], [0], [0])[0] == [3]
+    # Token 3 already appeared twice: 5 - 2 * 0.8 = 3.4 < 4.
+    params = SamplingParams(temperature=0.0, frequency_penalty=0.8)
+    assert sample(row, [params], [0], [2], [{3: 2}])[0] == [4]
+    # Presence counts once however often: 5 - 0.9 = 4.1 > 4.
+    params = SamplingParams(temperature=0.0, presence_penalty=0.9)
+    assert sample(row, [params], [0], [2], [{3: 5}])[0] == [3]
+    # logit_bias: -100 bans a token, +100 forces one.
+    assert sample(row, [SamplingParams(temperature=0.0, logit_bias=((3, -100.0),))],
+                  [0], [0])[0] == [4]
+    forced = SamplingParams(temperature=1.0, logit_bias=((7, 100.0),))
+    assert {sample(row, [forced], [1], [i])[0][0] for i in range(50)} == {7}
+    # Penalties lower logits before sampling: a token repeated often is rarely drawn.
+    flat = torch.zeros(1, 4)
+    params = SamplingParams(temperature=1.0, frequency_penalty=2.0)
+    draws = [sample(flat, [params], [3], [i], [{0: 3}])[0][0] for i in range(400)]
+    assert draws.count(0) < 10  # weight e^-6 against 1 + 1 + 1
+
+
+def test_adjustments_combine_bias_and_penalties() -> None:
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25,
+                            logit_bias=((1, 2.0), (9, -1.0)))
+    assert adjustments_for(params, {1: 2, 4: 1}) == [(1, 2.0 - 1.0 - 0.25), (4, -0.75),
+                                                    (9, -1.0)]
+    assert adjustments_for(SamplingParams(), {1: 3}) == []
+
+
+def test_out_of_range_parameters_are_rejected() -> None:
+    for bad in ({"frequency_penalty": 2.5}, {"presence_penalty": -3.0},
+                {"logit_bias": ((5, 101.0),)}, {"logit_bias": ((-1, 1.0),)}):
+        with pytest.raises(InvalidRequestError):
+            SamplingParams(**bad)
+
+
+def test_native_kernel_picks_what_the_reference_picks() -> None:
+    """Every parameter kind on realistic widths; float32 and bfloat16 logits."""
+    reference, native = TorchKernels(), native_kernels()
+    rng = random.Random(1)
+    kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8),
+             SamplingParams(top_k=40), SamplingParams(temperature=0.7, top_p=0.9),
+             SamplingParams(temperature=1.2, top_k=100, top_p=0.5, logprobs=True,
+                            top_logprobs=5),
+             SamplingParams(temperature=0.9, frequency_penalty=0.5, presence_penalty=0.3,
+                            logit_bias=((5, 3.0), (7, -100.0)), top_logprobs=2)]
+    g = torch.Generator().manual_seed(2)
+    for dtype in (torch.float32, torch.bfloat16):
+        for scale in (1.0, 4.0):  # flat and peaked distributions
+            logits = (torch.randn(36, 49152, generator=g) * scale).to(dtype)
+            params = [kinds[r % len(kinds)] for r in range(36)]
+            counts = [{rng.randrange(49152): rng.randrange(1, 4) for _ in range(20)}
+                      for _ in range(36)]
+            seeds = [rng.randrange(2**62) for _ in range(36)]
+            want = sample_with(logits, params, seeds, [5] * 36, reference, counts)
+            got = sample_with(logits, params, seeds, [5] * 36, native, counts)
+            assert got[0] == want[0]
+            for a, b in zip(want[1], got[1], strict=True):
+                assert (a is None) == (b is None)
+                if a is not None and b is not None:
+                    assert math.isclose(a[0], b[0], abs_tol=1e-4)
+                    assert [t for t, _ in a[1]] == [t for t, _ in b[1]]

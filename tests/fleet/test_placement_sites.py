@@ -73,7 +73,8 @@ def landed(site: EchoSite, prefix: str) -> set[str]:
 
 
 def sites_json(env: ApiEnv) -> dict[str, dict[str, Any]]:
-    answer = httpx.get(env.v1 + "/sites", headers={"Authorization": f"Bearer {env.key}"})
+    answer = httpx.get(env.v1 + "/sites",
+                       headers={"Authorization": f"Bearer {env.operator_key}"})
     assert answer.status_code == 200
     return {s["name"]: s for s in answer.json()["data"]}
 
@@ -133,6 +134,22 @@ def test_cheap_site_first_and_an_outage_moves_work_before_it_starts(env: ApiEnv)
     assert final["cheap"]["leases_granted"] == CAPACITY - 4 + 4
     assert final["dear"]["leases_granted"] == 10 + 6
     assert final["cheap"]["leases_expired"] == final["dear"]["leases_expired"] == 0
+
+
+def test_equal_sites_with_room_share_background_work(env: ApiEnv) -> None:
+    """Two sites of one price and chip, 16 free slots each, and 16 lines: each runs about
+    half, where the first to ask used to take them all. (About: lease calls of the two run
+    concurrently, each seeing what the other had said a moment before.)"""
+    tokens = [create_site(env.store, name, CHEAP_PRICE, "cpu") for name in ("left", "right")]
+    client = OpenAI(base_url=env.v1, api_key=env.key, max_retries=0, timeout=60)
+    with client, EchoSite(env.base_url, tokens[0], capacity=CAPACITY, hold_s=1.0) as left, \
+            EchoSite(env.base_url, tokens[1], capacity=CAPACITY, hold_s=1.0) as right:
+        wait_for(lambda: all(s["status"] == "online" for s in sites_json(env).values()
+                             if s["name"] in ("left", "right")))
+        shared = submit(client, "shared", CAPACITY, max_tokens=8)
+        assert wait_for(lambda: client.batches.retrieve(shared).status == "completed")
+        counts = sorted((len(landed(left, "shared")), len(landed(right, "shared"))))
+    assert sum(counts) == CAPACITY and counts[0] >= CAPACITY // 4, counts
 
 
 def placed_on(env: ApiEnv, batch_id: str) -> dict[str, str]:

@@ -14,9 +14,9 @@ from serve_process import Serve, Worker
 pytestmark = pytest.mark.slow
 
 
-def listed_site(serve: Serve, name: str) -> dict[str, Any]:
+def listed_site(serve: Serve, operator_key: str, name: str) -> dict[str, Any]:
     answer = httpx.get(serve.base_url + "/sites",
-                       headers={"Authorization": f"Bearer {serve.key}"}, timeout=10)
+                       headers={"Authorization": f"Bearer {operator_key}"}, timeout=10)
     assert answer.status_code == 200, answer.text
     found: dict[str, Any] = {s["name"]: s for s in answer.json()["data"]}[name]
     return found
@@ -30,13 +30,16 @@ def test_worker_declares_its_price_and_chip(fleet_home: Path) -> None:
                             "--chip", "cpu")
         assert created.returncode == 0, created.stderr
         token = created.stdout.strip().splitlines()[-1]
-        assert (listed_site(serve, "declared")["price_per_hour"],
-                listed_site(serve, "declared")["chip"]) == (0.1, "cpu")
+        operator = serve.cli("keys", "create", "--operator")
+        assert operator.returncode == 0, operator.stderr
+        operator_key = operator.stdout.strip().splitlines()[-1]
+        assert (listed_site(serve, operator_key, "declared")["price_per_hour"],
+                listed_site(serve, operator_key, "declared")["chip"]) == (0.1, "cpu")
         worker = Worker(fleet_home, f"http://127.0.0.1:{serve.port}", "declared", token,
                         extra_args=("--price-per-hour", "0.37", "--chip", "testchip"))
         worker.start_and_wait()
         deadline = time.time() + 10
-        while (mine := listed_site(serve, "declared"))["status"] == "new":  # not polled yet
+        while (mine := listed_site(serve, operator_key, "declared"))["status"] == "new":
             assert time.time() < deadline, worker.log_text()[-2000:]
             time.sleep(0.1)
         assert (mine["price_per_hour"], mine["chip"]) == (0.37, "testchip")

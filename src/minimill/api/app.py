@@ -2,9 +2,10 @@
 
 Each process runs a janitor (reap expired leases, expire batches, delete expired files), the
 batch jobs (queue the lines of new batches, write the files of finished ones: in a worker
-process, so that the event loop and the heartbeats it serves never wait on them) and a progress
-poller for its waiting realtime requests. Every piece of state is in the store, so any number
-of these processes can serve one store, and any of them can be killed at any moment.
+process, so that the event loop and the heartbeats it serves never wait on them), a webhook
+sender, and a progress poller for its waiting realtime requests and streams. Every piece of
+state is in the store, so any number of these processes can serve one store, and any of them
+can be killed at any moment.
 """
 
 from __future__ import annotations
@@ -19,14 +20,28 @@ from typing import Any
 import anyio
 import anyio.to_process
 from fastapi import FastAPI
+from fastapi.routing import APIRoute
 from sqlalchemy.engine import make_url
 
 from minimill import __version__
 from minimill.api import errors
 from minimill.api.limits import BodyLimitMiddleware
 from minimill.api.progress import ProgressWatcher
-from minimill.api.routes import batches, chat, completions, files, fleet, models, sites
+from minimill.api.routes import (
+    batches,
+    chat,
+    completions,
+    files,
+    fleet,
+    keys,
+    models,
+    prices,
+    responses,
+    sites,
+    webhook_endpoints,
+)
 from minimill.api.settings import Settings
+from minimill.api.webhook_sender import run_webhook_sender
 from minimill.control.config import ControlConfig
 from minimill.control.janitor import batch_jobs, run_batch_jobs, tick
 from minimill.control.store import Store, open_store
@@ -88,6 +103,10 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
             tasks.append(asyncio.create_task(
                 _batch_jobs(the_store, config, ingest_wake, settings.janitor_interval_s,
                             settings.batch_jobs_in_process), name="minimill-batch-jobs"))
+        if settings.run_webhooks:
+            tasks.append(asyncio.create_task(
+                run_webhook_sender(the_store, config, settings.webhook_interval_s,
+                                   settings.webhook_timeout_s), name="minimill-webhooks"))
         try:
             yield
         finally:
@@ -98,8 +117,9 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
                 the_store.close()
 
     app = FastAPI(title="minimill", version=__version__, lifespan=lifespan,
-                  description="OpenAI-compatible token factory: chat, completions, files, "
-                              "batches; plus the fleet protocol for worker sites.")
+                  description="OpenAI-compatible token factory: chat, completions, responses, "
+                              "files, batches, webhooks; plus the fleet protocol for worker "
+                              "sites.")
     app.state.store = the_store
     app.state.config = config
     app.state.settings = settings
@@ -109,8 +129,15 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes,
                        max_file_bytes=settings.max_file_bytes,
                        max_fleet_body_bytes=settings.max_fleet_body_bytes)
-    for module in (models, chat, completions, files, batches, fleet, sites):
+    for module in (models, chat, completions, responses, files, batches, webhook_endpoints,
+                   fleet):
         app.include_router(module.router)
+    operator_routers = (sites.router, prices.router, keys.router)
+    for router in operator_routers:
+        app.include_router(router)
+    # A wrong method on these answers 404 too (errors.py), as an unknown URL would.
+    app.state.operator_paths = [r.path_regex for router in operator_routers
+                                for r in router.routes if isinstance(r, APIRoute)]
     _openapi_without_422(app)
     return app
 

@@ -1,4 +1,13 @@
-"""Dependencies as Annotated aliases: the store, settings, the caller's tenant or site."""
+"""Dependencies as Annotated aliases: the store, settings, and who calls: a tenant, an operator
+or a site. Each route takes exactly one of TenantDep, OperatorDep and SiteDep (the route walk
+in tests/api/test_api_roles.py checks every route with every kind of credential):
+
+- tenant routes answer 401 to no key, an unknown key or a site token, and 403 to an operator
+  key (a valid key of the wrong role);
+- operator routes answer any other caller as an unknown URL would (404), so that a tenant does
+  not learn they exist;
+- worker protocol routes answer 401 to anything but a site token.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +16,17 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from minimill.api.errors import unknown_url
 from minimill.api.progress import ProgressWatcher
 from minimill.control.config import ControlConfig
-from minimill.control.errors import AuthenticationError
-from minimill.control.keys import authenticate
-from minimill.control.records import Site, Tenant
+from minimill.control.errors import AuthenticationError, PermissionDeniedError
+from minimill.control.keys import authenticate, authenticate_operator
+from minimill.control.records import Operator, Site, Tenant
 from minimill.control.sites import authenticate_site
 from minimill.control.store import Store
 
-_bearer = HTTPBearer(auto_error=False, description="An API key (tenants) or site token "
-                     "(workers, /v1/fleet/ routes).")
+_bearer = HTTPBearer(auto_error=False, description="An API key (tenants), an operator key, "
+                     "or a site token (workers, /v1/fleet/ routes).")
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
@@ -47,8 +57,20 @@ def get_tenant(store: StoreDep, credentials: Credentials) -> Tenant:
                                   code="missing_api_key")
     tenant = authenticate(store, credentials.credentials)
     if tenant is None:
+        if authenticate_operator(store, credentials.credentials) is not None:
+            raise PermissionDeniedError(
+                "An operator key reaches the fleet routes only; this route needs a tenant's "
+                "API key (minimill keys create --tenant NAME).", code="operator_key")
         raise AuthenticationError("Incorrect API key provided.", code="invalid_api_key")
     return tenant
+
+
+def get_operator(store: StoreDep, credentials: Credentials) -> Operator:
+    operator = (authenticate_operator(store, credentials.credentials)
+                if credentials is not None else None)
+    if operator is None:
+        raise unknown_url()
+    return operator
 
 
 def get_site(store: StoreDep, credentials: Credentials) -> Site:
@@ -62,4 +84,5 @@ def get_site(store: StoreDep, credentials: Credentials) -> Site:
 
 
 TenantDep = Annotated[Tenant, Depends(get_tenant)]
+OperatorDep = Annotated[Operator, Depends(get_operator)]
 SiteDep = Annotated[Site, Depends(get_site)]

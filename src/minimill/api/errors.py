@@ -2,7 +2,9 @@
 
 Domain errors carry their own status; FastAPI's validation errors become 400
 invalid_request_error naming the parameter; HTTP errors from routing (404, 405) keep their
-status; anything unexpected is a 500 server_error whose traceback goes to the log only.
+status, except that an operator route answers 404 to a wrong method as to a caller who is not
+an operator (a 405 would tell that the URL exists); anything unexpected is a 500 server_error
+whose traceback goes to the log only.
 """
 
 from __future__ import annotations
@@ -16,12 +18,18 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minimill.control.bodies import describe_errors
-from minimill.control.errors import ControlError
+from minimill.control.errors import ControlError, NotFoundError
 
 log = logging.getLogger("minimill.api")
 
 _TYPE_BY_STATUS = {401: "invalid_request_error", 403: "permission_error",
                    404: "invalid_request_error", 429: "rate_limit_error", 504: "timeout"}
+UNKNOWN_URL = "Unknown URL or object."
+
+
+def unknown_url() -> NotFoundError:
+    """What a URL that does not exist answers; operator routes answer it to non-operators."""
+    return NotFoundError(UNKNOWN_URL, code="unknown_url")
 
 
 def error_response(status: int, message: str, *, type_: str | None = None,
@@ -56,9 +64,16 @@ async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
     return error_response(400, message, param=param)
 
 
-async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
+def _operator_path(request: Request) -> bool:
+    paths = getattr(request.app.state, "operator_paths", ())
+    return any(p.match(request.url.path) for p in paths)
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    messages = {404: "Unknown URL or object.", 405: "Method not allowed for this URL."}
+    if exc.status_code == 405 and _operator_path(request):
+        return await _control_error(request, unknown_url())
+    messages = {404: UNKNOWN_URL, 405: "Method not allowed for this URL."}
     detail = exc.detail if isinstance(exc.detail, str) else None
     if exc.status_code in messages and detail in (None, "Not Found", "Method Not Allowed"):
         detail = messages[exc.status_code]

@@ -106,7 +106,7 @@ class BatchUsage(BaseModel):
     output_tokens: int
     output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
     total_tokens: int
-    cost_usd: float
+    cost_usd: float = Field(description="What the batch is billed so far, in US dollars.")
 
 
 def _ts(value: float | None) -> int | None:
@@ -155,7 +155,7 @@ class BatchObject(BaseModel):
             usage=BatchUsage(input_tokens=b.usage.prompt_tokens,
                              output_tokens=b.usage.completion_tokens,
                              total_tokens=b.usage.prompt_tokens + b.usage.completion_tokens,
-                             cost_usd=b.usage.cost_usd))
+                             cost_usd=b.usage.billed_usd))
 
 
 class BatchList(BaseModel):
@@ -170,7 +170,8 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    cost_usd: float = Field(description="What the request cost, in US dollars.")
+    cost_usd: float = Field(description="What the request is billed, in US dollars: tokens "
+                            "at the operator's price list for the model and service tier.")
 
 
 class TopLogprob(BaseModel):
@@ -242,33 +243,6 @@ class OutageWindow(BaseModel):
     end_at: float = Field(description="Unix seconds.")
 
 
-class SiteObject(BaseModel):
-    """A site of the fleet as operators see it (`minimill sites list`)."""
-
-    name: str
-    object: Literal["site"] = "site"
-    status: str = Field(description="online | offline | new | outage")
-    chip: str
-    price_per_hour: float
-    tokens_per_s: float | None
-    uptime: float | None = Field(description="Observed fraction of time up since first contact.")
-    usd_per_mtok: float
-    in_flight: int
-    leases_granted: int
-    leases_expired: int
-    completions: int
-    stale_completions: int
-    wasted_tokens: int
-    tokens_generated: int
-    last_seen_at: float | None
-    outages: list[OutageWindow]
-
-
-class SiteList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[SiteObject]
-
-
 class OutageCreate(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False)
 
@@ -277,6 +251,23 @@ class OutageCreate(BaseModel):
 
 
 class OutageCreated(BaseModel):
+    id: int
+    object: Literal["outage"] = "outage"
     site: str
     start_at: float
     end_at: float
+
+
+class OutageObject(OutageCreated):
+    created_at: float
+
+
+class OutageList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[OutageObject]
+
+
+class OutageDeleted(BaseModel):
+    id: int
+    object: Literal["outage.deleted"] = "outage.deleted"
+    deleted: bool = True

@@ -2,8 +2,10 @@
 
 The local worker is an ordinary `minimill worker` subprocess that reaches the control plane over
 loopback HTTP with the "local" site's token, exactly as a remote site would. This process
-supervises it (restarts it if it dies) and stops it on SIGINT/SIGTERM. Every start prints a
-fresh API key of tenant "default" with a copy-pasteable hint.
+supervises it (fleet/supervisor.py: restarts it if it dies) and stops it on SIGINT/SIGTERM; it
+dies with serve however serve ends, and serve dies with the process that started it when that
+one asks (lifetime.py). Every start prints a fresh API key of tenant "default" with a
+copy-pasteable hint.
 """
 
 from __future__ import annotations
@@ -13,22 +15,18 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import uvicorn
 
 from minimill.api.settings import Settings
+from minimill.fleet.supervisor import LOCAL_SITE, WorkerSupervisor, worker_command
+from minimill.lifetime import STOP_SIGNALS, die_with_parent, stop_reason
 
 log = logging.getLogger("minimill.serve")
-LOCAL_SITE = "local"
 DEFAULT_TENANT = "default"
-WORKER_STOP_GRACE_S = 20.0  # SIGTERM, then this long to checkpoint, then SIGKILL
-RESTART_BACKOFF_MAX_S = 30.0
 
 
 class _Server(uvicorn.Server):
@@ -83,57 +81,12 @@ def _loopback_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _worker_command(server: str, model: str, dtype: str, price_per_hour: float,
-                    chip: str) -> list[str]:
-    return [sys.executable, "-m", "minimill.cli", "worker",
-            "--server", server, "--site", LOCAL_SITE,
-            "--price-per-hour", str(price_per_hour), "--chip", chip,
-            "--engine", "builtin", "--model", model, "--dtype", dtype]
-
-
-class WorkerSupervisor:
-    """Runs the local worker process; restarts it with backoff when it dies unasked."""
-
-    def __init__(self, command: list[str], token: str) -> None:
-        self.command = command
-        self.env = {**os.environ, "MINIMILL_SITE_TOKEN": token,
-                    "MINIMILL_PARENT_PID": str(os.getpid())}
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.stopping = False
-
-    async def run(self) -> None:
-        delay = 1.0
-        while not self.stopping:
-            started = time.monotonic()
-            self.proc = subprocess.Popen(self.command, env=self.env)
-            code = await asyncio.to_thread(self.proc.wait)
-            if self.stopping:
-                return
-            if time.monotonic() - started > 60:
-                delay = 1.0  # it ran a good while: this is a fresh failure
-            log.warning("local worker exited with status %s; restarting in %.0fs", code, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, RESTART_BACKOFF_MAX_S)
-
-    def stop(self) -> None:
-        self.stopping = True
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=WORKER_STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            log.warning("local worker did not stop in %.0fs; killing it", WORKER_STOP_GRACE_S)
-            proc.kill()
-            proc.wait()
-
-
 async def _serve(server: _Server, sock: socket.socket,
                  supervisor: WorkerSupervisor | None) -> None:
     loop = asyncio.get_running_loop()
 
-    def on_signal() -> None:
+    def on_signal(signum: int) -> None:
+        log.info("%s: stopping", stop_reason(signum))
         # A terminal's Ctrl-C reaches the worker too: it must not be restarted meanwhile.
         if supervisor is not None:
             supervisor.stopping = True
@@ -141,8 +94,8 @@ async def _serve(server: _Server, sock: socket.socket,
             server.force_exit = True
         server.should_exit = True
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, on_signal, sig)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     worker_task: asyncio.Task[None] | None = None
     try:
@@ -167,6 +120,7 @@ def run_serve(*, host: str, port: int, db: str | None, model: str, dtype: str,
     logging.basicConfig(level=os.environ.get("MINIMILL_LOG_LEVEL", "INFO"),
                         format="%(asctime)s serve %(levelname)s %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per call is noise
+    die_with_parent()
     from minimill.api.app import create_app
     from minimill.control.errors import ControlError
     from minimill.control.keys import create_key
@@ -195,7 +149,7 @@ def run_serve(*, host: str, port: int, db: str | None, model: str, dtype: str,
     app = create_app(settings, store=store)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                     timeout_graceful_shutdown=5))
-    command = _worker_command(_loopback_url(host, port), model, dtype, price_per_hour, chip)
+    command = worker_command(_loopback_url(host, port), model, dtype, price_per_hour, chip)
     supervisor = WorkerSupervisor(command, token) if local_worker else None
     log.info("control plane on http://%s:%d/v1 (store %s)%s", host, port, store.url,
              ", starting the local worker" if local_worker else "")

@@ -40,6 +40,15 @@ class Settings(BaseSettings):
     batch_jobs_in_process: bool = False
     # How often waiting realtime requests poll the store for progress made elsewhere.
     poll_interval_s: float = Field(default=0.025, gt=0)
+    background_response_window_s: float = Field(default=24 * 3600.0, gt=0)
+    # Webhooks: how often the sender looks for events and due deliveries, how long a receiver
+    # may take to answer, and the retry schedule (control/webhook_events.py).
+    run_webhooks: bool = True
+    webhook_interval_s: float = Field(default=0.5, gt=0)
+    webhook_timeout_s: float = Field(default=10.0, gt=0)
+    webhook_retry_base_s: float = Field(default=5.0, gt=0)
+    webhook_retry_cap_s: float = Field(default=300.0, gt=0)
+    webhook_max_age_s: float = Field(default=72 * 3600.0, gt=0)
 
     def control_config(self) -> ControlConfig:
         return ControlConfig(
@@ -51,4 +60,8 @@ class Settings(BaseSettings):
             ingest_claim_ttl_s=self.ingest_claim_ttl_s,
             file_expires_after_s=self.file_expires_after_s or None,
             background_price_factor=self.background_price_factor,
-            realtime_timeout_s=self.realtime_timeout_s)
+            realtime_timeout_s=self.realtime_timeout_s,
+            background_response_window_s=self.background_response_window_s,
+            webhook_retry_base_s=self.webhook_retry_base_s,
+            webhook_retry_cap_s=self.webhook_retry_cap_s,
+            webhook_max_age_s=self.webhook_max_age_s)

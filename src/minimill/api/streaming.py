@@ -155,7 +155,7 @@ class ChunkStream:
                                                             or "stop")])
                         if self.include_usage:
                             yield self._chunk([], usage_dict(r.prompt_tokens,
-                                                             r.completion_tokens, r.cost_usd))
+                                                             r.completion_tokens, r.billed_usd))
                     else:
                         yield _event(error_body(r.error or {"code": r.status.value,
                                                             "message": f"request {r.status}"}))

@@ -25,9 +25,26 @@ from minimill.bench.local_fleet import BenchError, LocalFleet
 NUM_WORKERS = 3
 DTYPE = "bfloat16"
 # Short leases so that a killed worker's requests move on quickly; checkpoints every second.
+# Three workers share the machine's cores: OpenMP threads that spin while they wait for work
+# would starve the others, a restarting worker most of all, so they sleep instead.
 FLEET_ENV = {"MINIMILL_LEASE_TTL_S": "5", "MINIMILL_CHECKPOINT_INTERVAL_S": "1",
-             "MINIMILL_JANITOR_INTERVAL_S": "0.25", "MINIMILL_WORKER_STATS_S": "0.5"}
+             "MINIMILL_JANITOR_INTERVAL_S": "0.25", "MINIMILL_WORKER_STATS_S": "0.5",
+             "OMP_WAIT_POLICY": "PASSIVE"}
 _STATS = re.compile(r"stats generated_tokens=(\d+)")
+_START = re.compile(r"start: ([\d.]+)s to first lease \((.*)\)")
+
+
+def restarts_in_logs(logs: list[Path], offsets: list[int]) -> dict[str, Any]:
+    """How long restarted workers took from process start to their first lease, and the
+    slowest one's phases (each worker logs where its start went)."""
+    starts = [(float(m.group(1)), m.group(2)) for log, offset in zip(logs, offsets, strict=True)
+              for m in _START.finditer(log.read_text(errors="replace")[offset:])]
+    if not starts:
+        return {"restarts": 0}
+    seconds = sorted(s for s, _ in starts)
+    return {"restarts": len(starts), "restart_to_lease_median_s": seconds[len(seconds) // 2],
+            "restart_to_lease_max_s": seconds[-1],
+            "slowest_restart": max(starts)[1]}
 
 
 def generated_tokens_in_log(log_path: Path, start: int = 0) -> int:
@@ -109,10 +126,13 @@ def _run_batch(fleet: LocalFleet, lines: list[str], tmp: Path, every_s: float | 
                  if r.get("response"))
     generated = sum(generated_tokens_in_log(p.log_path, offsets[s])
                     for s, p in fleet.workers.items())
+    sites = sorted(fleet.workers)
     return {"status": batch.status, "seconds": seconds, "output_tokens": useful,
             "tok_s": useful / seconds, "failed": sum(1 for r in records if r.get("error")),
             "lost": len(expected - set(ids)), "duplicates": sum(n - 1 for n in ids.values()),
-            "generated": generated, "kills": chaos.kills if chaos else 0}
+            "generated": generated, "kills": chaos.kills if chaos else 0,
+            **restarts_in_logs([fleet.workers[s].log_path for s in sites],
+                               [offsets[s] for s in sites])}
 
 
 def run_fleet_bench(workload: Path, *, json_out: bool, kill_every_s: float,
@@ -148,7 +168,10 @@ def run_fleet_bench(workload: Path, *, json_out: bool, kill_every_s: float,
     finally:
         fleet.close()
     wasted = max(0, chaos["generated"] - chaos["output_tokens"])
-    report = {
+    restarts: dict[str, Any] = {k: chaos[k] for k in ("restarts", "restart_to_lease_median_s",
+                                                      "restart_to_lease_max_s",
+                                                      "slowest_restart") if k in chaos}
+    report: dict[str, Any] = {
         "requests": len(lines), "workers": NUM_WORKERS, "kill_every_s": kill_every_s,
         "kills": chaos["kills"], "lease_ttl_s": float(FLEET_ENV["MINIMILL_LEASE_TTL_S"]),
         "goodput_tok_s": round(chaos["tok_s"], 2), "baseline_tok_s": round(base["tok_s"], 2),
@@ -160,6 +183,7 @@ def run_fleet_bench(workload: Path, *, json_out: bool, kill_every_s: float,
         "wasted_token_fraction": round(wasted / chaos["generated"], 4)
         if chaos["generated"] else 0.0,
         "baseline_lost_requests": base["lost"], "baseline_duplicate_results": base["duplicates"],
+        **restarts,
     }
     if json_out:
         print(json.dumps(report))

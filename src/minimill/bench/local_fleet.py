@@ -1,5 +1,10 @@
 """A throwaway local fleet for benchmarks: `minimill serve` and `minimill worker` subprocesses
-on a temporary MINIMILL_HOME whose model cache links the user's pulled models."""
+on a temporary MINIMILL_HOME whose model cache links the user's pulled models (and their warm
+weights cache files, models/warm_cache.py).
+
+The benchmark owns these processes (lifetime.py): each runs in a process group of its own and
+dies with the benchmark however that ends, and `close` stops them all, workers first.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ from pathlib import Path
 from typing import IO
 
 import httpx
+
+from minimill.lifetime import owned_env
 
 READY_TIMEOUT_S = 600.0
 
@@ -41,7 +48,8 @@ class LocalProcess:
 
     def start(self) -> None:
         self._log = self.log_path.open("ab")
-        self.popen = subprocess.Popen(self.args, env=self.env, stdout=self._log,
+        # owned_env in the starting thread: it says whether that is the main thread.
+        self.popen = subprocess.Popen(self.args, env=owned_env(self.env), stdout=self._log,
                                       stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_for_log(self, pattern: str, timeout: float = READY_TIMEOUT_S,
@@ -62,15 +70,19 @@ class LocalProcess:
                 os.killpg(self.popen.pid, signal.SIGKILL)
             self.popen.wait()
 
+    def terminate(self) -> None:
+        """SIGTERM: the process stops gracefully (a worker hands back its leases)."""
+        if self.popen is not None and self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.send_signal(signal.SIGTERM)
+
     def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM, up to `timeout` to end, then SIGKILL of its whole process group."""
         if self.popen is None:
             return
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pass
+        self.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=timeout)
         self.kill9()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, signal.SIGKILL)  # leftovers of the group
@@ -142,6 +154,8 @@ class LocalFleet:
         return proc
 
     def close(self) -> None:
+        for proc in self.workers.values():  # all at once: each drains for a while
+            proc.terminate()
         for proc in self.workers.values():
             proc.stop()
         self.serve.stop()

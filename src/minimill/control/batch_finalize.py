@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 from sqlalchemy import case, exists, func, select, update
@@ -31,6 +32,8 @@ from minimill.control.render import (
     render_response,
     usage_dict,
 )
+from minimill.control.requests import record
+from minimill.control.response_render import render_response as render_response_object
 from minimill.control.store import Store, retry_conflicts
 from minimill.control.tables import batches, requests
 
@@ -85,25 +88,34 @@ def finishable(store: Store, now: float, claim_ttl_s: float) -> list[str]:
         return list(conn.execute(query).scalars().all())
 
 
+# Every column but the body (the input line, up to max_line_bytes): only a response needs its
+# body rendered back (its parameters), and those bodies are read per page, for those rows alone.
+_LINE_COLUMNS = [c for c in requests.c if c.name != "body"]
+
+
 def _lines(store: Store, batch_id: str) -> Iterator[tuple[bool, bytes]]:
     """(is_output, line) for every row of the batch in input order, one page per query."""
-    query = (select(requests.c.id, requests.c.custom_id, requests.c.kind, requests.c.model,
-                    requests.c.tier, requests.c.status, requests.c.result, requests.c.error,
-                    requests.c.prompt_tokens, requests.c.completion_tokens,
-                    requests.c.cost_usd, requests.c.created_at, requests.c.line_no)
-             .where(requests.c.batch_id == batch_id).order_by(requests.c.line_no)
-             .limit(PAGE_ROWS))
+    query = (select(*_LINE_COLUMNS).where(requests.c.batch_id == batch_id)
+             .order_by(requests.c.line_no).limit(PAGE_ROWS))
     after: int | None = None
     while True:
         with store.read() as conn:
             page = conn.execute(query if after is None
                                 else query.where(requests.c.line_no > after)).all()
+            responses = [r.id for r in page
+                         if r.status == RequestStatus.SUCCEEDED and r.kind == Kind.RESPONSE]
+            bodies = dict(conn.execute(select(requests.c.id, requests.c.body)
+                                       .where(requests.c.id.in_(responses))).tuples().all()
+                          ) if responses else {}
         for r in page:
-            if r.status == RequestStatus.SUCCEEDED:
+            if r.id in bodies:
+                body = render_response_object(replace(record(r), body=bodies[r.id]))
+                yield True, json.dumps(batch_output_line(r.id, r.custom_id, body)).encode()
+            elif r.status == RequestStatus.SUCCEEDED:
                 body = render_response(Kind(r.kind), r.id, r.model, r.created_at, r.tier,
                                        (r.result or {}).get("choices", []),
                                        usage_dict(r.prompt_tokens, r.completion_tokens,
-                                                  r.cost_usd))
+                                                  r.billed_usd))
                 yield True, json.dumps(batch_output_line(r.id, r.custom_id, body)).encode()
             else:
                 error = r.error or {"code": r.status, "message": f"request {r.status}"}

@@ -19,7 +19,8 @@ from typing import Any
 
 from minimill.control.bodies import PreparedBody, parse_body, prepare_body
 from minimill.control.errors import ControlError
-from minimill.control.records import ENDPOINT_KINDS
+from minimill.control.records import ENDPOINT_KINDS, Kind
+from minimill.control.response_bodies import prepare_batch_line
 
 # How many line errors an unusable-file report lists at most.
 MAX_REPORTED_ERRORS = 10
@@ -195,7 +196,10 @@ class LineParser:
                        f"{obj.get('url')!r}", custom_id, "url")
         kind = ENDPOINT_KINDS[self.endpoint]
         try:
-            prepared = prepare_body(kind, parse_body(kind, obj.get("body")), self.served_models)
+            prepared = (prepare_batch_line(obj.get("body"), self.served_models)
+                        if kind == Kind.RESPONSE
+                        else prepare_body(kind, parse_body(kind, obj.get("body")),
+                                          self.served_models))
         except ControlError as exc:
             return bad(exc.code or "invalid_request", exc.message, custom_id,
                        f"body.{exc.param}" if exc.param else "body")

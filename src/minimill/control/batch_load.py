@@ -173,7 +173,7 @@ def _rows(claim: _Claim, group: list[ParsedLine],
                     "tier": Tier.BACKGROUND.value, "model": None, "body": None,
                     "seed": new_seed(), "max_tokens": None, "stream": False,
                     "status": RequestStatus.FAILED.value, "epoch": 0, "attempts": 0,
-                    "version": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0,
+                    "version": 0, "prompt_tokens": 0, "completion_tokens": 0, "billed_usd": 0.0,
                     "created_at": now, "finished_at": now, "deadline": claim.deadline,
                     "error": error, **extra})
     return good, bad

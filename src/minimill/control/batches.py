@@ -30,6 +30,7 @@ from minimill.control.records import (
 )
 from minimill.control.store import Store, retry_conflicts
 from minimill.control.tables import batches, requests
+from minimill.control.webhook_events import watch
 
 _WINDOW = re.compile(r"^\s*(\d{1,6})\s*([hd])\s*$")
 MIN_WINDOW_S = 24 * 3600
@@ -69,10 +70,10 @@ def _counts(conn: Connection, batch_ids: Sequence[str]) -> dict[str, tuple[Reque
     if batch_ids:
         query = (select(requests.c.batch_id, requests.c.status, func.count(),
                         func.sum(requests.c.prompt_tokens), func.sum(requests.c.completion_tokens),
-                        func.sum(requests.c.cost_usd))
+                        func.sum(requests.c.billed_usd))
                  .where(requests.c.batch_id.in_(list(batch_ids)))
                  .group_by(requests.c.batch_id, requests.c.status))
-        for batch_id, status, count, prompt, completion, cost in conn.execute(query):
+        for batch_id, status, count, prompt, completion, billed in conn.execute(query):
             a = acc[batch_id]
             a[0] += count
             if status == RequestStatus.SUCCEEDED:
@@ -81,10 +82,10 @@ def _counts(conn: Connection, batch_ids: Sequence[str]) -> dict[str, tuple[Reque
                 a[2] += count
             a[3] += prompt or 0
             a[4] += completion or 0
-            a[5] += cost or 0.0
+            a[5] += billed or 0.0
     return {b: (RequestCounts(total=int(a[0]), completed=int(a[1]), failed=int(a[2])),
                 UsageTotals(prompt_tokens=int(a[3]), completion_tokens=int(a[4]),
-                            cost_usd=float(a[5])))
+                            billed_usd=float(a[5])))
             for b, a in acc.items()}
 
 
@@ -157,6 +158,7 @@ def create_batch(store: Store, tenant_id: str, input_file_id: str, endpoint: str
             "message": f"the input file is larger than {config.max_file_bytes} bytes"}])
     with store.write() as conn:
         conn.execute(insert(batches).values(**values))
+        watch(conn, "batch", str(values["id"]), tenant_id, now)
     return get_batch(store, tenant_id, str(values["id"]))
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -64,6 +64,10 @@ class _Sampling(_Body):
         None, description='"auto"/"default": realtime; "flex": background, priced lower.')
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
+    # Token id (as a JSON object key) -> bias in [-100, 100] added to that token's logit.
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
+                     Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, max_length=1024)
     user: str | None = None
 
     @model_validator(mode="after")
@@ -82,6 +86,10 @@ class ChatBody(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    prompt_cache_key: str | None = Field(
+        None, min_length=1, max_length=200,
+        description="Groups requests of one conversation (the session key the KV cache and "
+                    "placement use).")
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatBody:
@@ -177,6 +185,8 @@ class PreparedBody:
     stream: bool
     max_tokens: int | None
     seed: int | None
+    # The conversation it belongs to (requests.session_key); None: no session.
+    session_key: str | None = None
 
 
 def parse_body(kind: Kind, raw: Any) -> _Sampling:
@@ -206,5 +216,7 @@ def prepare_body(kind: Kind, parsed: _Sampling, served_models: Collection[str]) 
     elif max_tokens is None:
         max_tokens = body["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS
     tier = Tier.BACKGROUND if parsed.service_tier == "flex" else Tier.REALTIME
+    session_key = parsed.prompt_cache_key if isinstance(parsed, ChatBody) else None
     return PreparedBody(kind=kind, model=parsed.model, body=body, tier=tier,
-                        stream=bool(parsed.stream), max_tokens=max_tokens, seed=parsed.seed)
+                        stream=bool(parsed.stream), max_tokens=max_tokens, seed=parsed.seed,
+                        session_key=session_key)

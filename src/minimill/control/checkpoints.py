@@ -136,6 +136,28 @@ def extended(current: Progress,
     return new, {"full": False, "num_prompt_tokens": new.num_prompt_tokens, "choices": entries}
 
 
+def replacement(conn: Connection, request_id: str,
+                checkpoint: Checkpoint) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The row values and the chunk that replace the request's stored checkpoint with
+    `checkpoint` (a release's): set the values in the caller's conditional UPDATE, and `put` the
+    chunk if it took."""
+    row = conn.execute(select(requests.c.progress).where(requests.c.id == request_id)).first()
+    new, chunk = replaced(Progress.of(row.progress if row else None), checkpoint)
+    return {"progress": new.as_json(), "checkpoint_tokens": _tokens(new)}, chunk
+
+
+def put(conn: Connection, request_id: str, values: dict[str, Any],
+        chunk: dict[str, Any]) -> None:
+    """Store a full checkpoint's chunk (from `replacement`) in place of the request's chunks."""
+    drop(conn, [request_id])
+    conn.execute(insert(checkpoint_chunks).values(request_id=request_id,
+                                                  seq=values["progress"]["seq"], data=chunk))
+
+
+def _tokens(progress: Progress) -> int:
+    return min(progress.num_tokens, 2**31 - 1)
+
+
 def save(conn: Connection, items: Sequence[HeartbeatItem]) -> list[str]:
     """Store the checkpoints of leases just extended (held, at their epochs, locked by the
     caller's transaction); returns the ids whose delta did not apply (resync)."""
@@ -182,7 +204,7 @@ def save(conn: Connection, items: Sequence[HeartbeatItem]) -> list[str]:
             .values(progress=bindparam("b_progress"), checkpoint_tokens=bindparam("b_tokens"),
                     version=requests.c.version + 1),
             [{"b_id": request_id, "b_epoch": epoch, "b_progress": p.as_json(),
-              "b_tokens": min(p.num_tokens, 2**31 - 1)}
+              "b_tokens": _tokens(p)}
              for request_id, (epoch, p) in stored.items()])
     return resync
 

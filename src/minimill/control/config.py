@@ -29,9 +29,18 @@ class ControlConfig:
     file_expires_after_s: float | None = 30 * 24 * 3600.0
     # A file still being written this long after it was started lost its writer: deleted.
     file_writing_ttl_s: float = 3600.0
-    # Background work (batches, service_tier "flex") costs this fraction of realtime.
+    # Background work (batches, service_tier "flex") is billed this fraction of the realtime
+    # price, where the price list sets no background price of its own (prices.py).
     background_price_factor: float = 0.5
     # A realtime request not finished this long after it arrived expires.
     realtime_timeout_s: float = 600.0
     # A janitor that started writing a batch's output files is presumed dead after this long.
     finalize_claim_ttl_s: float = 300.0
+    # A background response not finished this long after it arrived expires (as a batch line
+    # does at the end of its window).
+    background_response_window_s: float = 24 * 3600.0
+    # Webhook deliveries: the first retry after this long, doubling up to the cap, until the
+    # event is max_age old (then the delivery is marked failed).
+    webhook_retry_base_s: float = 5.0
+    webhook_retry_cap_s: float = 300.0
+    webhook_max_age_s: float = 72 * 3600.0

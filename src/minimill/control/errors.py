@@ -45,6 +45,13 @@ class AuthenticationError(ControlError):
     status_code = 401
 
 
+class PermissionDeniedError(ControlError):
+    """A valid key of a role the route is not for (403): an operator key on a tenant route."""
+
+    status_code = 403
+    error_type = "permission_error"
+
+
 class RequestTimeoutError(ControlError):
     """A realtime request that no worker finished before its deadline (504)."""
 

@@ -12,6 +12,7 @@ from the event loop and slow every transaction that holds the store's write lock
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 
 from minimill.control import files
@@ -21,6 +22,7 @@ from minimill.control.config import ControlConfig
 from minimill.control.leases import reap_expired
 from minimill.control.requests import expire_overdue
 from minimill.control.store import Store, open_store
+from minimill.lifetime import set_parent_death_signal
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,5 +71,9 @@ def run_batch_jobs(url: str, now: float, config: ControlConfig) -> tuple[int, in
     """`batch_jobs` for a worker process: on a store of its own at `url`."""
     store = _process_stores.get(url)
     if store is None:
+        if not _process_stores:
+            # Die with the control plane, even mid-job (SIGKILL included): a job stopped
+            # anywhere loses nothing, its claim goes stale and another process resumes it.
+            set_parent_death_signal(signal.SIGKILL)
         store = _process_stores[url] = open_store(url)
     return batch_jobs(store, now, config)

@@ -1,4 +1,6 @@
-"""Tenants and their API keys. A key is shown once; the store keeps only its SHA-256 hash."""
+"""Tenants and their API keys, and operator keys. A key is shown once; the store keeps only its
+SHA-256 hash. The prefix tells the roles apart: `mm-` a tenant, `mmo-` an operator (the fleet:
+sites, outages, prices, keys), and `mms-` a site (sites.py; the worker protocol only)."""
 
 from __future__ import annotations
 
@@ -9,12 +11,13 @@ import time
 from sqlalchemy import insert, select
 from sqlalchemy.exc import IntegrityError
 
-from minimill.control.errors import ControlError, InvalidRequestError
-from minimill.control.records import Tenant, new_id
-from minimill.control.store import Store, StoreError, open_store
-from minimill.control.tables import api_keys, tenants
+from minimill.control.errors import InvalidRequestError
+from minimill.control.records import Operator, Tenant, new_id
+from minimill.control.store import Store
+from minimill.control.tables import api_keys, operator_keys, tenants
 
 KEY_PREFIX = "mm-"
+OPERATOR_KEY_PREFIX = "mmo-"
 MAX_TENANT_NAME = 200
 
 
@@ -67,15 +70,20 @@ def authenticate(store: Store, key: str) -> Tenant | None:
     return Tenant(id=row.id, name=row.name) if row else None
 
 
-def create_key_cli(tenant: str, db: str | None) -> str:
-    """`minimill keys create --tenant NAME [--db URL]`: works with or without a running serve."""
-    try:
-        store = open_store(db)
-    except StoreError as exc:
-        raise SystemExit(f"error: {exc}") from None
-    try:
-        return create_key(store, tenant)
-    except ControlError as exc:
-        raise SystemExit(f"error: {exc.message}") from None
-    finally:
-        store.close()
+def create_operator_key(store: Store) -> str:
+    """A new operator key. Returned once, never stored."""
+    key = OPERATOR_KEY_PREFIX + secrets.token_urlsafe(32)
+    with store.write() as conn:
+        conn.execute(insert(operator_keys).values(id=new_id("opk_"), key_hash=hash_secret(key),
+                                                  created_at=time.time()))
+    return key
+
+
+def authenticate_operator(store: Store, key: str) -> Operator | None:
+    """The operator holding `key`, or None (a tenant key or site token is no operator key)."""
+    if not key.startswith(OPERATOR_KEY_PREFIX):
+        return None
+    with store.read() as conn:
+        key_id = conn.execute(select(operator_keys.c.id).where(
+            operator_keys.c.key_hash == hash_secret(key))).scalar()
+    return Operator(key_id=key_id) if key_id else None

@@ -9,10 +9,13 @@
   checkpoint deltas (checkpoints.py); everything else is reported revoked.
 - `complete`: accepted only at the row's current epoch, from the site that holds (or last held)
   it, while the row is not terminal: the first valid completion wins and each request completes
-  exactly once. Resending an accepted result is answered `accepted` again, and counted nowhere.
-  Rejections are counted per site, with the tokens they threw away: those beyond what the
-  request's next lease resumed from.
+  exactly once. An accepted one is billed from the operator's price list (prices.py), whatever
+  the site declares. Resending an accepted result is answered `accepted` again, and counted
+  nowhere. Rejections are counted per site, with the tokens they threw away: those beyond what
+  the request's next lease resumed from.
 - `reap_expired`: expired leases go back to `queued`, keeping their checkpoint.
+- Released leases (release.py) go back to `queued` at once, with the checkpoint sent; a
+  heartbeat answer names the leases a site should release ahead of its announced outage.
 
 Every transition is a conditional UPDATE (on status and epoch), and PostgreSQL candidates are
 picked with `FOR UPDATE SKIP LOCKED`, so several control-plane processes can run these at once.
@@ -26,7 +29,7 @@ from typing import Any, Literal
 
 from sqlalchemy import Connection, case, func, select, tuple_, update
 
-from minimill.control import checkpoints, metering
+from minimill.control import checkpoints, prices
 from minimill.control.config import ControlConfig
 from minimill.control.placement import (
     DEFAULT_POLICY,
@@ -40,11 +43,13 @@ from minimill.control.placement import (
 )
 from minimill.control.records import (
     TERMINAL_REQUEST_STATUSES,
+    Kind,
     RequestStatus,
     Site,
     Tier,
     new_id,
 )
+from minimill.control.release import handback_for, remaining_tokens
 from minimill.control.site_view import site_states
 from minimill.control.sites import touch_site
 from minimill.control.store import Store, retry_conflicts
@@ -92,8 +97,7 @@ def _candidates(conn: Connection, tier: Tier, models: list[str], limit: int) -> 
              .order_by(*order).limit(limit)
              .with_for_update(skip_locked=True))
     return [Candidate(request_id=r.id, tier=tier, model=r.model, seq=r.seq, deadline=r.deadline,
-                      remaining_tokens=None if r.max_tokens is None
-                      else max(r.max_tokens - r.checkpoint_tokens, 1))
+                      remaining_tokens=remaining_tokens(r.max_tokens, r.checkpoint_tokens))
             for r in conn.execute(query)]
 
 
@@ -116,10 +120,10 @@ def _backlog(conn: Connection) -> tuple[Backlog, ...]:
 
 def policy_for(config: ControlConfig,
                policy: PlacementPolicy = DEFAULT_POLICY) -> PlacementPolicy:
-    """A full site only heartbeats (every TTL/3): it counts as alive for at least one TTL."""
-    if config.lease_ttl_s <= policy.alive_within_s:
-        return policy
-    return replace(policy, alive_within_s=config.lease_ttl_s)
+    """A full site only heartbeats (every TTL/3): it counts as alive for at least one TTL, and
+    hears of a handback at most TTL/3 late, so it is told that much (and a second) earlier."""
+    return replace(policy, alive_within_s=max(policy.alive_within_s, config.lease_ttl_s),
+                   handback_lead_s=max(policy.handback_lead_s, config.lease_ttl_s / 3 + 1.0))
 
 
 def _snapshot(conn: Connection, site: Site, ask: LeaseRequest, capacity: int, models: list[str],
@@ -178,7 +182,7 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
                         lease_base_tokens=requests.c.checkpoint_tokens)
                 .returning(requests.c.id, requests.c.epoch, requests.c.kind, requests.c.model,
                            requests.c.body, requests.c.seed, requests.c.progress,
-                           requests.c.stream)).all())
+                           requests.c.stream, requests.c.session_key)).all())
         resumed = checkpoints.load(conn, [r.id for r in rows if r.progress])
         # What the worker said, for the placement of its peers' lease calls; its measured
         # rate covers a time in which it held what it held before this call.
@@ -190,11 +194,12 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
     # Hand leases out in placement order (RETURNING order is unspecified).
     rank = {request_id: i for i, request_id in enumerate(picked)}
     leases = [Lease(request_id=r.id, lease_id=lease_id, epoch=r.epoch, expires_at=expires_at,
-                    kind=r.kind, model=r.model, body=r.body, seed=r.seed,
+                    kind=Kind(r.kind).wire_kind, model=r.model, body=r.body, seed=r.seed,
                     checkpoint=resumed.get(r.id),
                     stream=bool(r.stream),
                     checkpoint_interval_s=(config.stream_checkpoint_interval_s if r.stream
-                                           else config.checkpoint_interval_s))
+                                           else config.checkpoint_interval_s),
+                    session_key=r.session_key)
               for r in sorted(rows, key=lambda r: rank[r.id])]
     return LeaseResponse(leases=leases, lease_ttl_s=config.lease_ttl_s)
 
@@ -220,10 +225,11 @@ def heartbeat(store: Store, site: Site, beat: HeartbeatRequest, now: float,
         resync = checkpoints.save(conn, [i for i in plausible if i.request_id in extended])
         touch_site(conn, site.id, now, config.lease_ttl_s, beat.tokens_per_s,
                    busy=bool(extended))
+        handback = handback_for(conn, site.id, now, policy_for(config)) if extended else []
     return HeartbeatResponse(
         extended={i.request_id: expires_at for i in beat.leases if i.request_id in extended},
         revoked=[i.request_id for i in beat.leases if i.request_id not in extended],
-        resync=resync)
+        resync=resync, handback=handback)
 
 
 @retry_conflicts
@@ -234,23 +240,27 @@ def complete(store: Store, site: Site, done: CompleteRequest, now: float,
     finished: list[str] = []
     rejected: list[RejectedCompletion] = []
     generated = wasted = stale = 0
+    billed_total = 0.0
     with store.write() as conn:
-        price = conn.execute(select(sites.c.price_per_hour, sites.c.tokens_per_s)
-                             .where(sites.c.id == site.id)).one()
-        per_token = metering.usd_per_token(price.price_per_hour, price.tokens_per_s)
-        factor = case((requests.c.tier == Tier.BACKGROUND.value,
-                       config.background_price_factor), else_=1.0)
+        price_list = prices.load_price_list(conn)
+        billed_as = _billed_as(conn, [i.request_id for i in done.results
+                                      if i.outcome == "succeeded"])
         for item in done.results:
             tokens_out = _count(item.usage.completion_tokens if item.usage
                                 else sum(len(c.token_ids) for c in item.choices))
             values: dict[str, Any] = {"finished_at": now, "lease_expires_at": None,
                                       "version": requests.c.version + 1, "progress": None}
+            billed = 0.0
             if item.outcome == "succeeded":
+                tokens_in = _count(item.usage.prompt_tokens) if item.usage else 0
+                model, tier = billed_as.get(item.request_id, ("", Tier.REALTIME.value))
+                billed = prices.billed_usd(
+                    price_list.lookup(model, tier, config.background_price_factor),
+                    tokens_in, tokens_out)
                 values.update(
                     status=RequestStatus.SUCCEEDED.value,
                     result={"choices": [c.model_dump(mode="json") for c in item.choices]},
-                    prompt_tokens=_count(item.usage.prompt_tokens) if item.usage else 0,
-                    completion_tokens=tokens_out, cost_usd=tokens_out * per_token * factor)
+                    prompt_tokens=tokens_in, completion_tokens=tokens_out, billed_usd=billed)
             else:
                 error = item.error.model_dump() if item.error else {
                     "code": "server_error", "message": "the worker reported a failure"}
@@ -266,6 +276,7 @@ def complete(store: Store, site: Site, done: CompleteRequest, now: float,
                 accepted.append(item.request_id)
                 finished.append(item.request_id)
                 generated += tokens_out
+                billed_total += billed
                 continue
             row = conn.execute(select(requests.c.status, requests.c.epoch, requests.c.site_id,
                                       requests.c.lease_base_tokens, requests.c.wasted_epoch)
@@ -289,12 +300,15 @@ def complete(store: Store, site: Site, done: CompleteRequest, now: float,
                 kept = row.lease_base_tokens if row.epoch > item.epoch else 0
                 wasted += max(0, tokens_out - kept)
         checkpoints.drop(conn, finished)
+        # Whatever it completed, accepted or too late, it held until now.
         touch_site(
-            conn, site.id, now, config.lease_ttl_s,
+            conn, site.id, now, config.lease_ttl_s, busy=bool(accepted) or stale > 0,
+            accepted_tokens=generated,
             completions=sites.c.completions + len(finished),
             tokens_generated=sites.c.tokens_generated + generated,
             stale_completions=sites.c.stale_completions + stale,
-            wasted_tokens=sites.c.wasted_tokens + wasted)
+            wasted_tokens=sites.c.wasted_tokens + wasted,
+            billed_usd=sites.c.billed_usd + billed_total)
     return CompleteResponse(accepted=accepted, rejected=rejected)
 
 
@@ -303,6 +317,17 @@ def _completed_by(row: Any, epoch: int, site_id: str) -> bool:
     ends a row as succeeded or failed at a leased epoch)."""
     return (row.status in (RequestStatus.SUCCEEDED, RequestStatus.FAILED) and row.epoch == epoch
             and row.site_id == site_id)
+
+
+def _billed_as(conn: Connection, request_ids: list[str]) -> dict[str, tuple[str, str]]:
+    """(model, tier) of each request, which its price depends on; neither ever changes."""
+    found: dict[str, tuple[str, str]] = {}
+    for start in range(0, len(request_ids), 500):
+        part = request_ids[start:start + 500]
+        found.update((r.id, (r.model or "", r.tier)) for r in conn.execute(
+            select(requests.c.id, requests.c.model, requests.c.tier)
+            .where(requests.c.id.in_(part))))
+    return found
 
 
 @retry_conflicts

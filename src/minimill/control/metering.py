@@ -1,38 +1,44 @@
-"""Money: $/token per site from its price per hour and measured throughput; cost per request.
+"""Cost: what tokens cost the factory, per site. (What tenants pay is prices.py; never mixed.)
 
-A site's measured rate is output tokens per second of wall time for the whole site, with every
-prefill it did in that time included. So one site-hour buys `3600 * tokens_per_s` output tokens,
-and an output token costs `price_per_hour / (3600 * tokens_per_s)`; prompt tokens are paid for
-through that rate rather than priced twice. The rate is the site's busy throughput (what it
-makes with work to do; sites.touch_site keeps it), so an idle hour does not raise the price.
-Background work (batches, service_tier "flex") is charged `background_price_factor` of that,
-since it fills capacity that would otherwise idle. Placement ranks sites by
-`effective_usd_per_mtok`, which also counts the work a site is expected to lose.
+A site's cost per output token is its price per hour over its throughput:
+`price_per_hour / (3600 * tokens_per_s)`; prompt tokens are paid for through that rate (its
+throughput counts the prefills it did) rather than costed twice. Two throughputs exist:
+
+- the *measured* one, which the control plane takes from what it saw itself: output tokens of
+  accepted completions over the seconds the site held at least one lease, over a window of its
+  recent held time (sites.touch_site keeps the sums). Cost and margin are computed from it, so
+  a worker that reports a false rate cannot change them;
+- the rate the worker *reports*: placement's prior for ranking sites (site_health), which works
+  before a site has held any work. It never reaches a bill or a cost.
 """
 
 from __future__ import annotations
 
-from minimill.control.records import Tier
-
-# Assumed until a site's worker reports a measurement (a small CPU site's order of magnitude).
+# Assumed until a site's worker reports a rate (a small CPU site's order of magnitude).
 DEFAULT_TOKENS_PER_S = 50.0
-# Below this, a measurement is noise (an idle site), not a rate to price by.
+# Below this, a reported rate is noise (an idle site), not a rate to rank by.
 MIN_TOKENS_PER_S = 1.0
+# The measured throughput covers about this many seconds of the site's recent held time:
+# older seconds and their tokens weigh less and less (sites.touch_site decays both sums).
+METER_WINDOW_S = 3600.0
+# Less held time than this is too little to measure a throughput from.
+MIN_MEASURED_BUSY_S = 1.0
 
 
 def effective_tokens_per_s(tokens_per_s: float | None) -> float:
+    """A reported rate placement can rank by: the default when unknown or noise."""
     if tokens_per_s is None or tokens_per_s < MIN_TOKENS_PER_S:
         return DEFAULT_TOKENS_PER_S
     return tokens_per_s
 
 
-def usd_per_token(price_per_hour: float, tokens_per_s: float | None) -> float:
-    """What one output token costs at this site."""
-    return price_per_hour / 3600.0 / effective_tokens_per_s(tokens_per_s)
+def _usd_per_mtok(price_per_hour: float, tokens_per_s: float) -> float:
+    return price_per_hour / 3600.0 / tokens_per_s * 1e6
 
 
 def usd_per_mtok(price_per_hour: float, tokens_per_s: float | None) -> float:
-    return usd_per_token(price_per_hour, tokens_per_s) * 1e6
+    """$/Mtok at a reported rate (placement's view of a site)."""
+    return _usd_per_mtok(price_per_hour, effective_tokens_per_s(tokens_per_s))
 
 
 def effective_usd_per_mtok(price_per_hour: float, tokens_per_s: float | None,
@@ -43,12 +49,15 @@ def effective_usd_per_mtok(price_per_hour: float, tokens_per_s: float | None,
     return usd_per_mtok(price_per_hour, tokens_per_s) / kept
 
 
-def tier_factor(tier: Tier | str, background_price_factor: float) -> float:
-    return background_price_factor if tier == Tier.BACKGROUND else 1.0
+def measured_tokens_per_s(window_tokens: float, window_busy_s: float) -> float | None:
+    """Accepted output tokens per held second (None: the site has held too little work, or
+    none of it is finished yet: tokens count when their completion is accepted)."""
+    if window_busy_s < MIN_MEASURED_BUSY_S or window_tokens <= 0:
+        return None
+    return window_tokens / window_busy_s
 
 
-def request_cost(completion_tokens: int, price_per_hour: float, tokens_per_s: float | None,
-                 tier: Tier | str, background_price_factor: float) -> float:
-    """Dollars charged for one request served at this site."""
-    return (completion_tokens * usd_per_token(price_per_hour, tokens_per_s)
-            * tier_factor(tier, background_price_factor))
+def cost_usd_per_mtok(price_per_hour: float, measured: float | None) -> float | None:
+    """What a million output tokens cost the factory at this site, at its measured rate
+    (None: not measured yet)."""
+    return None if measured is None else _usd_per_mtok(price_per_hour, measured)

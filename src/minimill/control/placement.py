@@ -19,7 +19,17 @@ the asking site leaves it. Rules:
   background work due by some deadline in time (its tokens over their expected throughput,
   with a safety factor), the asking site takes that work first, whatever its price.
 - A peer counts as faster or cheaper only by more than `tolerance`: measurements are noisy, and
-  equal sites should share the queue rather than wait for each other.
+  equal sites should share the queue rather than wait for each other. Sites of the same chip
+  and price are not told apart by their measured rates, which follow the load each was given
+  (ranking.py says how two sites compare).
+- Equal sites (neither cheaper than the other, or of the same kind: ranking.py) with free room
+  share background work: the asking site takes its fair share, in proportion to its room (its
+  leases plus its free capacity) times the fraction of work it is expected to keep, of that
+  work plus what the equal sites already hold, and leaves the rest to its equals' free slots;
+  the first to ask does not take the whole queue, and a kill of one site does not lose it all.
+  Work no equal can take (another model, an outage ahead) it takes anyway.
+- Announced outages also hand work back (handback.py): no site gets work that it would not
+  finish `handback_lead_s` before its outage starts, when it gives back all it still holds.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from minimill.control import site_health
+from minimill.control import ranking, site_health
 from minimill.control.records import Tier
 
 
@@ -66,6 +76,7 @@ class SiteState:
     up_s: float = 0.0  # seconds observed up (see site_health.uptime)
     leases_granted: int = 0
     leases_expired: int = 0
+    chip: str | None = None  # what it runs on, as registered or declared by its worker
 
     def current_or_next_outage(self, now: float) -> Outage | None:
         upcoming = [o for o in self.outages if o.end_at > now]
@@ -118,6 +129,12 @@ class PlacementPolicy:
     prior_leases: int = 20
     # A deadline is at risk when the work due by it needs more than 1/this of the time left.
     deadline_safety: float = 1.25
+    # A site with an announced outage hands back every lease it still holds this long before
+    # the outage starts (its worker hears of it at its next heartbeat, then checkpoints and
+    # releases them), and is given no work it would not finish by then.
+    handback_lead_s: float = 5.0
+    # Held leases are weighed for an early handback only this close to an outage.
+    handback_horizon_s: float = 3600.0
 
     def estimated_seconds(self, candidate: Candidate) -> float:
         return max(self.tokens(candidate), 1) / self.stream_tokens_per_s
@@ -136,25 +153,12 @@ class PlacementPolicy:
 DEFAULT_POLICY = PlacementPolicy()
 
 
-def _fits(site: SiteState, candidate: Candidate, now: float, policy: PlacementPolicy) -> bool:
-    """Would `site` finish `candidate` before its next outage (and is it up now)?"""
+def fits(site: SiteState, candidate: Candidate, now: float, policy: PlacementPolicy) -> bool:
+    """Would `site` finish `candidate` before it hands back its work ahead of its next outage
+    (and is it up now)?"""
     outage = site.current_or_next_outage(now)
-    return outage is None or now + policy.estimated_seconds(candidate) <= outage.start_at
-
-
-def _faster(peer: SiteState, me: SiteState, now: float, policy: PlacementPolicy) -> bool:
-    """Does `peer` come before `me` for realtime work (reliable first, then faster)?"""
-    peer_reliable = site_health.loss_fraction(peer, now, policy) <= policy.reliable_max_loss
-    me_reliable = site_health.loss_fraction(me, now, policy) <= policy.reliable_max_loss
-    if peer_reliable != me_reliable:
-        return peer_reliable
-    return (site_health.busy_tokens_per_s(peer)
-            > site_health.busy_tokens_per_s(me) * (1 + policy.tolerance))
-
-
-def _cheaper(peer: SiteState, me: SiteState, now: float, policy: PlacementPolicy) -> bool:
-    return (site_health.effective_usd_per_mtok(peer, now, policy) * (1 + policy.tolerance)
-            < site_health.effective_usd_per_mtok(me, now, policy))
+    return outage is None or (now + policy.estimated_seconds(candidate)
+                              <= outage.start_at - policy.handback_lead_s)
 
 
 def _peers(snapshot: Snapshot) -> list[SiteState]:
@@ -163,17 +167,18 @@ def _peers(snapshot: Snapshot) -> list[SiteState]:
 
 def needs_backlog(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLICY) -> bool:
     """Whether deadline risk can change the answer: some live peer is cheaper."""
-    return any(site_health.alive(p, now, policy) and _cheaper(p, snapshot.site, now, policy)
+    return any(site_health.alive(p, now, policy)
+               and ranking.cheaper(p, snapshot.site, now, policy)
                for p in _peers(snapshot))
 
 
 def reserved_slots(snapshot: Snapshot, now: float,
                    policy: PlacementPolicy = DEFAULT_POLICY) -> int:
-    """Free capacity of peers that go before the asking site: how far past its own capacity
-    the queue must be read to find what it would get."""
+    """Free capacity of peers that go before the asking site or share with it: how far past
+    its own capacity the queue must be read to find what it would get (and its fair share)."""
     me = snapshot.site
     return sum(site_health.free_slots(p, now, policy) for p in _peers(snapshot)
-               if _faster(p, me, now, policy) or _cheaper(p, me, now, policy))
+               if ranking.faster(p, me, now, policy) or not ranking.cheaper(me, p, now, policy))
 
 
 def deadline_at_risk(snapshot: Snapshot, now: float,
@@ -184,7 +189,7 @@ def deadline_at_risk(snapshot: Snapshot, now: float,
         return None
     me = snapshot.site
     cheaper = [p for p in _peers(snapshot)
-               if site_health.alive(p, now, policy) and _cheaper(p, me, now, policy)]
+               if site_health.alive(p, now, policy) and ranking.cheaper(p, me, now, policy)]
     rate = sum(site_health.expected_tokens_per_s(p, now, policy) for p in cheaper)
     theirs = {p.site_id for p in cheaper}
     due: dict[float, int] = {}
@@ -201,7 +206,7 @@ def deadline_at_risk(snapshot: Snapshot, now: float,
     return at_risk
 
 
-class _Plan:
+class Plan:
     """Free slots of the peers that go before the asking site, consumed in placement order."""
 
     def __init__(self, peers: list[SiteState], now: float, policy: PlacementPolicy) -> None:
@@ -212,7 +217,7 @@ class _Plan:
         """Hand `candidate` to the first of `peers` that has room and can run it."""
         for peer in peers:
             if (self.slots[peer.site_id] > 0 and peer.serves(candidate.model)
-                    and _fits(peer, candidate, self.now, self.policy)):
+                    and fits(peer, candidate, self.now, self.policy)):
                 self.slots[peer.site_id] -= 1
                 return True
         return False
@@ -224,18 +229,20 @@ def place(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLI
     if snapshot.capacity <= 0 or site_health.in_outage(me, now):
         return []
     peers = [p for p in _peers(snapshot) if site_health.free_slots(p, now, policy) > 0]
-    faster = sorted((p for p in peers if _faster(p, me, now, policy)),
+    faster = sorted((p for p in peers if ranking.faster(p, me, now, policy)),
                     key=lambda p: (site_health.loss_fraction(p, now, policy)
                                    > policy.reliable_max_loss,
                                    -site_health.busy_tokens_per_s(p), p.site_id))
-    cheaper = sorted((p for p in peers if _cheaper(p, me, now, policy)),
+    cheaper = sorted((p for p in peers if ranking.cheaper(p, me, now, policy)),
                      key=lambda p: (site_health.effective_usd_per_mtok(p, now, policy),
                                     p.site_id))
-    plan = _Plan(peers, now, policy)
+    equals = sorted((p for p in peers if ranking.equal(p, me, now, policy)),
+                    key=lambda p: p.site_id)
+    plan = Plan(peers, now, policy)
     urgent_until = deadline_at_risk(snapshot, now, policy)
 
     def mine(candidate: Candidate) -> bool:
-        return candidate.model in snapshot.models and _fits(me, candidate, now, policy)
+        return candidate.model in snapshot.models and fits(me, candidate, now, policy)
 
     realtime = sorted((c for c in snapshot.candidates if c.tier == Tier.REALTIME),
                       key=lambda c: c.seq)
@@ -251,12 +258,41 @@ def place(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLI
             picked.append(candidate.request_id)
         else:  # a cheaper peer will run it, realtime before its background
             plan.give(cheaper, candidate)
-    for candidate in background:
+    shared = [c for c in background  # what cheaper peers leave to this site and its equals
+              if (urgent_until is not None and c.deadline <= urgent_until)
+              or not plan.give(cheaper, c)]
+    share = fair_share(snapshot, len(picked), equals, len(shared), now, policy)
+    taken = 0
+    for candidate in shared:
         if len(picked) >= snapshot.capacity:
             break
-        urgent = urgent_until is not None and candidate.deadline <= urgent_until
-        if not urgent and plan.give(cheaper, candidate):
+        if taken >= share and plan.give(equals, candidate):
             continue
         if mine(candidate):
             picked.append(candidate.request_id)
+            taken += 1
     return picked
+
+
+def fair_share(snapshot: Snapshot, num_picked: int, equals: list[SiteState], num_shared: int,
+               now: float, policy: PlacementPolicy = DEFAULT_POLICY) -> int:
+    """How many of `num_shared` background requests the asking site takes, its equals with
+    free room taking the rest: each site's share of the work (that plus what they already
+    hold) is in proportion to its room (what it holds plus its free capacity) times the
+    fraction of its work it is expected to keep, so a site that loses work gets less of it
+    but not none. Rounded up, so that someone always takes the last request. `num_picked`:
+    realtime it just got."""
+    if not equals:
+        return num_shared
+    me = snapshot.site
+
+    def kept(site: SiteState) -> float:
+        return 1.0 - site_health.loss_fraction(site, now, policy)
+
+    held = me.in_flight + num_picked
+    mine = (me.in_flight + snapshot.capacity) * kept(me)
+    all_held = held + sum(p.in_flight for p in equals)
+    everyone = mine + sum((p.in_flight + site_health.free_slots(p, now, policy)) * kept(p)
+                          for p in equals)
+    target = (num_shared + all_held) * mine / everyone if everyone > 0 else num_shared
+    return max(0, math.ceil(target - held - 1e-9))

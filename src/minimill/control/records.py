@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 
 def new_id(prefix: str) -> str:
@@ -46,9 +46,18 @@ class Tier(StrEnum):
 class Kind(StrEnum):
     CHAT = "chat"  # /v1/chat/completions
     COMPLETION = "completion"  # /v1/completions
+    # /v1/responses: workers run it as a chat over the whole conversation (its body holds the
+    # chat messages), so leases hand it out as "chat" (wire_kind) and no worker changes.
+    RESPONSE = "response"
+
+    @property
+    def wire_kind(self) -> Literal["chat", "completion"]:
+        """The kind a worker is told in its lease: the engine path that runs it."""
+        return "completion" if self == Kind.COMPLETION else "chat"
 
 
-ENDPOINT_KINDS = {"/v1/chat/completions": Kind.CHAT, "/v1/completions": Kind.COMPLETION}
+ENDPOINT_KINDS = {"/v1/chat/completions": Kind.CHAT, "/v1/completions": Kind.COMPLETION,
+                  "/v1/responses": Kind.RESPONSE}
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +67,19 @@ class Tenant:
 
 
 @dataclass(frozen=True, slots=True)
+class Operator:
+    """The holder of an operator key: reaches the fleet (sites, outages, prices, keys)."""
+
+    key_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class Site:
     id: str
     name: str
     chip: str
     price_per_hour: float
-    tokens_per_s: float | None  # last measurement reported by its worker
+    tokens_per_s: float | None  # busy rate its worker reports (placement's prior, not cost)
     created_at: float
     last_seen_at: float | None
 
@@ -90,7 +106,7 @@ class RequestCounts:
 class UsageTotals:
     prompt_tokens: int
     completion_tokens: int
-    cost_usd: float
+    billed_usd: float  # what the tenant is billed (the price list), never the factory's cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,9 +154,13 @@ class RequestRecord:
     error: dict[str, Any] | None  # {"code", "message", "param"} once failed
     prompt_tokens: int
     completion_tokens: int
-    cost_usd: float
+    billed_usd: float  # what the tenant is billed for it (prices.billed_usd at completion)
     created_at: float
     finished_at: float | None
+    session_key: str | None = None  # the conversation it belongs to (requests.session_key)
+    # The stored checkpoint, assembled (a Checkpoint as JSON), for readers that ask for it (a
+    # response's text so far); None otherwise, and once terminal.
+    checkpoint: dict[str, Any] | None = None
 
     @property
     def terminal(self) -> bool:

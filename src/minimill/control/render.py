@@ -24,9 +24,11 @@ def response_id(kind: Kind, request_id: str) -> str:
     return prefix + request_hex(request_id)
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cost_usd: float) -> dict[str, Any]:
+def usage_dict(prompt_tokens: int, completion_tokens: int, billed_usd: float) -> dict[str, Any]:
+    """OpenAI's usage plus `cost_usd`: what the tenant is billed for the request (the operator's
+    price list; prices.py), never what the tokens cost the factory."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "cost_usd": cost_usd}
+            "total_tokens": prompt_tokens + completion_tokens, "cost_usd": billed_usd}
 
 
 def service_tier(tier: Tier | str) -> str:

@@ -6,7 +6,7 @@ import random
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import Connection, insert, select, update
 
 from minimill.control import checkpoints
 from minimill.control.bodies import PreparedBody
@@ -36,14 +36,21 @@ def new_seed() -> int:
 _WATCHED = [c for c in requests.c if c.name != "body"]
 
 
-def record(row: Any) -> RequestRecord:
+def record(row: Any, checkpoint: Checkpoint | None = None) -> RequestRecord:
     return RequestRecord(
         id=row.id, tenant_id=row.tenant_id, batch_id=row.batch_id,
         kind=Kind(row.kind) if row.kind else None, tier=Tier(row.tier), model=row.model,
         body=getattr(row, "body", None), status=RequestStatus(row.status), epoch=row.epoch,
         version=row.version, progress=row.progress, result=row.result, error=row.error,
         prompt_tokens=row.prompt_tokens, completion_tokens=row.completion_tokens,
-        cost_usd=row.cost_usd, created_at=row.created_at, finished_at=row.finished_at)
+        billed_usd=row.billed_usd, created_at=row.created_at, finished_at=row.finished_at,
+        session_key=row.session_key,
+        checkpoint=checkpoint.model_dump(mode="json") if checkpoint is not None else None)
+
+
+def record_with_checkpoint(conn: Connection, row: Any) -> RequestRecord:
+    """The row's record with its checkpoint assembled (for a response's text so far)."""
+    return record(row, checkpoints.load(conn, [row.id]).get(row.id) if row.progress else None)
 
 
 def row_values(tenant_id: str, prepared: PreparedBody, now: float, deadline: float,
@@ -54,8 +61,9 @@ def row_values(tenant_id: str, prepared: PreparedBody, now: float, deadline: flo
             "seed": prepared.seed if prepared.seed is not None else new_seed(),
             "max_tokens": prepared.max_tokens, "stream": prepared.stream,
             "status": RequestStatus.QUEUED.value, "epoch": 0, "attempts": 0, "version": 0,
-            "prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0,
-            "created_at": now, "deadline": deadline, **extra}
+            "prompt_tokens": 0, "completion_tokens": 0, "billed_usd": 0.0,
+            "created_at": now, "deadline": deadline, "session_key": prepared.session_key,
+            **extra}
 
 
 def submit(store: Store, tenant_id: str, prepared: PreparedBody, now: float,
@@ -68,16 +76,17 @@ def submit(store: Store, tenant_id: str, prepared: PreparedBody, now: float,
     return str(values["id"])
 
 
-def get_request(store: Store, tenant_id: str, request_id: str,
-                with_body: bool = True) -> RequestRecord:
-    """The request's row; without its body (None) for waiters that read it on every wake."""
+def get_request(store: Store, tenant_id: str, request_id: str, with_body: bool = True,
+                with_checkpoint: bool = False) -> RequestRecord:
+    """The request's row; without its body (None) for waiters that read it on every wake;
+    with its checkpoint assembled if asked."""
     columns = requests.c if with_body else _WATCHED
     with store.read() as conn:
         row = conn.execute(select(*columns).where(requests.c.id == request_id,
                                                   requests.c.tenant_id == tenant_id)).first()
-    if row is None:
-        raise NotFoundError(f"No such request: {request_id}")
-    return record(row)
+        if row is None:
+            raise NotFoundError(f"No such request: {request_id}")
+        return record_with_checkpoint(conn, row) if with_checkpoint else record(row)
 
 
 def checkpoint_of(store: Store, tenant_id: str, request_id: str) -> Checkpoint | None:

@@ -11,7 +11,8 @@ Definitions (the same numbers drive placement and `minimill sites list`):
 - Expected loss fraction: the share of work placed on the site that is expected to be lost,
   the larger of its expired-lease share (expired / (granted + prior_leases), so that a new
   site is not judged on its first two leases) and its observed down fraction (1 - uptime).
-- Effective $/Mtok: $/Mtok at its busy throughput (metering) divided by (1 - expected loss):
+- Effective $/Mtok: $/Mtok at the busy throughput its worker reports (metering: placement's
+  prior, never a bill or a cost) divided by (1 - expected loss):
   lost work is paid for and then done again elsewhere.
 """
 

@@ -2,7 +2,9 @@
 
 Both come from the same rows (sites, their announced outages, the leases they hold), and every
 derived number (uptime, expected loss, effective $/Mtok, status) comes from site_health, so
-what `minimill sites list` shows is what placement decides with.
+what `minimill sites list` shows is what placement decides with. SiteStatus adds what only
+operators see: the throughput the control plane measured, what the site's tokens cost the
+factory at it (metering), what tenants were billed for them, and the margin.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def _state(row: Any, held: int, windows: list[Outage]) -> SiteState:
         free_capacity=row.free_capacity, capacity_at=row.capacity_at,
         models=frozenset(str(m) for m in models) if models is not None else None,
         first_seen_at=row.first_seen_at, up_s=row.up_s,
-        leases_granted=row.leases_granted, leases_expired=row.leases_expired)
+        leases_granted=row.leases_granted, leases_expired=row.leases_expired, chip=row.chip)
 
 
 def _load(conn: Connection) -> list[tuple[Any, SiteState]]:
@@ -56,12 +58,18 @@ class SiteStatus:
     name: str
     status: str  # new | online | draining | outage | offline
     chip: str
-    price_per_hour: float
-    tokens_per_s: float | None  # busy throughput its worker measured
+    price_per_hour: float  # what the site costs (registered, or declared by its worker)
+    tokens_per_s: float | None  # busy throughput its worker reports: placement's prior
+    measured_tokens_per_s: float | None  # accepted output tokens per held second (metering)
     uptime: float | None  # observed fraction of time up since first contact (site_health)
-    usd_per_mtok: float  # at its busy throughput
+    usd_per_mtok: float  # at the reported throughput: placement's view
     expected_loss: float  # fraction of placed work expected to be lost (site_health)
     effective_usd_per_mtok: float  # usd_per_mtok / (1 - expected_loss): placement's ranking
+    cost_usd_per_mtok: float | None  # what its output tokens cost, at the measured throughput
+    busy_s: float  # seconds it held at least one lease
+    cost_usd: float  # what that held time cost: busy_s at its price per hour
+    billed_usd: float  # what tenants were billed for the completions it delivered
+    margin_usd: float  # billed_usd - cost_usd
     in_flight: int
     free_capacity: int  # what its worker last said it could still take
     leases_granted: int
@@ -90,17 +98,25 @@ def list_sites(store: Store, now: float,
                policy: PlacementPolicy = DEFAULT_POLICY) -> list[SiteStatus]:
     with store.read() as conn:
         loaded = _load(conn)
-    return [SiteStatus(
+    return [_status(row, state, now, policy) for row, state in loaded]
+
+
+def _status(row: Any, state: SiteState, now: float, policy: PlacementPolicy) -> SiteStatus:
+    measured = metering.measured_tokens_per_s(row.window_tokens, row.window_busy_s)
+    return SiteStatus(
         name=row.name, status=site_status(state, now, policy), chip=row.chip,
         price_per_hour=row.price_per_hour, tokens_per_s=row.tokens_per_s,
-        uptime=site_health.uptime(state, now, policy),
+        measured_tokens_per_s=measured, uptime=site_health.uptime(state, now, policy),
         usd_per_mtok=metering.usd_per_mtok(row.price_per_hour, row.tokens_per_s),
         expected_loss=site_health.loss_fraction(state, now, policy),
         effective_usd_per_mtok=site_health.effective_usd_per_mtok(state, now, policy),
+        cost_usd_per_mtok=metering.cost_usd_per_mtok(row.price_per_hour, measured),
+        busy_s=row.busy_s, cost_usd=row.cost_usd, billed_usd=row.billed_usd,
+        margin_usd=row.billed_usd - row.cost_usd,
         in_flight=state.in_flight, free_capacity=max(row.free_capacity, 0),
         leases_granted=row.leases_granted, leases_expired=row.leases_expired,
         completions=row.completions, stale_completions=row.stale_completions,
         wasted_tokens=row.wasted_tokens, tokens_generated=row.tokens_generated,
         last_seen_at=row.last_seen_at,
         outages=[{"start_at": o.start_at, "end_at": o.end_at} for o in state.outages
-                 if o.end_at > now]) for row, state in loaded]
+                 if o.end_at > now])

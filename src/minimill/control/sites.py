@@ -1,4 +1,4 @@
-"""The site registry: sites, their tokens, health counters, outages; and the `sites` CLI.
+"""The site registry: sites, their tokens, health counters, held time and cost, outages.
 
 Writes live here (registration, contact from workers, outages); the read side (placement's
 SiteState snapshot, the operators' SiteStatus list) is site_view.py, the definitions of uptime,
@@ -7,24 +7,21 @@ expected loss and effective cost are site_health.py.
 
 from __future__ import annotations
 
-import json
 import math
 import secrets
-import sys
 import time
-from dataclasses import asdict
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Connection, case, func, insert, select, update
+from sqlalchemy import Connection, case, delete, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from minimill.control import metering
-from minimill.control.errors import ConflictError, ControlError, InvalidRequestError, NotFoundError
+from minimill.control.errors import ConflictError, InvalidRequestError, NotFoundError
 from minimill.control.keys import hash_secret
 from minimill.control.records import Site, new_id
-from minimill.control.site_view import SiteStatus, list_sites
-from minimill.control.store import Store, StoreError, open_store
+from minimill.control.store import Store
 from minimill.control.tables import outages, sites
 from minimill.protocol import MAX_PRICE_PER_HOUR
 
@@ -77,10 +74,20 @@ def authenticate_site(store: Store, token: str) -> Site | None:
 
 
 def touch_site(conn: Connection, site_id: str, now: float, up_grace_s: float,
-               tokens_per_s: float | None = None, *, busy: bool = True, **more: Any) -> None:
-    """Record contact from a site: last seen, observed up time, measured throughput, plus any
-    `more` column values (counters). Callers touch the site row after the request rows, so
-    every transaction locks rows in one order (batches, requests, sites): no deadlocks.
+               tokens_per_s: float | None = None, *, busy: bool = True, accepted_tokens: int = 0,
+               **more: Any) -> None:
+    """Record contact from a site: last seen, observed up time, held time and its cost, the
+    throughput the control plane measures, the rate the worker reports, plus any `more` column
+    values (counters). Callers touch the site row after the request rows, so every transaction
+    locks rows in one order (batches, requests, sites): no deadlocks.
+
+    `busy` says the site held at least one lease since its last contact (leases are granted
+    only in its own calls, so one it holds now, it held since then). That time, if the gap is
+    short enough to count as up, is held time (`busy_s`), costs its price per hour
+    (`cost_usd`), and joins the throughput window with the `accepted_tokens` of this call: the
+    measured rate is window_tokens / window_busy_s (metering), each new held second weighing
+    older ones down by METER_WINDOW_S / (METER_WINDOW_S + gap), about exp(-gap / window).
+    Nothing in it comes from what the worker says.
 
     `tokens_per_s` is what the worker measured over its recent past; the registry keeps the
     site's *busy* throughput, since an idle or half-empty site measures its load, not what it
@@ -93,13 +100,21 @@ def touch_site(conn: Connection, site_id: str, now: float, up_grace_s: float,
     Measurements below metering.MIN_TOKENS_PER_S are noise and ignored.
     """
     gap = now - sites.c.last_seen_at
+    up_gap = case(((sites.c.last_seen_at.is_not(None)) & (gap > 0) & (gap <= up_grace_s), gap),
+                  else_=0.0)
     values: dict[str, Any] = {
         "last_seen_at": now,
         "first_seen_at": func.coalesce(sites.c.first_seen_at, now),
-        "up_s": sites.c.up_s + case(
-            ((sites.c.last_seen_at.is_not(None)) & (gap > 0) & (gap <= up_grace_s), gap),
-            else_=0.0),
+        "up_s": sites.c.up_s + up_gap,
     }
+    if busy:
+        keep = metering.METER_WINDOW_S / (metering.METER_WINDOW_S + up_gap)
+        values.update(busy_s=sites.c.busy_s + up_gap,
+                      cost_usd=sites.c.cost_usd + sites.c.price_per_hour * up_gap / 3600.0,
+                      window_busy_s=sites.c.window_busy_s * keep + up_gap,
+                      window_tokens=sites.c.window_tokens * keep + accepted_tokens)
+    elif accepted_tokens:
+        values["window_tokens"] = sites.c.window_tokens + accepted_tokens
     if (tokens_per_s is not None and math.isfinite(tokens_per_s)
             and tokens_per_s >= metering.MIN_TOKENS_PER_S):
         old = sites.c.tokens_per_s
@@ -127,85 +142,69 @@ def parse_time(text: str, param: str) -> float:
     return moment.timestamp()
 
 
-def add_outage(store: Store, site_name: str, start_at: float, end_at: float) -> None:
-    """Announce a planned or forecast outage; placement drains the site ahead of it."""
+def add_outage(store: Store, site_name: str, start_at: float, end_at: float) -> int:
+    """Announce a planned or forecast outage; placement drains the site ahead of it, and the
+    site hands back what it holds before it starts (handback.py). Returns the outage's id."""
+    if not (math.isfinite(start_at) and math.isfinite(end_at)):
+        raise InvalidRequestError("an outage's start and end must be finite times",
+                                  param="start_at")
     if end_at <= start_at:
         raise InvalidRequestError("an outage must end after it starts", param="end")
     with store.write() as conn:
         site_id = conn.execute(select(sites.c.id).where(sites.c.name == site_name)).scalar()
         if site_id is None:
             raise NotFoundError(f"no site named {site_name!r}", param="site")
-        conn.execute(insert(outages).values(site_id=site_id, start_at=start_at, end_at=end_at,
-                                            created_at=time.time()))
+        outage_id = conn.execute(insert(outages).values(
+            site_id=site_id, start_at=start_at, end_at=end_at, created_at=time.time())
+        ).inserted_primary_key
+    return int(outage_id[0]) if outage_id else 0
 
 
-def _cli_store(db: str | None) -> Store:
-    try:
-        return open_store(db)
-    except StoreError as exc:
-        raise SystemExit(f"error: {exc}") from None
+@dataclass(frozen=True, slots=True)
+class OutageRecord:
+    """An announced outage, as operators see it."""
+
+    id: int
+    site: str
+    start_at: float
+    end_at: float
+    created_at: float
 
 
-def create_site_cli(name: str, price_per_hour: float, chip: str, db: str | None) -> str:
-    """`minimill sites create NAME`: registers the site and returns its token."""
-    store = _cli_store(db)
-    try:
-        return create_site(store, name, price_per_hour, chip)
-    except ControlError as exc:
-        raise SystemExit(f"error: {exc.message}") from None
-    finally:
-        store.close()
+def list_outages(store: Store, now: float, site_name: str | None = None, *,
+                 include_past: bool = False) -> list[OutageRecord]:
+    """Announced outages by start time: those not over yet (every one with `include_past`),
+    of one site or of all."""
+    query = (select(outages.c.id, sites.c.name, outages.c.start_at, outages.c.end_at,
+                    outages.c.created_at)
+             .join(sites, sites.c.id == outages.c.site_id)
+             .order_by(outages.c.start_at, outages.c.id))
+    if site_name is not None:
+        query = query.where(sites.c.name == site_name)
+    if not include_past:
+        query = query.where(outages.c.end_at > now)
+    with store.read() as conn:
+        if site_name is not None and conn.execute(
+                select(sites.c.id).where(sites.c.name == site_name)).first() is None:
+            raise NotFoundError(f"no site named {site_name!r}", param="site")
+        rows = conn.execute(query).all()
+    return [OutageRecord(id=int(r.id), site=r.name, start_at=r.start_at, end_at=r.end_at,
+                         created_at=r.created_at) for r in rows]
 
 
-def list_sites_cli(db: str | None, json_out: bool) -> None:
-    """`minimill sites list`: a table (or JSON) of every site."""
-    store = _cli_store(db)
-    try:
-        statuses = list_sites(store, time.time())
-    finally:
-        store.close()
-    if json_out:
-        print(json.dumps([asdict(s) for s in statuses], indent=2))
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="minimill sites")
-    for column in ("site", "status", "chip", "$/hour", "tokens/s", "uptime", "$/Mtok",
-                   "eff $/Mtok", "in flight", "free", "leases", "expired", "stale",
-                   "wasted tok", "next outage (UTC)"):
-        table.add_column(column, no_wrap=True, justify="left" if column in (
-            "site", "status", "chip", "next outage (UTC)") else "right")
-    for s in statuses:
-        table.add_row(
-            s.name, s.status, s.chip, f"{s.price_per_hour:.4f}",
-            "-" if s.tokens_per_s is None else f"{s.tokens_per_s:.1f}",
-            "-" if s.uptime is None else f"{s.uptime:.1%}", f"{s.usd_per_mtok:.4f}",
-            f"{s.effective_usd_per_mtok:.4f}", str(s.in_flight), str(s.free_capacity),
-            str(s.leases_granted), str(s.leases_expired), str(s.stale_completions),
-            str(s.wasted_tokens), _next_outage(s))
-    # Piped output is not cut to 80 columns: every site's row stays on one line.
-    Console(width=None if sys.stdout.isatty() else 240).print(table)
-
-
-def _next_outage(status: SiteStatus) -> str:
-    if not status.outages:
-        return "-"
-    first = min(status.outages, key=lambda o: o["start_at"])
-
-    def moment(t: float) -> str:
-        return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M")
-
-    return f"{moment(first['start_at'])} to {moment(first['end_at'])}"
-
-
-def add_outage_cli(site: str, start: str, end: str, db: str | None) -> None:
-    """`minimill sites outage add SITE --from T --to T`."""
-    store = _cli_store(db)
-    try:
-        add_outage(store, site, parse_time(start, "from"), parse_time(end, "to"))
-    except ControlError as exc:
-        raise SystemExit(f"error: {exc.message}") from None
-    finally:
-        store.close()
-    print(f"outage of {site} from {start} to {end} recorded")
+def remove_outage(store: Store, outage_id: int, site_name: str | None = None) -> OutageRecord:
+    """Withdraw an announced outage (of `site_name` only, when given): placement and handback
+    stop counting it at once. NotFoundError if there is no such outage (of that site)."""
+    with store.write() as conn:
+        query = (select(outages.c.id, sites.c.name, outages.c.start_at, outages.c.end_at,
+                        outages.c.created_at)
+                 .join(sites, sites.c.id == outages.c.site_id)
+                 .where(outages.c.id == outage_id))
+        if site_name is not None:
+            query = query.where(sites.c.name == site_name)
+        row = conn.execute(query).first() if 0 <= outage_id < 2**63 else None
+        if row is None:
+            raise NotFoundError(f"no outage with id {outage_id}", param="outage_id")
+        conn.execute(delete(outages).where(outages.c.id == outage_id))
+    return OutageRecord(id=int(row.id), site=row.name, start_at=row.start_at,
+                        end_at=row.end_at, created_at=row.created_at)

@@ -73,6 +73,25 @@ api_keys = Table(
     Column("created_at", Double, nullable=False),
 )
 
+# Operator keys reach the fleet (sites, outages, prices, keys); they belong to no tenant.
+operator_keys = Table(
+    "operator_keys", metadata,
+    Column("id", String(40), primary_key=True),
+    Column("key_hash", String(64), nullable=False, unique=True),
+    Column("created_at", Double, nullable=False),
+)
+
+# The operator's price list in $ per million tokens; model "*" is the default entry.
+prices = Table(
+    "prices", metadata,
+    Column("model", String(200), primary_key=True),
+    Column("tier", String(20), primary_key=True),
+    Column("input_usd_per_mtok", Double, nullable=False),
+    Column("cached_input_usd_per_mtok", Double, nullable=False),
+    Column("output_usd_per_mtok", Double, nullable=False),
+    Column("updated_at", Double, nullable=False),
+)
+
 files = Table(
     "files", metadata,
     Column("id", String(40), primary_key=True),
@@ -175,11 +194,15 @@ requests = Table(
     Column("error", JSON),
     Column("prompt_tokens", Integer, nullable=False, default=0),
     Column("completion_tokens", Integer, nullable=False, default=0),
-    Column("cost_usd", Double, nullable=False, default=0.0),
+    # What the tenant is billed for it (the price list at completion; prices.billed_usd).
+    Column("billed_usd", Double, nullable=False, default=0.0),
     Column("created_at", Double, nullable=False),
     Column("leased_at", Double),
     Column("finished_at", Double),
     Column("deadline", Double, nullable=False),
+    # The conversation a request belongs to (a response chain's root id, or the client's
+    # prompt_cache_key): what KV cache reuse and placement may group by. None: no session.
+    Column("session_key", String(200)),
     Index("ix_requests_queue", "status", "tier", "deadline", "seq"),
     Index("ix_requests_batch", "batch_id", "status"),
     # One row per input line, whatever happens to an ingest (output is written in this order).
@@ -205,7 +228,7 @@ sites = Table(
     Column("token_hash", String(64), nullable=False, unique=True),
     Column("chip", String(100), nullable=False),
     Column("price_per_hour", Double, nullable=False),
-    # Busy output tokens/s (see sites.touch_site), as its worker measured it.
+    # Busy output tokens/s as its worker reports it (see sites.touch_site): placement's prior.
     Column("tokens_per_s", Double),
     Column("created_at", Double, nullable=False),
     Column("first_seen_at", Double),
@@ -224,6 +247,15 @@ sites = Table(
     # Tokens generated and then discarded (stale completions, less what a checkpoint kept).
     Column("wasted_tokens", BigInteger, nullable=False, default=0),
     Column("tokens_generated", BigInteger, nullable=False, default=0),
+    # Measured by the control plane, never reported by the worker (sites.touch_site):
+    # seconds it held at least one lease, and the cost of that time at its $/hour;
+    Column("busy_s", Double, nullable=False, default=0.0),
+    Column("cost_usd", Double, nullable=False, default=0.0),
+    # accepted output tokens and held seconds over a window of recent held time (decayed);
+    Column("window_tokens", Double, nullable=False, default=0.0),
+    Column("window_busy_s", Double, nullable=False, default=0.0),
+    # and what tenants were billed for the completions it delivered.
+    Column("billed_usd", Double, nullable=False, default=0.0),
 )
 
 outages = Table(
@@ -233,4 +265,56 @@ outages = Table(
     Column("start_at", Double, nullable=False),
     Column("end_at", Double, nullable=False),
     Column("created_at", Double, nullable=False),
+)
+
+# Webhook endpoints: a tenant's (tenant_id set) or fleet-wide ones (tenant_id None, registered
+# by an operator) that receive the events of every tenant. The signing secret must be kept to
+# sign deliveries, so it is stored as given (it is shown once, at creation).
+webhook_endpoints = Table(
+    "webhook_endpoints", metadata,
+    Column("id", String(40), primary_key=True),
+    Column("tenant_id", String(40), index=True),
+    Column("name", String(200), nullable=False),
+    Column("url", Text, nullable=False),
+    Column("secret", String(100), nullable=False),
+    Column("event_types", JSON, nullable=False),
+    Column("created_at", Double, nullable=False),
+)
+
+# Objects whose end someone may want to hear of (background responses, batches): a row here
+# until its terminal event is recorded. Claimed by deleting it, in the transaction that writes
+# the event, so each object gets one event whatever number of control planes look.
+webhook_watches = Table(
+    "webhook_watches", metadata,
+    Column("subject_id", String(40), primary_key=True),  # a request id or a batch id
+    Column("subject_kind", String(20), nullable=False),  # "response" | "batch"
+    Column("tenant_id", String(40), nullable=False),
+    Column("created_at", Double, nullable=False),
+)
+
+webhook_events = Table(
+    "webhook_events", metadata,
+    Column("id", String(40), primary_key=True),  # evt_...: the webhook-id of every delivery
+    Column("tenant_id", String(40), nullable=False),
+    Column("type", String(40), nullable=False),
+    Column("subject_id", String(40), nullable=False, unique=True),
+    # The JSON body exactly as delivered (every attempt signs the same bytes).
+    Column("payload", Text, nullable=False),
+    Column("created_at", Double, nullable=False),
+)
+
+# One event to one endpoint. `next_attempt_at` doubles as the claim: a sender pushes it a
+# claim's length ahead before it posts, so a sender that dies leaves it due again later.
+webhook_deliveries = Table(
+    "webhook_deliveries", metadata,
+    Column("id", String(40), primary_key=True),
+    Column("event_id", String(40), nullable=False),
+    Column("endpoint_id", String(40), nullable=False, index=True),
+    Column("status", String(20), nullable=False),  # pending | delivered | failed
+    Column("attempts", Integer, nullable=False, default=0),
+    Column("next_attempt_at", Double, nullable=False),
+    Column("last_error", Text),
+    Column("created_at", Double, nullable=False),
+    Column("delivered_at", Double),
+    Index("ix_webhook_deliveries_due", "status", "next_attempt_at"),
 )

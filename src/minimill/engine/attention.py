@@ -8,6 +8,10 @@ plainly, with values of a 2-byte dtype kept in pairs (P = 2; P = 1 for float32) 
 32-bit lane holds two of them, which is what bf16 dot-product instructions read:
     K: [head_dim / P, block_size, P]   a vector register holds one dimension pair of many keys
     V: [block_size / P, head_dim, P]   ... or many dimensions of one key pair
+An int8 cache (kv_dtype "int8") keeps, per block, layer and kv head, K [head_dim, block_size]
+and V [block_size, head_dim] as int8, each followed by block_size float16 scales, one per
+token (value = int8 * scale, scale = max|x| / 127 over the token's head_dim values): about
+half the bytes of bf16. Attention dequantizes as it reads, never into a copy.
 
 A step's tokens are the new tokens of every scheduled sequence back to back (decodes and prompt
 chunks in any order). Sequence s owns query rows [query_start[s], query_start[s + 1]) and, once
@@ -33,6 +37,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs] int32, tokens of KV after this step's writes
     max_query_len: int
     max_seq_len: int
+    block_size: int
 
 
 def build_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
@@ -55,13 +60,21 @@ def build_metadata(query_lens: list[int], seq_lens: list[int], block_tables: lis
         block_tables=tables.to(device),
         query_start=torch.tensor(starts, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        max_query_len=max(query_lens, default=0), max_seq_len=max(seq_lens, default=0))
+        max_query_len=max(query_lens, default=0), max_seq_len=max(seq_lens, default=0),
+        block_size=block_size)
+
+
+def block_elems(block_size: int, head_dim: int, kv_dtype: torch.dtype) -> int:
+    """Elements of one block of one layer, K or V, and kv head (int8: values then scales)."""
+    if kv_dtype == torch.int8:
+        return block_size * head_dim + 2 * block_size
+    return block_size * head_dim
 
 
 def allocate_kv_cache(num_blocks: int, num_layers: int, num_kv_heads: int, block_size: int,
                       head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The KV pool, zeroed: [num_blocks, layers, 2, kv_heads, block_size * head_dim]."""
-    shape = (num_blocks, num_layers, 2, num_kv_heads, block_size * head_dim)
+    """The KV pool, zeroed: [num_blocks, layers, 2, kv_heads, block elements]."""
+    shape = (num_blocks, num_layers, 2, num_kv_heads, block_elems(block_size, head_dim, dtype))
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     # Anonymous memory: the OS zeroes pages on first touch, so a large pool costs neither
@@ -85,13 +98,30 @@ def kv_pack(dtype: torch.dtype) -> int:
 
 
 def layer_views(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one layer, each [blocks, kv_heads, block_size * head_dim] (views: writes go
-    to the pool)."""
+    """K and V of one layer, each [blocks, kv_heads, block elements] (views: writes go to the
+    pool)."""
     return kv_cache[:, layer, 0], kv_cache[:, layer, 1]
 
 
+def _int8_parts(blocks: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values [..., bs * d], float16 scales [..., bs]) of int8 blocks (views)."""
+    values = blocks[..., :-2 * block_size]
+    scales = blocks[..., -2 * block_size:].view(torch.float16)
+    return values, scales
+
+
+def _dequantized(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[..., bs, d] int8 values and [..., bs] scales -> float32 [..., bs, d]."""
+    return values.float() * scales.float()[..., None]
+
+
 def _unpacked_k(k_blocks: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[..., kv_heads, bs * d] in the K layout -> [..., kv_heads, bs, d] (a view)."""
+    """[..., kv_heads, block elements] in the K layout -> [..., kv_heads, bs, d]."""
+    if k_blocks.dtype == torch.int8:
+        values, scales = _int8_parts(k_blocks, block_size)
+        head_dim = values.shape[-1] // block_size
+        return _dequantized(values.unflatten(-1, (head_dim, block_size)).transpose(-1, -2),
+                            scales)
     p = kv_pack(k_blocks.dtype)
     head_dim = k_blocks.shape[-1] // block_size
     k = k_blocks.unflatten(-1, (head_dim // p, block_size, p))  # [..., d/p, bs, p]
@@ -99,19 +129,42 @@ def _unpacked_k(k_blocks: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def _unpacked_v(v_blocks: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[..., kv_heads, bs * d] in the V layout -> [..., kv_heads, bs, d] (a view)."""
+    """[..., kv_heads, block elements] in the V layout -> [..., kv_heads, bs, d]."""
+    if v_blocks.dtype == torch.int8:
+        values, scales = _int8_parts(v_blocks, block_size)
+        return _dequantized(values.unflatten(-1, (block_size, -1)), scales)
     p = kv_pack(v_blocks.dtype)
     head_dim = v_blocks.shape[-1] // block_size
     v = v_blocks.unflatten(-1, (block_size // p, head_dim, p))  # [..., bs/p, d, p]
     return v.transpose(-1, -2).flatten(-3, -2)  # [..., bs/p, p, d] -> [..., bs, d]
 
 
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-vector symmetric int8 over the last dimension: (int8 values, float16 scales); the
+    values are rounded with the float16 scale, so dequantizing gives what attention reads."""
+    amax = x.float().abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).to(torch.float16)
+    values = torch.round(x.float() / scale.float()).clamp_(-127, 127).to(torch.int8)
+    return values, scale.squeeze(-1)
+
+
 def write_kv_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> None:
     """k, v: [num_tokens, kv_heads, head_dim] into one layer's cache at their slots."""
     num_tokens, kv_heads, head_dim = k.shape
-    p = kv_pack(k_cache.dtype)
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    if k_cache.dtype == torch.int8:
+        for cache, x, transposed in ((k_cache, k, True), (v_cache, v, False)):
+            values, scales = _int8_parts(cache, block_size)
+            q, s = quantize_int8(x)
+            if transposed:  # K: [kv_heads, d, bs] -> [blocks, bs, kv_heads, d] at (b, o)
+                view = values.unflatten(-1, (head_dim, block_size)).permute(0, 3, 1, 2)
+            else:  # V: [kv_heads, bs, d] -> [blocks, bs, kv_heads, d]
+                view = values.unflatten(-1, (block_size, head_dim)).transpose(1, 2)
+            view[blocks, offsets] = q
+            scales.transpose(1, 2)[blocks, offsets] = s
+        return
+    p = kv_pack(k_cache.dtype)
     # K [blocks, kv_heads, d/p, bs, p] indexed at (block, offset): [tokens, kv_heads, d/p, p].
     k_view = k_cache.unflatten(-1, (head_dim // p, block_size, p)).permute(0, 3, 1, 2, 4)
     k_view[blocks, offsets] = k.to(k_cache.dtype).view(num_tokens, kv_heads, head_dim // p, p)
@@ -130,15 +183,18 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, width = meta.block_tables.shape
     kv_heads = k_cache.shape[1]
-    block_size = k_cache.shape[2] // head_dim
+    block_size = meta.block_size
     if num_seqs == 0:
         return q.new_empty(num_tokens, num_heads * head_dim)
     tables = meta.block_tables.long()
     # [seqs, width, kv_heads, bs, d] -> [seqs, kv_heads, width * bs, d]
+    # An int8 cache is dequantized to float32, and attention runs in float32, as it does in
+    # the CPU kernel.
+    compute = torch.float32 if k_cache.dtype == torch.int8 else q.dtype
     keys = _unpacked_k(k_cache[tables], block_size).transpose(1, 2).reshape(
-        num_seqs, kv_heads, -1, head_dim)
+        num_seqs, kv_heads, -1, head_dim).to(compute)
     values = _unpacked_v(v_cache[tables], block_size).transpose(1, 2).reshape(
-        num_seqs, kv_heads, -1, head_dim)
+        num_seqs, kv_heads, -1, head_dim).to(compute)
     starts = meta.query_start.long()
     q_lens = starts[1:] - starts[:-1]
     seq_lens = meta.seq_lens.long()
@@ -146,7 +202,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     valid = j[None, :] < q_lens[:, None]  # [seqs, max_q]
     # Padded query rows repeat the sequence's last row (never an empty mask row).
     rows = starts[:-1, None] + torch.minimum(j[None, :], (q_lens - 1).clamp(min=0)[:, None])
-    queries = q[rows].transpose(1, 2)  # [seqs, heads, max_q, d]
+    queries = q[rows].transpose(1, 2).to(compute)  # [seqs, heads, max_q, d]
     q_pos = (seq_lens - q_lens)[:, None] + torch.minimum(j[None, :], q_lens[:, None] - 1)
     k_pos = torch.arange(width * block_size, device=q.device)
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :]
@@ -155,5 +211,5 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                                          scale=scale, enable_gqa=True)
     out = out.transpose(1, 2).reshape(num_seqs, meta.max_query_len, num_heads * head_dim)
     result = q.new_empty(num_tokens, num_heads * head_dim)
-    result[rows[valid]] = out[valid]
+    result[rows[valid]] = out[valid].to(q.dtype)
     return result

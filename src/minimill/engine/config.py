@@ -36,6 +36,9 @@ class EngineConfig:
     device: str = "auto"  # "auto": cuda if available, else cpu
     # "auto": minimill's compiled kernels where they apply, else portable PyTorch (kernels.py).
     kernels: str = "auto"
+    # KV cache: "auto" (the model dtype) or "int8" (per-token scales, about half the bytes:
+    # twice the sequences in the same pool). A float name must be the model dtype.
+    kv_dtype: str = "auto"
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 256  # most requests decoding together
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
@@ -44,6 +47,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # CPU threads for torch; None: every core
+    pin_threads: bool = True  # CPU: pin the intra-op threads to cores (kernels.py)
     dtype_reason: str = ""  # why this dtype (set when dtype was "auto")
     model_config: InitVar[ModelConfig | None] = None
 
@@ -60,6 +64,14 @@ class EngineConfig:
             self.dtype, self.dtype_reason = auto_dtype(torch.device(self.device))
         elif not self.dtype_reason:
             self.dtype_reason = "asked for"
+        aliases = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+        self.kv_dtype = aliases.get(self.kv_dtype, self.kv_dtype)
+        if self.kv_dtype == "auto":
+            self.kv_dtype = self.dtype
+        if self.kv_dtype not in ("int8", self.dtype):
+            raise InvalidRequestError(
+                f"kv_dtype must be auto, int8 or the model dtype ({self.dtype}), "
+                f"got {self.kv_dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be at least 1")
@@ -81,11 +93,20 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        return torch.int8 if self.kv_dtype == "int8" else DTYPES[self.kv_dtype]
+
     def kv_block_bytes(self, model_config: ModelConfig) -> int:
-        """Bytes of one KV block across all layers (K and V)."""
-        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        """Bytes of one KV block across all layers (K and V, values and scales)."""
+        from minimill.engine.attention import block_elems
+
+        dtype = self.kv_torch_dtype
         return (model_config.num_hidden_layers * 2 * model_config.num_key_value_heads
-                * self.block_size * model_config.head_dim * itemsize)
+                * block_elems(self.block_size, model_config.head_dim, dtype) * dtype.itemsize)
+
+    def kv_bytes_per_token(self, model_config: ModelConfig) -> float:
+        return self.kv_block_bytes(model_config) / self.block_size
 
     def _default_kv_bytes(self) -> int:
         if self.device.startswith("cuda") and torch.cuda.is_available():

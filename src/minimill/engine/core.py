@@ -55,39 +55,53 @@ class EngineCore:
         return self.scheduler.num_running
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
-                    resume_token_ids: Seq[int] = ()) -> int:
-        """Validate and queue a request; returns its seed (drawn here when params has none)."""
+                    resume_token_ids: Seq[int] = (), resume_text: str | None = None
+                    ) -> tuple[int, str]:
+        """Validate and queue a request; returns its seed (drawn here when params has none)
+        and the text counted as already handed out for `resume_token_ids`.
+
+        `resume_text` is the text a checkpoint handed out for the resumed tokens (it may stop
+        short of their decoding: a held-back stop-string prefix, a split character); the
+        deltas continue from it exactly as the uninterrupted request's would have.
+        """
         prompt, resume = list(prompt_token_ids), list(resume_token_ids)
         if request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         self.check_request(prompt, resume)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         seq = Sequence(request_id, prompt, params, seed, self.eos_token_ids, resume)
-        self.outputs.add_request(seq)
+        handed_out = self.outputs.add_request(seq, resume_text)
         if len(resume) >= params.max_tokens:
             # The checkpoint already holds every token asked for.
             seq.status = RequestStatus.FINISHED_LENGTH
             self._pending.append(self.outputs.delta(seq, [], seq.status.finish_reason, None))
             self.outputs.remove(request_id)
-            return seed
+            return seed, handed_out
         self.scheduler.add_request(seq)
-        return seed
+        return seed, handed_out
 
     def check_request(self, prompt: list[int], resume: list[int]) -> None:
         """Raise InvalidRequestError for a request this engine cannot run (any thread)."""
+        assert self.config.max_model_len is not None
+        self.check_tokens(prompt, resume, self.vocab_size, self.config.max_model_len)
+
+    @staticmethod
+    def check_tokens(prompt: list[int], resume: list[int], vocab_size: int,
+                     max_model_len: int | None) -> None:
+        """The checks that need only the vocabulary and context sizes (front ends run them
+        before a request reaches the step loop, wherever that runs)."""
         if not prompt:
             raise InvalidRequestError("the prompt is empty")
-        bad = [t for t in (*prompt, *resume) if not 0 <= t < self.vocab_size]
+        bad = [t for t in (*prompt, *resume) if not 0 <= t < vocab_size]
         if bad:
             raise InvalidRequestError(
-                f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
-        max_len = self.config.max_model_len
-        assert max_len is not None
-        if len(prompt) + len(resume) >= max_len:
+                f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+        assert max_model_len is not None
+        if len(prompt) + len(resume) >= max_model_len:
             what = "prompt" if not resume else "prompt plus resumed tokens"
             raise InvalidRequestError(
                 f"the {what} has {len(prompt) + len(resume)} tokens, but this engine's context "
-                f"holds {max_len} tokens and at least one must be generated")
+                f"holds {max_model_len} tokens and at least one must be generated")
 
     def abort_request(self, request_id: str) -> TokenDelta | None:
         """End a request now; returns its final delta (None if it was not running)."""
@@ -137,7 +151,7 @@ class EngineCore:
                 seq.status = RequestStatus.FINISHED_STOPPED
             else:
                 self.scheduler.finish_request(seq.request_id, RequestStatus.FINISHED_STOPPED)
-        new_ids = seq.output_token_ids[num_before:]
+        new_ids = seq.token_ids[seq.num_prompt_tokens + num_before:]
         wants_logprobs = seq.params.logprobs or seq.params.top_logprobs > 0
         logprobs = seq.logprobs[-len(new_ids):] if wants_logprobs and new_ids else None
         reason = seq.status.finish_reason

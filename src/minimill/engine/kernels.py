@@ -18,6 +18,7 @@ from minimill.engine.attention import (
     paged_attention_reference,
     write_kv_reference,
 )
+from minimill.engine.sampler import Adjustments, reference_logprobs, reference_sample
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,9 @@ class TorchKernels:
         table = cos_sin[positions].unsqueeze(1)  # [tokens, 1, head_dim]
         cos, sin = table[..., :half], table[..., half:]
         x1, x2 = qk[..., :half].float(), qk[..., half:].float()
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(qkv.dtype)
-        q, k = rotated[:, :num_heads], rotated[:, num_heads:]
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        # k goes to the cache from float32 (a bf16 cache rounds it once, int8 quantizes it).
+        q, k = rotated[:, :num_heads].to(qkv.dtype), rotated[:, num_heads:]
         start = (num_heads + num_kv_heads) * head_dim
         v = qkv[:, start:start + num_kv_heads * head_dim].view(num_tokens, num_kv_heads,
                                                                head_dim)
@@ -77,6 +79,21 @@ class TorchKernels:
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention_reference(q, k_cache, v_cache, meta, scale)
 
+    def pin_threads(self) -> list[int]:
+        """Pin the intra-op threads to cores where the kernels know how; returns the CPU of
+        each thread (-1: not pinned)."""
+        return [-1] * torch.get_num_threads()
+
+    def sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+               top_p: torch.Tensor, u: torch.Tensor,
+               adjustments: list[Adjustments]) -> torch.Tensor:
+        """One token per row (sampler.py has the semantics); parameters are CPU tensors."""
+        return reference_sample(logits, temperature, top_k, top_p, u, adjustments)
+
+    def token_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, num_top: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return reference_logprobs(logits, tokens, num_top)
+
 
 class CpuKernels(TorchKernels):
     """minimill's compiled CPU kernels (float32 and bfloat16)."""
@@ -85,10 +102,18 @@ class CpuKernels(TorchKernels):
 
     # The batch size oneDNN lays packed weights out for; it serves every batch size.
     _PACK_FOR_ROWS = 256
+    # Most rows per GEMM call (see `linear`).
+    _LINEAR_ROWS = 512
 
     def __init__(self) -> None:
         self._ops = torch.ops.minimill
         self._mkldnn = torch.backends.mkldnn.is_available()
+
+    def pin_threads(self) -> list[int]:
+        import os
+
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        return list(self._ops.pin_threads(cpus))
 
     def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """Prepacked into oneDNN's blocked layout: the GEMM skips re-blocking the weight on
@@ -99,6 +124,21 @@ class CpuKernels(TorchKernels):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T (+ bias), batch-invariant: each row's result is the same whatever
+        else is in the batch, so a request computes the same numbers alone or in a crowd, in
+        a prompt chunk or a decode step (a resumed request continues exactly). oneDNN picks
+        its reduction order by the number of rows: a single row takes a matrix-vector path
+        and very tall inputs a split one, so rows go in as chunks of 2.._LINEAR_ROWS."""
+        rows = x.shape[0]
+        if rows == 1:
+            return self._linear(x.expand(2, -1), weight, bias)[:1]
+        if rows <= self._LINEAR_ROWS:
+            return self._linear(x, weight, bias)
+        return torch.cat([self.linear(x[i:i + self._LINEAR_ROWS], weight, bias)
+                          for i in range(0, rows, self._LINEAR_ROWS)])
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
         if not weight.is_mkldnn:
             return F.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -131,9 +171,39 @@ class CpuKernels(TorchKernels):
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         self._ops.paged_attention(out, q, k_cache, v_cache, meta.block_tables,
-                                  meta.query_start, meta.seq_lens, scale,
-                                  k_cache.shape[2] // q.shape[2])
+                                  meta.query_start, meta.seq_lens, scale, meta.block_size)
         return out
+
+    def sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+               top_p: torch.Tensor, u: torch.Tensor,
+               adjustments: list[Adjustments]) -> torch.Tensor:
+        if logits.dtype not in (torch.float32, torch.bfloat16):
+            return super().sample(logits, temperature, top_k, top_p, u, adjustments)
+        offsets = [0]
+        ids: list[int] = []
+        values: list[float] = []
+        for adjust in adjustments:
+            ids.extend(t for t, _ in adjust)
+            values.extend(v for _, v in adjust)
+            offsets.append(len(ids))
+        out = torch.empty(logits.shape[0], dtype=torch.long)
+        self._ops.sample_tokens(logits.contiguous(), temperature, top_k, top_p, u,
+                                torch.tensor(offsets, dtype=torch.long),
+                                torch.tensor(ids, dtype=torch.long),
+                                torch.tensor(values, dtype=torch.float32), out)
+        return out
+
+    def token_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, num_top: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if logits.dtype not in (torch.float32, torch.bfloat16):
+            return super().token_logprobs(logits, tokens, num_top)
+        rows = logits.shape[0]
+        chosen = torch.empty(rows, dtype=torch.float32)
+        top_ids = torch.empty(rows, num_top, dtype=torch.long)
+        top_values = torch.empty(rows, num_top, dtype=torch.float32)
+        self._ops.token_logprobs(logits.contiguous(), tokens.contiguous(), num_top, chosen,
+                                 top_ids, top_values)
+        return chosen, top_ids, top_values
 
 
 def select_kernels(choice: str, device: torch.device, dtype: torch.dtype, block_size: int,

@@ -57,6 +57,7 @@ class LLM:
     def generate(self, prompts: Seq[str | list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None, *,
                  resume_token_ids: Seq[Seq[int]] | None = None,
+                 resume_texts: Seq[str | None] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of `prompts`.
 
@@ -64,7 +65,8 @@ class LLM:
         is used as is. `resume_token_ids[i]` continues prompt i after tokens it generated before:
         they are prefilled, count towards max_tokens and start the output's tokens and text;
         sampling continues at output position len(resume_token_ids[i]). Logprobs cover only
-        the tokens generated in this call.
+        the tokens generated in this call. `resume_texts[i]`, when given, is the text already
+        handed out for those tokens (a checkpoint's); the output's text starts from it.
         """
         params = params if params is not None else SamplingParams()
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
@@ -73,9 +75,12 @@ class LLM:
         if resume_token_ids is not None and len(resume_token_ids) != len(prompts):
             raise InvalidRequestError(
                 f"{len(prompts)} prompts but {len(resume_token_ids)} resume_token_ids")
+        if resume_texts is not None and (resume_token_ids is None
+                                         or len(resume_texts) != len(prompts)):
+            raise InvalidRequestError("resume_texts needs resume_token_ids, one per prompt")
         token_prompts = [self.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str)
                          else list(p) for p in prompts]
-        return self._run(token_prompts, per_prompt, resume_token_ids, use_tqdm)
+        return self._run(token_prompts, per_prompt, resume_token_ids, resume_texts, use_tqdm)
 
     def chat(self, conversations: Seq[list[dict[str, str]]],
              params: SamplingParams | Seq[SamplingParams] | None = None, *,
@@ -89,7 +94,8 @@ class LLM:
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
     def _run(self, prompts: list[list[int]], params: list[SamplingParams],
-             resume: Seq[Seq[int]] | None, use_tqdm: bool) -> list[RequestOutput]:
+             resume: Seq[Seq[int]] | None, resume_texts: Seq[str | None] | None,
+             use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}
@@ -103,10 +109,9 @@ class LLM:
         try:
             for i, request_id in enumerate(ids):
                 resumed = list(resume[i]) if resume else []
-                seed = engine.add_request(request_id, prompts[i], params[i], resumed)
                 # Deltas continue the resumed tokens' text; start from that text.
-                state = engine.outputs.texts.get(request_id)
-                text = state.text if state else self.tokenizer.decode(resumed)
+                seed, text = engine.add_request(request_id, prompts[i], params[i], resumed,
+                                                resume_texts[i] if resume_texts else None)
                 results[request_id] = RequestOutput(request_id, prompts[i], resumed, text, None,
                                                     seed, [] if _wants_logprobs(params[i])
                                                     else None)

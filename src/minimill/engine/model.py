@@ -39,7 +39,9 @@ class DecoderModel:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype, device: torch.device, max_model_len: int,
-                 kernels: TorchKernels | None = None) -> None:
+                 kernels: TorchKernels | None = None, release_weights: bool = False) -> None:
+        """`release_weights`: take each weight out of `weights` once used, so that a model
+        which barely fits in memory is never held twice (source and fused copies)."""
         self.config = config
         self.kernels = kernels or TorchKernels()
         self.num_heads = config.num_attention_heads
@@ -49,7 +51,7 @@ class DecoderModel:
         self.scale = config.head_dim ** -0.5
 
         def w(name: str) -> torch.Tensor:
-            tensor = weights.get(name)
+            tensor = weights.pop(name, None) if release_weights else weights.get(name)
             if tensor is None:
                 raise ModelFileError(f"weight {name!r} is missing from the model")
             return tensor.to(device=device, dtype=dtype)
@@ -58,6 +60,7 @@ class DecoderModel:
         self.norm = w("model.norm.weight")
         pack = self.kernels.prepare_weight
         if config.tie_word_embeddings or "lm_head.weight" not in weights:
+            # Packing may copy the embedding: the lm_head then holds its own layout.
             self.lm_head = pack(self.embed)
         else:
             self.lm_head = pack(w("lm_head.weight"))
@@ -86,7 +89,6 @@ class DecoderModel:
         returns logits [len(logits_rows), vocab] in the model dtype."""
         ops, eps = self.kernels, self.eps
         cos_sin = self.rotary.cos_sin
-        block_size = kv_cache.shape[-1] // self.head_dim
         hidden = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
         residual = hidden
         for i, layer in enumerate(self.layers):
@@ -98,7 +100,7 @@ class DecoderModel:
             k_cache, v_cache = layer_views(kv_cache, i)
             q = ops.rotary_kv_write(qkv, positions, cos_sin, k_cache, v_cache,
                                     meta.slot_mapping, self.num_heads, self.num_kv_heads,
-                                    block_size)
+                                    meta.block_size)
             attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
             hidden = ops.linear(attn, layer.o)
             x, residual = ops.add_rms_norm(hidden, residual, layer.post_norm, eps)

@@ -8,6 +8,7 @@ block table, so no reordering or grouping is needed.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +23,17 @@ from minimill.models.types import LoadedModel
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What one step computed, for yardsticks (bench/sol.py): the work, not the time."""
+
+    num_tokens: int  # rows through every linear layer
+    num_logits: int  # rows through the vocabulary projection
+    num_seqs: int
+    kv_tokens: int  # sum of the sequences' KV lengths: each is read at least once per layer
+    attended_pairs: int  # (query, key) pairs attention scores, over all sequences
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
         assert config.num_kv_blocks is not None and config.max_model_len is not None
@@ -33,13 +45,19 @@ class ModelRunner:
         self.model_config = mc
         self.kernels, self.kernels_reason = select_kernels(
             config.kernels, self.device, config.torch_dtype, config.block_size, mc.head_dim)
-        log.info("engine: dtype %s (%s); kernels %s (%s)", config.dtype, config.dtype_reason,
-                 self.kernels.name, self.kernels_reason)
+        pinned = self.kernels.pin_threads() if config.pin_threads else []
+        log.info("engine: dtype %s (%s); KV %s, %d blocks of %d tokens; kernels %s (%s); "
+                 "%d threads, pinned to CPUs %s", config.dtype, config.dtype_reason,
+                 config.kv_dtype, config.num_kv_blocks, config.block_size, self.kernels.name,
+                 self.kernels_reason, torch.get_num_threads(), pinned)
         self.model = DecoderModel(mc, loaded.weights, config.torch_dtype, self.device,
-                                  config.max_model_len, self.kernels)
+                                  config.max_model_len, self.kernels,
+                                  release_weights=bool(loaded.extra.get("release_weights")))
         self.kv_cache = allocate_kv_cache(config.num_kv_blocks, mc.num_hidden_layers,
                                           mc.num_key_value_heads, config.block_size,
-                                          mc.head_dim, config.torch_dtype, self.device)
+                                          mc.head_dim, config.kv_torch_dtype, self.device)
+        # Set to a list to record every step's shape (benchmarks); None costs nothing.
+        self.step_log: list[StepShape] | None = None
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelOutput:
@@ -61,6 +79,13 @@ class ModelRunner:
             if e.sample:
                 logits_rows.append(len(input_ids) - 1)
         dev = self.device
+        if self.step_log is not None:
+            # A query at position p scores p + 1 keys; a chunk of q rows ending at n scores
+            # q * n - q * (q - 1) / 2 pairs.
+            pairs = sum(q * n - q * (q - 1) // 2 for q, n in zip(query_lens, seq_lens,
+                                                                 strict=True))
+            self.step_log.append(StepShape(len(input_ids), len(logits_rows), len(seq_lens),
+                                           sum(seq_lens), pairs))
         meta = build_metadata(query_lens, seq_lens, tables, self.config.block_size, dev)
         logits = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
@@ -71,5 +96,6 @@ class ModelRunner:
         sampling = [e.seq for e in output.scheduled if e.sample]
         tokens, logprobs = sample(logits, [s.params for s in sampling],
                                   [s.seed for s in sampling],
-                                  [s.num_output_tokens for s in sampling])
+                                  [s.num_output_tokens for s in sampling], self.kernels,
+                                  [s.output_counts for s in sampling])
         return ModelOutput(tokens, logprobs)

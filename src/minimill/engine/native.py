@@ -1,4 +1,4 @@
-"""Builds and loads minimill's CPU kernels (csrc/cpu_kernels.cpp) as torch.ops.minimill.*.
+"""Builds and loads minimill's CPU kernels (csrc/*.cpp) as torch.ops.minimill.*.
 
 The kernels are compiled for the machine they run on (its vector extensions), once, on first
 use; the shared library is cached on disk under a key made of the source, the torch version
@@ -21,7 +21,7 @@ from minimill.engine.hardware import CpuInfo, cpu_info
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+_SOURCES = Path(__file__).parent / "csrc"
 _lock = threading.Lock()
 _state: NativeKernels | None = None
 
@@ -73,20 +73,21 @@ def _load() -> NativeKernels:
         return NativeKernels(True, "already loaded")
     info = cpu_info()
     flags = _build_flags(info)
-    source = _SOURCE.read_bytes()
+    files = sorted(p for p in _SOURCES.iterdir() if p.suffix in (".cpp", ".h"))
     key = hashlib.sha256(b"\0".join([
-        source, torch.__version__.encode(), " ".join(sorted(info.flags)).encode(),
-        " ".join(flags).encode()])).hexdigest()[:16]
+        *(p.name.encode() + p.read_bytes() for p in files), torch.__version__.encode(),
+        " ".join(sorted(info.flags)).encode(), " ".join(flags).encode()])).hexdigest()[:16]
     build_dir = kernel_cache_dir() / f"cpu-{key}"
     try:
         from torch.utils import cpp_extension
 
         build_dir.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name=f"minimill_cpu_{key}", sources=[str(_SOURCE)],
+        cpp_extension.load(name=f"minimill_cpu_{key}",
+                           sources=[str(p) for p in files if p.suffix == ".cpp"],
                            extra_cflags=flags, extra_ldflags=["-fopenmp"],
                            build_directory=str(build_dir), is_python_module=False,
                            verbose=False)
     except Exception as exc:  # no compiler, no ninja, a compile error: the PyTorch path runs
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return NativeKernels(False, f"building {_SOURCE.name} failed: {first_line}")
+        return NativeKernels(False, f"building the kernels in {_SOURCES} failed: {first_line}")
     return NativeKernels(True, f"built for {info.vector_isa} in {build_dir}")

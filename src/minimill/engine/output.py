@@ -2,7 +2,13 @@
 
 Stop strings are found in the decoded text, so they may span tokens. The returned text never
 contains the stop string, and while a request runs, the last `max(len(stop)) - 1` characters
-are held back: they might turn out to be the start of a stop string.
+are held back: they might turn out to be the start of a stop string. Only text not yet handed
+out is kept, so the work per step is proportional to the new tokens, not to the output so far.
+
+A resumed request (continuing from a checkpoint) is told which text was already handed out
+for its resumed tokens; whatever the decoding of those tokens holds beyond it (a held-back
+stop-string prefix, the end of a split UTF-8 character) is handed out later, exactly as the
+uninterrupted request would have, so checkpoint text + deltas equals the uninterrupted text.
 """
 
 from __future__ import annotations
@@ -13,42 +19,48 @@ from minimill.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class RequestText:
-    """Text of one request's outputs; the resumed tokens are decoded but not re-emitted."""
+    """The not-yet-emitted text of one request's outputs."""
 
-    __slots__ = ("_detok", "_emitted", "_hold", "_stops", "num_emitted_tokens", "text")
+    __slots__ = ("_detok", "_hold", "_pending", "_stops", "handed_out", "num_emitted_tokens")
 
     def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...],
-                 resume_token_ids: list[int]) -> None:
+                 resume_token_ids: list[int], resume_text: str | None = None) -> None:
         self._detok: IncrementalDetokenizer = tokenizer.detokenizer()
         self._stops = tuple(s for s in stops if s)
         self._hold = max((len(s) for s in self._stops), default=1) - 1
-        self.text = self._detok.add(resume_token_ids) if resume_token_ids else ""
-        self._emitted = len(self.text)  # characters already handed out (or resumed)
+        decoded = self._detok.prime(resume_token_ids)
+        if resume_text is None:
+            resume_text = decoded  # nothing was held back: all of it counts as handed out
+        # Decoded but not handed out yet. If the handed-out text is not a prefix of the
+        # decoding (a text-only checkpoint re-tokenized), what was handed out stands.
+        self._pending = decoded[len(resume_text):] if decoded.startswith(resume_text) else ""
+        self.handed_out = resume_text
         self.num_emitted_tokens = len(resume_token_ids)
 
     def add(self, new_token_ids: list[int]) -> bool:
         """Decode new tokens; True when a stop string appeared (text is cut before it)."""
-        before = len(self.text)
-        self.text += self._detok.add(new_token_ids)
+        before = len(self._pending)
+        self._pending += self._detok.add(new_token_ids)
         if not self._stops:
             return False
-        # Only a window that contains new characters can hold a new match.
+        # Handed-out text never holds the start of a stop string, so a new match lies in the
+        # pending text, starting at most `hold` characters before the new ones.
         start = max(0, before - self._hold)
-        found = [i for i in (self.text.find(s, start) for s in self._stops) if i >= 0]
+        found = [i for i in (self._pending.find(s, start) for s in self._stops) if i >= 0]
         if found:
-            self.text = self.text[:min(found)]
+            self._pending = self._pending[:min(found)]
             return True
         return False
 
     def finish(self, stopped_by_string: bool) -> None:
         if not stopped_by_string:
-            self.text += self._detok.flush()
+            self._pending += self._detok.flush()
 
     def take_delta(self, finished: bool) -> str:
         """New text since the last call, holding back a possible stop-string prefix."""
-        end = len(self.text) if finished else max(self._emitted, len(self.text) - self._hold)
-        delta = self.text[self._emitted:end]
-        self._emitted = end
+        keep = 0 if finished else min(self._hold, len(self._pending))
+        cut = len(self._pending) - keep
+        delta, self._pending = self._pending[:cut], self._pending[cut:]
         return delta
 
 
@@ -59,9 +71,13 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.texts: dict[str, RequestText] = {}
 
-    def add_request(self, seq: Sequence) -> None:
-        self.texts[seq.request_id] = RequestText(self.tokenizer, seq.params.stop,
-                                                 seq.output_token_ids)
+    def add_request(self, seq: Sequence, resume_text: str | None = None) -> str:
+        """Track a request's text; returns the text counted as handed out for its resumed
+        tokens (`resume_text`, or their decoding when not given)."""
+        state = RequestText(self.tokenizer, seq.params.stop,
+                            seq.token_ids[seq.num_prompt_tokens:], resume_text)
+        self.texts[seq.request_id] = state
+        return state.handed_out
 
     def process(self, seq: Sequence) -> bool:
         """Decode the sequence's newest tokens; True when a stop string ends it."""
@@ -81,9 +97,6 @@ class OutputProcessor:
         text = state.take_delta(finish_reason is not None)
         return TokenDelta(seq.request_id, new_token_ids, text, finish_reason, logprobs,
                           seq.num_prompt_tokens, seq.seed)
-
-    def text(self, request_id: str) -> str:
-        return self.texts[request_id].text
 
     def remove(self, request_id: str) -> None:
         self.texts.pop(request_id, None)

@@ -36,6 +36,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False  # logprob of each chosen token
     top_logprobs: int = 0  # how many alternatives per position (0..20)
+    # OpenAI's penalties: each output token so far lowers its logit by frequency_penalty per
+    # occurrence, and by presence_penalty once.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, -100..100) added to the logit
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -48,6 +53,18 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be at least 1, got {self.top_k}")
         if not 0 <= self.top_logprobs <= 20:
             raise InvalidRequestError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise InvalidRequestError(f"logit_bias has a negative token id {token}")
+            if not -100.0 <= bias <= 100.0:
+                raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {bias}")
+
+    @property
+    def uses_penalties(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty)
 
     @property
     def greedy(self) -> bool:

@@ -1,20 +1,41 @@
-"""Token choice from logits: greedy, temperature, top-k, top-p, logprobs.
+"""Token choice from logits: logit_bias and penalties, greedy, temperature, top-k, top-p,
+logprobs.
 
-The token at output position i depends only on (seed, i, logits): the uniform number that picks
-it comes from a hash of (seed, i), then an inverse CDF over the filtered distribution. No
-generator state is carried between steps, so a request resumed on another worker, or
-recomputed after preemption, samples exactly as the uninterrupted one would.
+The token at output position i depends only on (seed, i, logits, the tokens generated before
+it): the uniform number that picks it comes from a hash of (seed, i), then an inverse CDF over
+the filtered distribution. No generator state is carried between steps, so a request resumed on
+another worker, or recomputed after preemption, samples exactly as the uninterrupted one would.
+
+The work per row runs in the engine's kernels (kernels.py): minimill's CPU kernel, or the
+PyTorch reference below, which defines the semantics:
+- adjustments first: logit_bias[t], minus frequency_penalty * count[t], minus
+  presence_penalty * (count[t] > 0), where count[t] is how often t appears among the request's
+  output tokens so far (as OpenAI documents them);
+- temperature 0 (or top_k 1): the first index of the maximum;
+- otherwise logits / temperature, then the filters: the top_k best tokens, then the smallest
+  prefix of them (best first; among equal logits, lower id first) whose probability reaches
+  top_p (the best token always stays); the CDF then walks the kept tokens in id order, so no
+  vocabulary-wide sort is needed.
+Logprobs are those of the model's own distribution (before adjustments, temperature or
+filters), as vLLM reports them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 import torch
 
 from minimill.engine.params import SamplingParams
 
+if TYPE_CHECKING:
+    from minimill.engine.kernels import TorchKernels
+
 _MASK64 = (1 << 64) - 1
+SampledLogprob = tuple[float, list[tuple[int, float]]]
+Adjustments = list[tuple[int, float]]  # (token id, amount added to its logit)
 
 
 def splitmix64(x: int) -> int:
@@ -29,120 +50,110 @@ def uniform_for(seed: int, output_index: int) -> float:
     return (splitmix64(splitmix64(seed & _MASK64) ^ output_index) >> 11) * 2.0**-53
 
 
-SampledLogprob = tuple[float, list[tuple[int, float]]]
-_ROWS_PER_CHUNK = 32
+def adjustments_for(params: SamplingParams, counts: Mapping[int, int] | None) -> Adjustments:
+    """What logit_bias and the penalties add to each affected token's logit."""
+    deltas: dict[int, float] = dict(params.logit_bias)
+    if counts and (params.frequency_penalty or params.presence_penalty):
+        for token, count in counts.items():
+            deltas[token] = (deltas.get(token, 0.0) - params.frequency_penalty * count
+                             - params.presence_penalty)
+    return sorted(deltas.items())
 
 
 def sample(logits: torch.Tensor, params: Seq[SamplingParams], seeds: Seq[int],
-           output_indices: Seq[int]) -> tuple[list[int], list[SampledLogprob | None]]:
+           output_indices: Seq[int], kernels: TorchKernels,
+           output_counts: Seq[Mapping[int, int] | None] | None = None,
+           ) -> tuple[list[int], list[SampledLogprob | None]]:
     """Pick one token per row of `logits` [num_rows, vocab] (any float dtype).
 
+    `output_counts[r]` counts row r's output tokens so far (needed only for penalties).
     Returns the token ids and, per row, (logprob of the token, top alternatives) when asked.
     """
-    num_rows = logits.shape[0]
-    tokens = torch.empty(num_rows, dtype=torch.long, device=logits.device)
-    greedy = [i for i, p in enumerate(params) if p.greedy]
-    if len(greedy) == num_rows:
-        tokens = argmax(logits)
-    elif greedy:
-        greedy_rows = torch.tensor(greedy, device=logits.device)
-        tokens[greedy_rows] = argmax(logits[greedy_rows])
-    plain = [i for i, p in enumerate(params)
-             if not p.greedy and p.top_k is None and p.top_p >= 1.0]
-    filtered = [i for i, p in enumerate(params)
-                if not p.greedy and (p.top_k is not None or p.top_p < 1.0)]
-    for all_rows, fn in ((plain, _sample_plain), (filtered, _sample_filtered)):
-        # A few rows at a time: float64 copies of many 50k-wide rows would be large fresh
-        # allocations (page faults) every step.
-        for start in range(0, len(all_rows), _ROWS_PER_CHUNK):
-            rows = all_rows[start:start + _ROWS_PER_CHUNK]
-            index = torch.tensor(rows, device=logits.device)
-            u = torch.tensor([uniform_for(seeds[i], output_indices[i]) for i in rows],
-                             dtype=torch.float64, device=logits.device)
-            tokens[index] = fn(logits[index], [params[i] for i in rows], u)
-    return tokens.tolist(), _logprobs(logits, params, tokens)
+    rows = len(params)
+    cpu = torch.device("cpu")
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    top_k = torch.tensor([p.top_k or 0 for p in params], dtype=torch.long)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+    u = torch.tensor([0.0 if p.greedy else uniform_for(seeds[r], output_indices[r])
+                      for r, p in enumerate(params)], dtype=torch.float64)
+    adjustments: list[Adjustments] = []
+    for r, p in enumerate(params):
+        needs = p.logit_bias or p.frequency_penalty or p.presence_penalty
+        counts = output_counts[r] if output_counts is not None else None
+        adjustments.append(adjustments_for(p, counts) if needs else [])
+    tokens = kernels.sample(logits, temperature, top_k, top_p, u, adjustments).to(cpu)
+    token_list = tokens.tolist()
+    out: list[SampledLogprob | None] = [None] * rows
+    wanted = [r for r, p in enumerate(params) if p.logprobs or p.top_logprobs > 0]
+    if wanted:
+        num_top = max(params[r].top_logprobs for r in wanted)
+        index = torch.tensor(wanted, device=logits.device)
+        chosen, top_ids, top_vals = kernels.token_logprobs(
+            logits.index_select(0, index), tokens.to(logits.device).index_select(0, index),
+            num_top)
+        chosen_l, ids_l, vals_l = chosen.tolist(), top_ids.tolist(), top_vals.tolist()
+        for j, r in enumerate(wanted):
+            k = params[r].top_logprobs
+            out[r] = (chosen_l[j], list(zip(ids_l[j][:k], vals_l[j][:k], strict=True)))
+    return token_list, out
 
 
-_ARGMAX_CHUNK = 1024
+# The reference implementations (portable PyTorch; TorchKernels runs them).
+
+def reference_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                     top_p: torch.Tensor, u: torch.Tensor,
+                     adjustments: Seq[Adjustments]) -> torch.Tensor:
+    """tokens [rows] int64, by the semantics in the module docstring (float64 arithmetic)."""
+    x = logits.double()
+    for r, adjust in enumerate(adjustments):
+        if adjust:
+            ids = torch.tensor([t for t, _ in adjust], device=x.device)
+            x[r].index_add_(0, ids, torch.tensor([v for _, v in adjust], dtype=x.dtype,
+                                                 device=x.device))
+    greedy = (temperature == 0) | (top_k == 1)
+    tokens = x.argmax(dim=-1)
+    for r in (~greedy).nonzero().flatten().tolist():
+        row = x[r]
+        t, k, p = float(temperature[r]), int(top_k[r]), float(top_p[r])
+        row = row / t
+        if k <= 0 and p >= 1.0:
+            tokens[r] = _inverse_cdf(torch.softmax(row, -1), float(u[r]))
+            continue
+        # Stable sort of -row: descending logits, lower id first among equals.
+        ids = torch.sort(-row, stable=True).indices
+        ranked = row[ids]
+        if k > 0:
+            ranked[k:] = float("-inf")
+        probs = torch.softmax(ranked, -1)
+        mass_before = probs.cumsum(-1) - probs
+        keep = probs > 0
+        if p < 1.0:
+            keep &= mass_before < p
+        kept = torch.zeros_like(keep)
+        kept[ids[keep]] = True
+        # The kept tokens' probabilities, walked in id order.
+        weights = torch.exp(row - row.max()).masked_fill(~kept, 0.0)
+        tokens[r] = _inverse_cdf(weights, float(u[r]))
+    return tokens
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """First index of the row maximum, like torch.argmax, but fast on CPU for wide rows.
-
-    torch.argmax is not vectorised over a 50k vocabulary on CPU (tens of ms per step); amax is.
-    So: the max of each 1024-wide chunk, the first chunk holding the row max, then argmax
-    inside that chunk only.
-    """
-    rows, vocab = logits.shape
-    if logits.device.type != "cpu" or vocab < 4 * _ARGMAX_CHUNK:
-        return logits.argmax(dim=-1)
-    c = _ARGMAX_CHUNK
-    whole = vocab // c * c
-    chunk_max = logits[:, :whole].view(rows, -1, c).amax(dim=-1)
-    if whole < vocab:
-        chunk_max = torch.cat([chunk_max, logits[:, whole:].amax(dim=-1, keepdim=True)], dim=1)
-    best_chunk = chunk_max.argmax(dim=-1)
-    # Past the end of the vocabulary, repeat the last column: argmax keeps the first hit.
-    cols = (best_chunk[:, None] * c + torch.arange(c)).clamp_(max=vocab - 1)
-    return best_chunk * c + logits.gather(1, cols).argmax(dim=-1)
-
-
-def _scaled(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float64,
-                         device=logits.device)
-    return logits.double() / temps[:, None]
-
-
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    cdf = probs.cumsum(dim=-1)
-    target = (u * cdf[:, -1]).unsqueeze(1)
+def _inverse_cdf(probs: torch.Tensor, u: float) -> int:
+    cdf = probs.cumsum(-1)
     # right=True: the first position whose cdf exceeds the target, so zero-probability tokens
     # (flat steps of the cdf) are never chosen.
-    index = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    return index.clamp_(max=probs.shape[-1] - 1)
+    target = torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype, device=cdf.device)
+    index = int(torch.searchsorted(cdf, target, right=True)[0])
+    return min(index, probs.shape[-1] - 1)
 
 
-def _sample_plain(logits: torch.Tensor, params: list[SamplingParams],
-                  u: torch.Tensor) -> torch.Tensor:
-    # No filtering: the inverse CDF can walk the vocabulary in id order, no sort needed.
-    return _inverse_cdf(torch.softmax(_scaled(logits, params), dim=-1), u)
-
-
-def _sample_filtered(logits: torch.Tensor, params: list[SamplingParams],
-                     u: torch.Tensor) -> torch.Tensor:
-    scaled = _scaled(logits, params)
-    sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True, stable=True)
-    vocab = scaled.shape[-1]
-    top_k = torch.tensor([p.top_k or vocab for p in params], device=logits.device)
-    ranks = torch.arange(vocab, device=logits.device)
-    sorted_logits.masked_fill_(ranks[None, :] >= top_k[:, None], float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=-1)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=logits.device)
-    # Keep the smallest prefix whose mass reaches top_p (the best token always stays).
-    mass_before = probs.cumsum(dim=-1) - probs
-    probs = probs.masked_fill(mass_before >= top_p[:, None], 0.0)
-    picked = _inverse_cdf(probs, u)
-    return sorted_ids.gather(1, picked[:, None]).squeeze(1)
-
-
-def _logprobs(logits: torch.Tensor, params: Seq[SamplingParams],
-              tokens: torch.Tensor) -> list[SampledLogprob | None]:
-    out: list[SampledLogprob | None] = [None] * len(params)
-    rows = [i for i, p in enumerate(params) if p.logprobs or p.top_logprobs > 0]
-    if not rows:
-        return out
-    index = torch.tensor(rows, device=logits.device)
-    # Logprobs of the model's own distribution, before temperature or filtering (as vLLM).
-    logp = torch.log_softmax(logits[index].float(), dim=-1)
-    chosen = logp.gather(1, tokens[index][:, None]).squeeze(1).tolist()
-    max_top = max(params[i].top_logprobs for i in rows)
-    top_vals: list[list[float]] = []
-    top_ids: list[list[int]] = []
-    if max_top > 0:
-        values, ids = logp.topk(max_top, dim=-1)
-        top_vals, top_ids = values.tolist(), ids.tolist()
-    for j, i in enumerate(rows):
-        k = params[i].top_logprobs
-        top = list(zip(top_ids[j][:k], top_vals[j][:k], strict=True)) if k else []
-        out[i] = (chosen[j], top)
-    return out
+def reference_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprob of each row's token [rows], top ids [rows, num_top], top logprobs)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, tokens[:, None]).squeeze(1)
+    if num_top == 0:
+        empty = torch.empty(logits.shape[0], 0)
+        return chosen, empty.long(), empty
+    # Stable sort: lower id first among equal logprobs, as the CPU kernel orders them.
+    order = torch.sort(-logp, dim=-1, stable=True).indices[:, :num_top]
+    return chosen, order, logp.gather(1, order)

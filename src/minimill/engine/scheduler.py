@@ -59,6 +59,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
         self.num_preemptions = 0  # since start, for tests and stats
+        self.max_num_running = 0  # most requests running in one step, since start (or reset)
         self.num_cached_tokens_total = 0  # prompt tokens found in the prefix cache, since start
 
     @property
@@ -125,6 +126,7 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(self._entry(seq, num_new))
             budget -= num_new
+        self.max_num_running = max(self.max_num_running, len(self.running))
         return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted)
 
     def update_from_output(self, output: SchedulerOutput,

@@ -38,7 +38,8 @@ class Sequence:
 
     __slots__ = (
         "block_table", "eos_token_ids", "logprobs", "num_cached_tokens", "num_computed_tokens",
-        "num_prompt_tokens", "params", "request_id", "seed", "status", "token_ids",
+        "num_prompt_tokens", "output_counts", "params", "request_id", "seed", "status",
+        "token_ids",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -56,6 +57,13 @@ class Sequence:
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.status = RequestStatus.WAITING
         self.logprobs: list[TokenLogprob] = []  # of the outputs sampled here (not resumed ones)
+        # How often each token occurs among the outputs (resumed ones included): what the
+        # penalties read. Kept only when the request uses them.
+        self.output_counts: dict[int, int] | None = None
+        if params.uses_penalties:
+            self.output_counts = {}
+            for token in resume_token_ids or ():
+                self.output_counts[token] = self.output_counts.get(token, 0) + 1
 
     @property
     def num_tokens(self) -> int:
@@ -79,6 +87,8 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        if self.output_counts is not None:
+            self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.name}, "

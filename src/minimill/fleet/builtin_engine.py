@@ -9,6 +9,7 @@ from typing import Any
 from minimill.engine.params import EngineError, InvalidRequestError, TokenLogprob
 from minimill.fleet.choices import ChoiceJob
 from minimill.fleet.engines import ChoiceUpdate, EngineStartError, JobError
+from minimill.fleet.startup import StartClock
 
 # Context length used when the engine does not say; SmolLM2 and most small models have >= 2048.
 _FALLBACK_CONTEXT = 2048
@@ -46,12 +47,25 @@ class BuiltinEngineAdapter:
         self._tokenizer = engine.tokenizer
 
     @classmethod
-    async def start(cls, *, model: str, dtype: str) -> BuiltinEngineAdapter:
+    async def start(cls, *, model: str, dtype: str,
+                    clock: StartClock | None = None) -> BuiltinEngineAdapter:
+        """Load `model` (from its warm weights cache when there is one) and start the engine;
+        `clock` marks each phase."""
+        clock = clock or StartClock()
         from minimill.engine.async_engine import AsyncEngine
+        from minimill.engine.config import EngineConfig
+        from minimill.engine.native import kernel_cache_dir
+        from minimill.fleet.kernel_lock import stale_kernel_locks_cleared
+        from minimill.models.loader import load_model
         from minimill.models.types import ModelError
 
+        clock.mark("engine imports")
         try:
-            engine = AsyncEngine(model, dtype=dtype)
+            loaded = load_model(model, EngineConfig(dtype=dtype).torch_dtype)
+            clock.mark(f"model load ({loaded.extra.get('warm_cache', 'no warm cache')})")
+            with stale_kernel_locks_cleared(kernel_cache_dir()):
+                engine = AsyncEngine(loaded, dtype=dtype)
+            clock.mark("engine")
         except (ModelError, EngineError, ValueError, OSError) as exc:
             raise EngineStartError(f"cannot start the builtin engine for {model!r}: {exc}") \
                 from exc
@@ -105,8 +119,12 @@ class BuiltinEngineAdapter:
     async def generate(self, job: ChoiceJob) -> AsyncIterator[ChoiceUpdate]:
         try:
             prompt = self._prompt(job)
-            stream = self._engine.generate(job.engine_request_id, prompt, job.params,
-                                           resume_token_ids=self._resume_ids(job))
+            # The checkpoint's text is what was handed out for its tokens: the deltas continue
+            # it exactly (a split character or a held-back stop prefix is not repeated).
+            stream = self._engine.generate(
+                job.engine_request_id, prompt, job.params,
+                resume_token_ids=self._resume_ids(job),
+                resume_text=job.resume.text if job.resume is not None else None)
             async for delta in stream:
                 reason = delta.finish_reason.value if delta.finish_reason is not None else None
                 yield ChoiceUpdate(

@@ -94,6 +94,25 @@ def _stop_param(body: dict[str, Any]) -> tuple[str, ...]:
     raise BodyError(f"stop must be a string or a list of strings, got {stop!r}", "stop")
 
 
+def _logit_bias_param(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise BodyError(f"logit_bias must be an object, got {bias!r}", "logit_bias")
+    out = []
+    for token, value in bias.items():
+        try:
+            token_id = int(token)
+        except (TypeError, ValueError):
+            raise BodyError(f"logit_bias keys must be token ids, got {token!r}",
+                            "logit_bias") from None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise BodyError(f"logit_bias values must be numbers, got {value!r}", "logit_bias")
+        out.append((token_id, float(value)))
+    return tuple(sorted(out))
+
+
 def _logprob_params(kind: str, body: dict[str, Any]) -> tuple[bool, int]:
     """(logprobs?, top alternatives): chat has a flag plus top_logprobs, completions an int."""
     if kind == "chat":
@@ -143,6 +162,9 @@ def sampling_params(lease: Lease, index: int, default_max_tokens: int) -> tuple[
             stop=_stop_param(body),
             logprobs=logprobs,
             top_logprobs=top_logprobs,
+            frequency_penalty=_float_param(body, "frequency_penalty", 0.0),
+            presence_penalty=_float_param(body, "presence_penalty", 0.0),
+            logit_bias=_logit_bias_param(body),
         )
     except InvalidRequestError as exc:
         raise BodyError(str(exc)) from exc

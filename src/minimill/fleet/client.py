@@ -23,6 +23,8 @@ from minimill.protocol import (
     HeartbeatResponse,
     LeaseRequest,
     LeaseResponse,
+    ReleaseRequest,
+    ReleaseResponse,
 )
 
 log = logging.getLogger("minimill.worker")
@@ -93,6 +95,9 @@ class ControlPlaneClient:
 
     async def complete(self, request: CompleteRequest) -> CompleteResponse:
         return await self._post("/complete", request, CompleteResponse)
+
+    async def release(self, request: ReleaseRequest) -> ReleaseResponse:
+        return await self._post("/release", request, ReleaseResponse)
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from minimill.fleet.choices import ChoiceJob
+from minimill.fleet.startup import StartClock
 
 
 class EngineStartError(RuntimeError):
@@ -82,13 +83,13 @@ class EngineAdapter(Protocol):
         ...
 
 
-async def open_engine(engine: str, *, model: str, dtype: str,
-                      capacity: int) -> EngineAdapter:
+async def open_engine(engine: str, *, model: str, dtype: str, capacity: int,
+                      clock: StartClock | None = None) -> EngineAdapter:
     """'builtin' loads `model` into the builtin engine; an http(s) URL uses that server."""
     if engine == "builtin":
         from minimill.fleet.builtin_engine import BuiltinEngineAdapter
 
-        return await BuiltinEngineAdapter.start(model=model, dtype=dtype)
+        return await BuiltinEngineAdapter.start(model=model, dtype=dtype, clock=clock)
     if engine.startswith(("http://", "https://")):
         from minimill.fleet.http_engine import HttpEngineAdapter
 

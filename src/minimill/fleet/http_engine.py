@@ -87,6 +87,14 @@ class HttpEngineAdapter:
         }
         if p.stop:
             body["stop"] = list(p.stop)
+        # Penalties on a resumed request see only what the peer generates from here: the
+        # peer cannot be told which of the resumed text's tokens count as outputs.
+        if p.frequency_penalty:
+            body["frequency_penalty"] = p.frequency_penalty
+        if p.presence_penalty:
+            body["presence_penalty"] = p.presence_penalty
+        if p.logit_bias:
+            body["logit_bias"] = {str(t): b for t, b in p.logit_bias}
         done = resumed_token_count(job)
         if job.max_tokens_from_body:
             body["max_tokens"] = max(1, p.max_tokens - done)

@@ -3,13 +3,18 @@
 The lease loop asks for as many requests as the engine has free sequences; the heartbeat loop
 extends every lease each ttl/3 and sends checkpoints every lease's checkpoint_interval_s (the
 control plane's settings, streaming leases more often), each holding only what is new since the
-last accepted one; the completion loop sends finished results in batches with their epoch,
-keeping any it could not deliver until the control plane accepts or rejects them (a resend of an
+last accepted one, and hands back the leases its answers name (an outage of the site is near:
+releases.py); the completion loop sends finished results in batches with their epoch, keeping
+any it could not deliver until the control plane accepts or rejects them (a resend of an
 accepted result is accepted again). A stale-epoch rejection means another site owns the request
 now: the result is dropped. A revoked lease is aborted unless it has finished: its result is
 still delivered, since an expired lease nobody else took keeps its epoch. Requests stay under
 the control plane's body limits: checkpoints per heartbeat and results per completion call are
 capped in bytes, and a result too large to deliver at all fails its request.
+
+`stop()` ends leasing at once; running requests get `drain_timeout_s` to finish, then the rest
+are checkpointed and handed back, so they resume elsewhere without waiting for an expiry. A
+second `stop()` skips the wait (shutdown.py).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from minimill.fleet.client import (
 )
 from minimill.fleet.engines import EngineAdapter
 from minimill.fleet.held import HeldLease, SentCheckpoint, Tally, approx_bytes
+from minimill.fleet.releases import Releases
+from minimill.fleet.shutdown import drain
 from minimill.protocol import (
     CompleteRequest,
     CompletionItem,
@@ -67,13 +74,17 @@ class Worker:
         self.held: dict[str, HeldLease] = {}
         self.outbox: dict[str, CompletionItem] = {}
         self.lease_ttl_s = 30.0
+        self.releases = Releases(client)
         self.stopping = asyncio.Event()
+        self.hurry = asyncio.Event()  # a second stop(): no waiting for running requests
         self._wake_lease = asyncio.Event()
         self._wake_complete = asyncio.Event()
         self._engine_cooldown_until = 0.0
         self._last_full_heartbeat = time.monotonic()
         self._max_per_post = MAX_COMPLETIONS_PER_POST
-        self.stats = {"leased": 0, "succeeded": 0, "failed": 0, "rejected": 0, "revoked": 0}
+        self.stats = {"leased": 0, "succeeded": 0, "failed": 0, "rejected": 0, "revoked": 0,
+                      "handed_back": 0}
+        self.first_lease_at: float | None = None  # monotonic time of the first lease answer
         self.tally = Tally()
 
     # ---- bookkeeping -------------------------------------------------------------------------
@@ -98,6 +109,7 @@ class Worker:
         if old is not None:  # re-leased to us at a newer epoch: the old run is stale
             old.cancel()
         self.outbox.pop(lease.request_id, None)
+        self.releases.discard(lease.request_id)
         held = HeldLease(lease, self.adapter, self.tally)
         self.held[lease.request_id] = held
         self.stats["leased"] += 1
@@ -110,8 +122,23 @@ class Worker:
             held.cancel()
         self.outbox.pop(request_id, None)
 
+    def hand_back(self, request_ids: list[str]) -> int:
+        """Stop the named leases that are still running and queue their releases."""
+        count = 0
+        for request_id in request_ids:
+            held = self.held.get(request_id)
+            if held is None or held.result is not None:
+                continue  # not ours, or finished: its completion is on the way
+            del self.held[request_id]
+            self.releases.add(held)
+            count += 1
+        if count:
+            self.stats["handed_back"] += count
+            self._wake_lease.set()
+        return count
+
     # ---- loops ---------------------------------------------------------------------------------
-    async def _wait(self, event: asyncio.Event, timeout: float) -> None:
+    async def wait(self, event: asyncio.Event, timeout: float) -> None:
         try:
             await asyncio.wait_for(event.wait(), timeout)
         except TimeoutError:
@@ -123,7 +150,7 @@ class Worker:
         while not self.stopping.is_set():
             free = self.free_capacity()
             if free <= 0 or time.monotonic() < self._engine_cooldown_until:
-                await self._wait(self._wake_lease, IDLE_POLL_S)
+                await self.wait(self._wake_lease, IDLE_POLL_S)
                 continue
             try:
                 resp = await self.client.lease(LeaseRequest(
@@ -135,8 +162,12 @@ class Worker:
                 continue
             backoff.reset()
             self.lease_ttl_s = resp.lease_ttl_s
+            if self.first_lease_at is None:
+                self.first_lease_at = time.monotonic()
             if self.stopping.is_set():
-                break  # those leases lapse and go to another site
+                for lease in resp.leases:  # granted as we stopped: straight back, unstarted
+                    self.releases.add_unstarted(lease)
+                break
             taken = [self._take(lease) for lease in resp.leases]
             resumed = [h for h in taken if h.resumed_tokens]
             if resumed:
@@ -146,7 +177,7 @@ class Worker:
                          + (" ..." if len(resumed) > 8 else ""))
             await asyncio.sleep(BUSY_POLL_S)
             if not resp.leases:
-                await self._wait(self._wake_lease, IDLE_POLL_S)
+                await self.wait(self._wake_lease, IDLE_POLL_S)
 
     def _heartbeat_items(self, force_all: bool) -> tuple[list[HeartbeatItem],
                                                          dict[str, SentCheckpoint]]:
@@ -170,7 +201,18 @@ class Worker:
             self._last_full_heartbeat = now
         return items, sent
 
+    async def _send_releases(self) -> None:
+        """Hand back what is pending; a failure must not hold up the heartbeats of the rest."""
+        if not self.releases.pending:
+            return
+        try:
+            await self.releases.send()
+        except ControlPlaneUnavailable as exc:
+            log.warning("handing back %d leases failed (%s); trying again",
+                        len(self.releases.pending), exc)
+
     async def heartbeat_once(self, force_all: bool = False) -> None:
+        await self._send_releases()
         items, checkpoints = self._heartbeat_items(force_all)
         if not items:
             return
@@ -198,6 +240,10 @@ class Worker:
             log.info("%d leases revoked (cancelled, expired or taken over); aborted them",
                      len(revoked))
             self._wake_lease.set()
+        if resp.handback and self.hand_back(resp.handback):
+            log.info("an outage of this site is near: handing back %d leases",
+                     len(self.releases.pending))
+            await self._send_releases()
 
     def _answer_checkpoints(self, checkpoints: dict[str, SentCheckpoint],
                             extended: set[str] | None, resync: set[str]) -> None:
@@ -279,7 +325,7 @@ class Worker:
     async def complete_loop(self) -> None:
         backoff = Backoff()
         while True:
-            await self._wait(self._wake_complete, 1.0)
+            await self.wait(self._wake_complete, 1.0)
             await asyncio.sleep(COMPLETE_BATCH_S)
             while self.outbox:
                 try:
@@ -301,6 +347,9 @@ class Worker:
             log.info("stopping: no new leases; finishing %d running requests", len(self.held))
             self.stopping.set()
             self._wake_lease.set()
+        elif not self.hurry.is_set():
+            log.info("stopping now: handing back what is still running")
+            self.hurry.set()
 
     async def run(self) -> None:
         loops = [asyncio.create_task(c) for c in
@@ -314,33 +363,16 @@ class Worker:
             await asyncio.wait([stop_task, lease_task, *loops],
                                return_when=asyncio.FIRST_COMPLETED)
             for task in (lease_task, *loops):
-                if task.done() and task.exception() is not None:
+                if task.done() and not task.cancelled() and task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
-            await lease_task
-            await self._drain()
+            # A lease call in flight may wait for an unreachable control plane: drop it (what
+            # it would have granted lapses and goes elsewhere).
+            lease_task.cancel()
+            await asyncio.gather(lease_task, return_exceptions=True)
+            await drain(self)
         finally:
             stop_task.cancel()
             lease_task.cancel()
             for task in loops:
                 task.cancel()
             await asyncio.gather(lease_task, *loops, return_exceptions=True)
-
-    async def _drain(self) -> None:
-        deadline = time.monotonic() + self.drain_timeout_s
-        while time.monotonic() < deadline and any(
-                h.result is None for h in self.held.values()):
-            await asyncio.sleep(0.1)
-        unfinished = [h for h in self.held.values() if h.result is None]
-        for held in unfinished:
-            held.cancel()
-        if unfinished:
-            log.info("checkpointing %d unfinished requests before exit", len(unfinished))
-            for held in unfinished:
-                held.dirty = True
-            try:
-                await self.heartbeat_once(force_all=True)
-            except ControlPlaneUnavailable as exc:
-                log.warning("final checkpoint not delivered: %s", exc)
-        flush_deadline = time.monotonic() + 5.0
-        while self.outbox and time.monotonic() < flush_deadline:
-            await asyncio.sleep(0.05)

@@ -16,13 +16,11 @@ import torch
 from minimill.models.dequant import dequantize
 from minimill.models.gguf_file import GGUFHeader, read_gguf_header, read_tensor_bytes
 from minimill.models.gguf_tokenizer import tokenizer_from_gguf
-from minimill.models.tokenizer import Tokenizer
+from minimill.models.shape_check import check_shapes
+from minimill.models.tokenizer import END_OF_TURN_TOKENS, Tokenizer
 from minimill.models.types import LoadedModel, ModelConfig, ModelFileError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
-# Chat end-of-turn tokens that also end generation when a vocabulary has them.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>",
-                      "<|end|>", "<end_of_turn>", "<|eom_id|>")
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -149,7 +147,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.bfloat16,
             elif config.architecture == "llama" and ".attn_k." in info.name:
                 tensor = unpermute_rope_rows(tensor, config.num_key_value_heads)
             weights[hf_name] = tensor
-    _check_shapes(path, config, weights)
+    check_shapes(path, config, weights)
     meta = header.metadata
     return LoadedModel(
         name=name or path.stem, config=config, weights=weights, tokenizer=tokenizer,
@@ -157,22 +155,3 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.bfloat16,
         extra={"format": "gguf", "general.name": meta.get("general.name"),
                "ggml_types": sorted({i.ggml_type.name for i in header.tensors.values()})},
     )
-
-
-def _check_shapes(path: Path, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
-    """Metadata and tensors must agree, or the engine would fail far from the cause."""
-    expected = {
-        "model.embed_tokens.weight": (config.vocab_size, config.hidden_size),
-        "model.layers.0.self_attn.q_proj.weight":
-            (config.num_attention_heads * config.head_dim, config.hidden_size),
-        "model.layers.0.self_attn.k_proj.weight":
-            (config.num_key_value_heads * config.head_dim, config.hidden_size),
-        "model.layers.0.mlp.up_proj.weight": (config.intermediate_size, config.hidden_size),
-    }
-    for key, shape in expected.items():
-        got = tuple(weights[key].shape) if key in weights else None
-        if got != shape:
-            raise ModelFileError(f"{path}: tensor {key} has shape {got}, metadata implies {shape}")
-    last = f"model.layers.{config.num_hidden_layers - 1}.mlp.down_proj.weight"
-    if last not in weights:
-        raise ModelFileError(f"{path}: {config.num_hidden_layers} layers declared, {last} missing")

@@ -12,8 +12,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from minimill.models.gguf_loader import END_OF_TURN_TOKENS
-from minimill.models.tokenizer import Tokenizer
+from minimill.models.tokenizer import END_OF_TURN_TOKENS, Tokenizer
 from minimill.models.types import LoadedModel, ModelConfig, ModelFileError
 
 _ARCHITECTURES = {

@@ -1,4 +1,7 @@
-"""One entry point from a model name or path to a LoadedModel (GGUF file or HF directory)."""
+"""One entry point from a model name or path to a LoadedModel (GGUF file or HF directory).
+
+GGUF models load through the warm weights cache (warm_cache.py): dequantized once, mapped on
+every later start."""
 
 from __future__ import annotations
 
@@ -6,10 +9,15 @@ from pathlib import Path
 
 import torch
 
-from minimill.models.gguf_loader import load_gguf
-from minimill.models.hf_loader import load_hf_dir
-from minimill.models.registry import KNOWN_MODELS, pull_model, resolve_model
+from minimill.models.registry import (
+    KNOWN_MODELS,
+    minimill_home,
+    model_dir,
+    pull_model,
+    resolve_model,
+)
 from minimill.models.types import LoadedModel, ModelFileError, ModelNotPulledError
+from minimill.models.warm_cache import load_gguf_warm
 
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.bfloat16, *,
@@ -23,7 +31,12 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.bfloat16, *,
         path = pull_model(name_or_path)
     name = name_or_path if name_or_path in KNOWN_MODELS else Path(path).name
     if path.is_dir():
+        from minimill.models.hf_loader import load_hf_dir
+
         return load_hf_dir(path, dtype, name=name)
     if path.suffix.lower() == ".gguf":
-        return load_gguf(path, dtype, name=name)
+        # A pulled model's warm file sits beside it; one given by path, in a shared directory.
+        cache_dir = (model_dir(name_or_path) if name_or_path in KNOWN_MODELS
+                     else minimill_home() / "models" / "warm")
+        return load_gguf_warm(path, dtype, name, cache_dir)
     raise ModelFileError(f"{path}: not a .gguf file or a model directory")

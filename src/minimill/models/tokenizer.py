@@ -14,6 +14,9 @@ import tokenizers
 from minimill.models.chat_template import ChatTemplateError, render_chat_template
 
 _REPLACEMENT = "\ufffd"
+# Chat end-of-turn tokens that also end generation when a vocabulary has them.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>",
+                      "<|end|>", "<end_of_turn>", "<|eom_id|>")
 
 
 class Tokenizer:
@@ -126,6 +129,22 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self._emitted = len(self._window_text()) if self._prefix_offset < self._read_offset else 0
         return delta
+
+    def prime(self, ids: Sequence[int]) -> str:
+        """Add ids generated earlier (a resumed request) and return the text an uninterrupted
+        run's deltas would have handed out for them: a character still split at the end is
+        left for the next `add`, as it would have been."""
+        if not ids:
+            return ""
+        settled = len(ids)
+        # A UTF-8 character spans at most 4 byte tokens: step back past a split one.
+        while settled > 0 and len(ids) - settled < 4 and self._tokenizer.decode(
+                list(ids[:settled]), skip_special_tokens=self._skip_special).endswith(_REPLACEMENT):
+            settled -= 1
+        text = self.add(ids[:settled]) if settled else ""
+        if settled < len(ids):
+            text += self.add(ids[settled:])
+        return text
 
     def flush(self) -> str:
         """The rest of the text at the end of the sequence (held-back replacement chars)."""

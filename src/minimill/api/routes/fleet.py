@@ -1,19 +1,30 @@
-"""The worker protocol's server side (protocol.py): lease, heartbeat, complete.
+"""The worker protocol's server side (protocol.py): lease, heartbeat, complete, release, and the
+outages a site announces, lists and withdraws for itself.
 
-Authenticated with a site token. Accepted completions and fresh checkpoints wake the realtime
-waiters of this process at once; other processes notice through their pollers.
+Authenticated with a site token: the only routes a site token reaches. Accepted completions
+and fresh checkpoints wake the realtime waiters of this process at once; other processes
+notice through their pollers.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 
 import anyio
 from fastapi import APIRouter
 
 from minimill.api.deps import ConfigDep, SiteDep, StoreDep, WatcherDep
 from minimill.api.errors import error_responses
-from minimill.control import leases
+from minimill.api.schemas import (
+    OutageCreate,
+    OutageCreated,
+    OutageDeleted,
+    OutageList,
+    OutageObject,
+)
+from minimill.control import leases, release
+from minimill.control.sites import add_outage, list_outages, remove_outage
 from minimill.protocol import (
     FLEET_PREFIX,
     CompleteRequest,
@@ -22,6 +33,8 @@ from minimill.protocol import (
     HeartbeatResponse,
     LeaseRequest,
     LeaseResponse,
+    ReleaseRequest,
+    ReleaseResponse,
 )
 
 router = APIRouter(prefix=FLEET_PREFIX, tags=["fleet"], responses=error_responses(400, 401))
@@ -51,3 +64,35 @@ async def complete(done: CompleteRequest, store: StoreDep, site: SiteDep, config
                                             config)
     watcher.poke(answer.accepted)
     return answer
+
+
+@router.post("/release", response_model=ReleaseResponse)
+async def release_leases(ask: ReleaseRequest, store: StoreDep, site: SiteDep, config: ConfigDep,
+                         watcher: WatcherDep) -> ReleaseResponse:
+    answer = await anyio.to_thread.run_sync(release.release, store, site, ask, time.time(),
+                                            config)
+    watcher.poke(answer.released)
+    return answer
+
+
+@router.post("/outages", response_model=OutageCreated)
+def announce_outage(body: OutageCreate, store: StoreDep, site: SiteDep) -> OutageCreated:
+    """A site announces a planned or forecast outage of its own; placement drains it ahead."""
+    outage_id = add_outage(store, site.name, body.start_at, body.end_at)
+    return OutageCreated(id=outage_id, site=site.name, start_at=body.start_at,
+                         end_at=body.end_at)
+
+
+@router.get("/outages", response_model=OutageList)
+def get_outages(store: StoreDep, site: SiteDep, include_past: bool = False) -> OutageList:
+    """The site's announced outages not over yet (all of them with `include_past`)."""
+    records = list_outages(store, time.time(), site.name, include_past=include_past)
+    return OutageList(data=[OutageObject.model_validate(asdict(r)) for r in records])
+
+
+@router.delete("/outages/{outage_id}", response_model=OutageDeleted,
+               responses=error_responses(404))
+def delete_outage(outage_id: int, store: StoreDep, site: SiteDep) -> OutageDeleted:
+    """Withdraw one of the site's outages; placement counts on the site again at once."""
+    record = remove_outage(store, outage_id, site.name)
+    return OutageDeleted(id=record.id)

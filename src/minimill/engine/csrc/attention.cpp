@@ -1,186 +1,19 @@
-// minimill's CPU kernels: attention over the paged KV cache in place, the fused rotary + KV
-// write, RMSNorm with the residual add, and SiLU * up. Registered as torch.ops.minimill.*.
-//
-// Vectorised with ATen's at::vec (AVX-512, AVX2 or scalar, picked by the CPU_CAPABILITY_*
-// macro the build sets from this machine's flags). Arithmetic is float32 inside; values are
-// rounded to the model dtype where HF transformers rounds them, so bf16 runs stay close to it.
-//
-// KV cache layout, per layer (views of one tensor, so any block stride is accepted):
-//   K: [num_blocks, kv_heads, head_dim, block_size]  (transposed: a vector holds many keys)
-//   V: [num_blocks, kv_heads, block_size, head_dim]
+// The paged KV cache: its block layout, the fused rotary + KV write, and attention over the
+// cache in place (decodes and prompt chunks together, one call per layer).
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
-#include <torch/library.h>
+#include "ops.h"
+#include "vec.h"
 
-#include <algorithm>
-#include <cstring>
-#include <cmath>
-#include <limits>
-#include <vector>
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#define MINIMILL_DPBF16 1  // AVX-512 BF16: dot products of bf16 pairs in one instruction
+#endif
 
 namespace minimill {
+
 namespace {
-
-using at::BFloat16;
-using fVec = at::vec::Vectorized<float>;
-constexpr int kVec = fVec::size();
-constexpr int64_t kMaxHeadDim = 256;
-
-inline fVec load_f(const float* p) { return fVec::loadu(p); }
-inline fVec load_f(const BFloat16* p) {
-  fVec out;
-  at::vec::load_to_float<BFloat16>(p, out);
-  return out;
-}
-inline void store_f(float* p, const fVec& v) { v.store(p); }
-inline void store_f(BFloat16* p, const fVec& v) {
-  at::vec::convert_from_float<BFloat16>(v, v).store(p, kVec);
-}
-inline float to_f(float x) { return x; }
-inline float to_f(BFloat16 x) { return static_cast<float>(x); }
-template <typename T> inline T from_f(float x) { return static_cast<T>(x); }
-// The value after a round trip through T (round to nearest even for bf16).
-template <typename T> inline float round_to(float x) { return to_f(from_f<T>(x)); }
-template <typename T> inline fVec round_to(const fVec& v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    fVec lo, hi;
-    std::tie(lo, hi) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v));
-    return lo;
-  }
-}
-
-void check_cpu(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
-}
-
-// ---------------------------------------------------------------------------------------------
-// RMSNorm. HF: x -> float -> x * rsqrt(mean(x^2) + eps) -> round to dtype -> * weight (rounded).
-
-template <typename T>
-void rms_norm_row(T* out, const T* x, const T* w, int64_t n, float eps) {
-  fVec acc(0.f);
-  int64_t i = 0;
-  for (; i + kVec <= n; i += kVec) {
-    fVec v = load_f(x + i);
-    acc = at::vec::fmadd(v, v, acc);
-  }
-  float sum = at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, acc);
-  for (; i < n; ++i) sum += to_f(x[i]) * to_f(x[i]);
-  const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
-  const fVec vinv(inv);
-  i = 0;
-  for (; i + kVec <= n; i += kVec) {
-    fVec normed = round_to<T>(load_f(x + i) * vinv);
-    store_f(out + i, normed * load_f(w + i));
-  }
-  for (; i < n; ++i) out[i] = from_f<T>(round_to<T>(to_f(x[i]) * inv) * to_f(w[i]));
-}
-
-template <typename T>
-void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps) {
-  const int64_t rows = x.size(0), n = x.size(1);
-  const T* xp = x.data_ptr<T>();
-  const T* wp = w.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const int64_t xs = x.stride(0), os = out.stride(0);
-  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) rms_norm_row<T>(op + r * os, xp + r * xs, wp, n, eps);
-  });
-}
-
-void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
-  check_cpu(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1, "rows must be contiguous");
-  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type(), "bad weight");
-  if (x.scalar_type() == at::kFloat) {
-    rms_norm_impl<float>(out, x, weight, eps);
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "rms_norm: float32 or bfloat16 only");
-    rms_norm_impl<BFloat16>(out, x, weight, eps);
-  }
-}
-
-// residual <- x + residual (rounded, as HF adds in the model dtype); x <- rms_norm(residual).
-template <typename T>
-void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
-  const int64_t rows = x.size(0), n = x.size(1);
-  T* xp = x.data_ptr<T>();
-  T* rp = residual.data_ptr<T>();
-  const T* wp = w.data_ptr<T>();
-  const int64_t xs = x.stride(0), rs = residual.stride(0);
-  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      T* xr = xp + r * xs;
-      T* rr = rp + r * rs;
-      int64_t i = 0;
-      for (; i + kVec <= n; i += kVec) store_f(rr + i, load_f(xr + i) + load_f(rr + i));
-      for (; i < n; ++i) rr[i] = from_f<T>(to_f(xr[i]) + to_f(rr[i]));
-      rms_norm_row<T>(xr, rr, wp, n, eps);
-    }
-  });
-}
-
-void add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
-  check_cpu(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && residual.stride(1) == 1,
-              "rows must be contiguous");
-  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
-              "x and residual differ");
-  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type(), "bad weight");
-  if (x.scalar_type() == at::kFloat) {
-    add_rms_norm_impl<float>(x, residual, weight, eps);
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "add_rms_norm: float32 or bfloat16 only");
-    add_rms_norm_impl<BFloat16>(x, residual, weight, eps);
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// SiLU * up. HF: act(gate) rounded to dtype, times up, rounded.
-
-template <typename T>
-void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gate_up) {
-  const int64_t rows = gate_up.size(0), n = out.size(1);
-  const T* gp = gate_up.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const int64_t gs = gate_up.stride(0), os = out.stride(0);
-  const fVec one(1.f);
-  at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      const T* g = gp + r * gs;
-      const T* u = g + n;
-      T* o = op + r * os;
-      int64_t i = 0;
-      for (; i + kVec <= n; i += kVec) {
-        fVec gv = load_f(g + i);
-        fVec act = round_to<T>(gv / (one + gv.neg().exp_u20()));
-        store_f(o + i, act * load_f(u + i));
-      }
-      for (; i < n; ++i) {
-        float gv = to_f(g[i]);
-        o[i] = from_f<T>(round_to<T>(gv / (1.f + std::exp(-gv))) * to_f(u[i]));
-      }
-    }
-  });
-}
-
-void silu_and_mul(at::Tensor out, at::Tensor gate_up) {
-  check_cpu(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && out.stride(1) == 1 &&
-                  gate_up.size(1) == 2 * out.size(1) && gate_up.size(0) == out.size(0),
-              "silu_and_mul: out [T, I] and gate_up [T, 2I] with contiguous rows");
-  if (gate_up.scalar_type() == at::kFloat) {
-    silu_and_mul_impl<float>(out, gate_up);
-  } else {
-    TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16, "silu_and_mul: float32 or bfloat16");
-    silu_and_mul_impl<BFloat16>(out, gate_up);
-  }
-}
 
 // ---------------------------------------------------------------------------------------------
 // KV block layout. A block of one layer and one kv head holds block_size tokens. Values of a
@@ -189,8 +22,62 @@ void silu_and_mul(at::Tensor out, at::Tensor gate_up) {
 //   K: [head_dim / P][block_size][P]   a vector of lanes = one dimension pair of many keys
 //   V: [block_size / P][head_dim][P]   a vector of lanes = many dimensions of a key pair
 // with P = 2 for bfloat16 and P = 1 for float32.
+//
+// An int8 cache (the `int8_t` cache type below) holds, per block, layer and kv head, the
+// values K [head_dim][block_size] and V [block_size][head_dim] as int8, each followed by
+// block_size float16 scales, one per token: value = int8 * scale, scale = max|x| / 127 over the
+// token's head_dim values. About half the bytes of bf16; attention dequantizes as it reads.
 
 template <typename T> constexpr int64_t kPack = sizeof(T) == 2 ? 2 : 1;
+
+// Elements of one block of one layer and kv head, values and scales, in units of C.
+template <typename C>
+inline int64_t block_elems(int64_t block_size, int64_t head_dim) {
+  if constexpr (std::is_same_v<C, int8_t>) {
+    return block_size * head_dim + 2 * block_size;
+  } else {
+    return block_size * head_dim;
+  }
+}
+
+inline const at::Half* int8_scales(const int8_t* block, int64_t block_size, int64_t head_dim) {
+  return reinterpret_cast<const at::Half*>(block + block_size * head_dim);
+}
+
+// kVec int8 values as floats.
+inline fVec load_i8(const int8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return fVec(_mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return fVec(_mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  float tmp[kVec];
+  for (int i = 0; i < kVec; ++i) tmp[i] = static_cast<float>(p[i]);
+  return fVec::loadu(tmp);
+#endif
+}
+
+inline fVec load_half(const at::Half* p) {
+  fVec out;
+  at::vec::load_to_float<at::Half>(p, out);
+  return out;
+}
+
+// One token's head_dim values as int8 with their scale (written as float16, and used as
+// rounded, so that dequantizing gives exactly what attention reads).
+inline at::Half quantize_i8(const float* x, int64_t n, int8_t* out, int64_t out_stride) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const at::Half scale(amax > 0.f ? amax / 127.f : 1.f);
+  const float s = static_cast<float>(scale);
+  for (int64_t i = 0; i < n; ++i) {
+    const float q = std::nearbyint(x[i] / s);
+    out[i * out_stride] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, q)));
+  }
+  return scale;
+}
 
 template <typename T>
 inline int64_t k_index(int64_t d, int64_t offset, int64_t block_size) {
@@ -208,7 +95,7 @@ inline int64_t v_index(int64_t offset, int64_t d, int64_t head_dim) {
 // Rotary on q and k (HF's rotate_half convention), q written to q_out, k and v written into the
 // paged cache at each token's slot. cos_sin: [positions, head_dim] float32, cos then sin halves.
 
-template <typename T>
+template <typename T, typename C>
 void rotary_kv_write_impl(const at::Tensor& qkv, const at::Tensor& positions,
                           const at::Tensor& cos_sin, at::Tensor& q_out, at::Tensor& k_cache,
                           at::Tensor& v_cache, const at::Tensor& slot_mapping,
@@ -221,12 +108,13 @@ void rotary_kv_write_impl(const at::Tensor& qkv, const at::Tensor& positions,
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const float* cs = cos_sin.data_ptr<float>();
   T* qo = q_out.data_ptr<T>();
-  T* kc = k_cache.data_ptr<T>();
-  T* vc = v_cache.data_ptr<T>();
+  C* kc = k_cache.data_ptr<C>();
+  C* vc = v_cache.data_ptr<C>();
   const int64_t src_stride = qkv.stride(0), qo_stride = q_out.stride(0);
   const int64_t kb = k_cache.stride(0), kh = k_cache.stride(1);
   const int64_t vb = v_cache.stride(0), vh = v_cache.stride(1);
-  at::parallel_for(0, tokens, 16, [&](int64_t b, int64_t e) {
+  const int64_t row_work = (num_heads + 3 * num_kv_heads) * head_dim;
+  at::parallel_for(0, tokens, grain_rows(row_work), [&](int64_t b, int64_t e) {
     float rotated[kMaxHeadDim];
     for (int64_t t = b; t < e; ++t) {
       const T* row = src + t * src_stride;
@@ -259,13 +147,22 @@ void rotary_kv_write_impl(const at::Tensor& qkv, const at::Tensor& positions,
       const int64_t block = slot / block_size, offset = slot % block_size;
       for (int64_t g = 0; g < num_kv_heads; ++g) {
         rotate(row + (num_heads + g) * head_dim, rotated);
-        T* kdst = kc + block * kb + g * kh;
-        for (int64_t d = 0; d < head_dim; ++d) {
-          kdst[k_index<T>(d, offset, block_size)] = from_f<T>(rotated[d]);
-        }
+        C* kdst = kc + block * kb + g * kh;
         const T* v = row + (num_heads + num_kv_heads + g) * head_dim;
-        T* vdst = vc + block * vb + g * vh;
-        for (int64_t d = 0; d < head_dim; ++d) vdst[v_index<T>(offset, d, head_dim)] = v[d];
+        C* vdst = vc + block * vb + g * vh;
+        if constexpr (std::is_same_v<C, int8_t>) {
+          auto* k_scales = const_cast<at::Half*>(int8_scales(kdst, block_size, head_dim));
+          auto* v_scales = const_cast<at::Half*>(int8_scales(vdst, block_size, head_dim));
+          k_scales[offset] = quantize_i8(rotated, head_dim, kdst + offset, block_size);
+          float vf[kMaxHeadDim];
+          for (int64_t d = 0; d < head_dim; ++d) vf[d] = to_f(v[d]);
+          v_scales[offset] = quantize_i8(vf, head_dim, vdst + offset * head_dim, 1);
+        } else {
+          for (int64_t d = 0; d < head_dim; ++d) {
+            kdst[k_index<C>(d, offset, block_size)] = from_f<C>(rotated[d]);
+          }
+          for (int64_t d = 0; d < head_dim; ++d) vdst[v_index<C>(offset, d, head_dim)] = v[d];
+        }
       }
     }
   });
@@ -273,9 +170,32 @@ void rotary_kv_write_impl(const at::Tensor& qkv, const at::Tensor& positions,
 
 void check_cache(const at::Tensor& cache, const char* name, int64_t block_size,
                  int64_t head_dim) {
-  TORCH_CHECK(cache.dim() == 3 && cache.stride(2) == 1 && cache.size(2) == block_size * head_dim,
-              name, " must be [blocks, kv_heads, block_size * head_dim] with contiguous rows");
+  const int64_t elems = cache.scalar_type() == at::kChar
+                            ? block_elems<int8_t>(block_size, head_dim)
+                            : block_size * head_dim;
+  TORCH_CHECK(cache.dim() == 3 && cache.stride(2) == 1 && cache.size(2) == elems, name,
+              " must be [blocks, kv_heads, block elements] with contiguous rows");
 }
+
+// Calls fn(T{}, C{}) for the activation dtype of `act` and the cache dtype of `cache`.
+template <typename Fn>
+void dispatch_kv(const at::Tensor& act, const at::Tensor& cache, const char* op, Fn fn) {
+  const auto a = act.scalar_type(), c = cache.scalar_type();
+  if (a == at::kFloat && c == at::kFloat) {
+    fn(float{}, float{});
+  } else if (a == at::kBFloat16 && c == at::kBFloat16) {
+    fn(BFloat16{}, BFloat16{});
+  } else if (a == at::kFloat && c == at::kChar) {
+    fn(float{}, int8_t{});
+  } else if (a == at::kBFloat16 && c == at::kChar) {
+    fn(BFloat16{}, int8_t{});
+  } else {
+    TORCH_CHECK(false, op, ": activations float32 or bfloat16, and a cache of the same dtype "
+                "or int8; got ", a, " and ", c);
+  }
+}
+
+}  // namespace
 
 void rotary_kv_write(at::Tensor qkv, at::Tensor positions, at::Tensor cos_sin, at::Tensor q_out,
                      at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
@@ -297,17 +217,16 @@ void rotary_kv_write(at::Tensor qkv, at::Tensor positions, at::Tensor cos_sin, a
               "positions and slot_mapping must be contiguous int64");
   TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous(),
               "cos_sin must be contiguous float32");
-  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() &&
-                  qkv.scalar_type() == q_out.scalar_type(), "dtypes differ");
-  if (qkv.scalar_type() == at::kFloat) {
-    rotary_kv_write_impl<float>(qkv, positions, cos_sin, q_out, k_cache, v_cache, slot_mapping,
-                                num_heads, num_kv_heads, head_dim, block_size);
-  } else {
-    TORCH_CHECK(qkv.scalar_type() == at::kBFloat16, "rotary_kv_write: float32 or bfloat16");
-    rotary_kv_write_impl<BFloat16>(qkv, positions, cos_sin, q_out, k_cache, v_cache,
-                                   slot_mapping, num_heads, num_kv_heads, head_dim, block_size);
-  }
+  TORCH_CHECK(qkv.scalar_type() == q_out.scalar_type() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(), "dtypes differ");
+  dispatch_kv(qkv, k_cache, "rotary_kv_write", [&](auto t, auto c) {
+    rotary_kv_write_impl<decltype(t), decltype(c)>(qkv, positions, cos_sin, q_out, k_cache,
+                                                   v_cache, slot_mapping, num_heads,
+                                                   num_kv_heads, head_dim, block_size);
+  });
 }
+
+namespace {
 
 // ---------------------------------------------------------------------------------------------
 // Attention over the paged cache, decodes and prompt chunks together, in one call per layer.
@@ -325,17 +244,10 @@ constexpr int64_t kRowTile = 16;    // query rows of one sequence per work item
 constexpr int64_t kQGroup = 8;      // query vectors scored together (registers)
 constexpr int64_t kPartKeys = 256;  // keys scored before one softmax update (a multiple of bs)
 
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-#define MINIMILL_DPBF16 1
-#include <immintrin.h>
-#endif
 
-template <typename T>
-inline void prefetch_block(const T* p, int64_t numel) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < numel * static_cast<int64_t>(sizeof(T)); off += 64) {
-    __builtin_prefetch(c + off, 0, 3);
-  }
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
 }
 
 // Query vectors of one work item group, ready for the score loop.
@@ -357,6 +269,19 @@ inline void score_block(const Queries& qs, const T* kt, int64_t block_size, int6
         for (int i = 0; i < NQ; ++i) s[i] = at::vec::fmadd(fVec(qs.q[i * head_dim + d]), kv, s[i]);
       }
       for (int i = 0; i < NQ; ++i) s[i].store(scores + i * kPartKeys + c);
+    }
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    // Dequantize as read: the int8 dot products, times each key's scale.
+    const at::Half* scales = int8_scales(kt, block_size, head_dim);
+    for (int64_t c = 0; c < block_size; c += kVec) {
+      fVec s[NQ];
+      for (int i = 0; i < NQ; ++i) s[i] = fVec(0.f);
+      for (int64_t d = 0; d < head_dim; ++d) {
+        const fVec kv = load_i8(kt + d * block_size + c);
+        for (int i = 0; i < NQ; ++i) s[i] = at::vec::fmadd(fVec(qs.q[i * head_dim + d]), kv, s[i]);
+      }
+      const fVec ks = load_half(scales + c);
+      for (int i = 0; i < NQ; ++i) (s[i] * ks).store(scores + i * kPartKeys + c);
     }
   } else {
 #ifdef MINIMILL_DPBF16
@@ -389,8 +314,8 @@ inline void score_block(const Queries& qs, const T* kt, int64_t block_size, int6
 // [NQ, kPartKeys]; p_pairs: the same rounded to bf16, as pairs (dot-product path only).
 template <typename T, int NQ>
 inline void accumulate_block(const float* p, const int32_t* p_pairs, const T* vt, int64_t keys,
-                             int64_t head_dim, fVec (*acc)[kMaxHeadDim / kVec],
-                             float* unpack) {
+                             int64_t block_size, int64_t head_dim,
+                             fVec (*acc)[kMaxHeadDim / kVec], float* unpack) {
   const int64_t dvecs = head_dim / kVec;
   if constexpr (std::is_same_v<T, float>) {
     for (int64_t j = 0; j < keys; ++j) {
@@ -399,6 +324,19 @@ inline void accumulate_block(const float* p, const int32_t* p_pairs, const T* vt
       for (int i = 0; i < NQ; ++i) pj[i] = fVec(p[i * kPartKeys + j]);
       for (int64_t v = 0; v < dvecs; ++v) {
         const fVec vv = fVec::loadu(vrow + v * kVec);
+        for (int i = 0; i < NQ; ++i) acc[i][v] = at::vec::fmadd(pj[i], vv, acc[i][v]);
+      }
+    }
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    // Each key's scale folds into its probability.
+    const at::Half* scales = int8_scales(vt, block_size, head_dim);
+    for (int64_t j = 0; j < keys; ++j) {
+      const int8_t* vrow = vt + j * head_dim;
+      const float scale = static_cast<float>(scales[j]);
+      fVec pj[NQ];
+      for (int i = 0; i < NQ; ++i) pj[i] = fVec(p[i * kPartKeys + j] * scale);
+      for (int64_t v = 0; v < dvecs; ++v) {
+        const fVec vv = load_i8(vrow + v * kVec);
         for (int i = 0; i < NQ; ++i) acc[i][v] = at::vec::fmadd(pj[i], vv, acc[i][v]);
       }
     }
@@ -424,7 +362,7 @@ inline void accumulate_block(const float* p, const int32_t* p_pairs, const T* vt
         unpack[j * head_dim + d] = to_f(vt[v_index<T>(j, d, head_dim)]);
       }
     }
-    accumulate_block<float, NQ>(p, nullptr, unpack, keys, head_dim, acc, nullptr);
+    accumulate_block<float, NQ>(p, nullptr, unpack, keys, block_size, head_dim, acc, nullptr);
 #endif
   }
 }
@@ -498,7 +436,7 @@ void attend_group(const Queries& qs, const int64_t* q_pos, float scale, float* o
       }
       for (int64_t j = limit; j < part_padded; ++j) si[j] = 0.f;
 #ifdef MINIMILL_DPBF16
-      if constexpr (!std::is_same_v<T, float>) {
+      if constexpr (std::is_same_v<T, BFloat16>) {
         auto* dst = reinterpret_cast<__m256bh*>(p_pairs + i * kPartKeys / 2);
         for (int64_t j = 0; j < part_padded; j += 16) {
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst) + j / 16,
@@ -514,8 +452,8 @@ void attend_group(const Queries& qs, const int64_t* q_pos, float scale, float* o
     }
     for (int64_t b0 = 0, b = 0; b0 < part_len; b0 += block_size, ++b) {
       accumulate_block<T, NQ>(scores + b0, p_pairs + b0 / 2, v_base + table[b] * v_block_stride,
-                              std::min<int64_t>(block_size, part_len - b0), head_dim, acc,
-                              unpack);
+                              std::min<int64_t>(block_size, part_len - b0), block_size,
+                              head_dim, acc, unpack);
     }
   }
   for (int i = 0; i < NQ; ++i) {
@@ -549,7 +487,7 @@ struct WorkItem {
   int32_t row_end;
 };
 
-template <typename T>
+template <typename T, typename C>
 void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& block_tables,
                           const at::Tensor& query_start, const at::Tensor& seq_lens,
@@ -563,8 +501,8 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t table_stride = block_tables.stride(0);
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
   T* op = out.data_ptr<T>();
   const int64_t q_stride = q.stride(0), o_stride = out.stride(0);
   const int64_t kb = k_cache.stride(0), kh = k_cache.stride(1);
@@ -579,12 +517,18 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   }
   const int64_t max_vectors = kRowTile * group;
   const int64_t total = static_cast<int64_t>(items.size()) * num_kv_heads;
-  at::parallel_for(0, total, 1, [&](int64_t begin, int64_t end) {
+  int64_t keys = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    keys += lens[s] * ((qs[s + 1] - qs[s] + kRowTile - 1) / kRowTile);
+  }
+  // Little work (a few short sequences) stays on this thread.
+  const int64_t grain = keys * num_heads * head_dim < (int64_t{1} << 18) ? total : 1;
+  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qbuf(max_vectors * head_dim), obuf(max_vectors * head_dim);
     std::vector<uint32_t> qpairs(max_vectors * head_dim / 2);
     std::vector<int64_t> qpos(max_vectors), out_row(max_vectors), out_head(max_vectors);
     std::vector<float> scores(kQGroup * kPartKeys);
-    std::vector<float> unpack(std::is_same_v<T, float> ? 0 : block_size * head_dim);
+    std::vector<float> unpack(std::is_same_v<C, BFloat16> ? block_size * head_dim : 0);
     // The blocks are scattered over the pool: while one item computes, the next item's blocks
     // are on their way to the cache.
     auto prefetch_item = [&](int64_t w) {
@@ -595,8 +539,9 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
       // Every kv head's K and V of a block lie next to each other: fetch them together, once
       // per item, so the heads that follow find them in cache.
       for (int64_t b = 0; b * block_size < keys; ++b) {
-        prefetch_block(kp + table[b] * kb, num_kv_heads * block_size * head_dim);
-        prefetch_block(vp + table[b] * vb, num_kv_heads * block_size * head_dim);
+        const int64_t bytes = num_kv_heads * block_elems<C>(block_size, head_dim) * sizeof(C);
+        prefetch_bytes(kp + table[b] * kb, bytes);
+        prefetch_bytes(vp + table[b] * vb, bytes);
       }
     };
     if (begin < end && begin % num_kv_heads == 0) prefetch_item(begin);
@@ -613,7 +558,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
         for (int64_t h = g * group; h < (g + 1) * group; ++h) {
           const T* src = qp + row * q_stride + h * head_dim;
           for (int64_t d = 0; d < head_dim; ++d) qbuf[n * head_dim + d] = to_f(src[d]);
-          if constexpr (!std::is_same_v<T, float>) {
+          if constexpr (std::is_same_v<C, BFloat16>) {
             std::memcpy(qpairs.data() + n * head_dim / 2, src, head_dim * sizeof(T));
           }
           qpos[n] = seq_len - q_len + r;
@@ -626,7 +571,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
         const int64_t count = std::min<int64_t>(kQGroup, n - first);
         const Queries queries{qbuf.data() + first * head_dim,
                               qpairs.data() + first * head_dim / 2};
-        attend_for<T>(count)(queries, qpos.data() + first, static_cast<float>(scale),
+        attend_for<C>(count)(queries, qpos.data() + first, static_cast<float>(scale),
                              obuf.data() + first * head_dim, kp + g * kh, vp + g * vh, kb, vb,
                              tables + s * table_stride, seq_len, block_size, head_dim,
                              scores.data(), unpack.data());
@@ -639,6 +584,8 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
     }
   });
 }
+
+}  // namespace
 
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                      at::Tensor block_tables, at::Tensor query_start, at::Tensor seq_lens,
@@ -662,37 +609,13 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
                   query_start.is_contiguous() && seq_lens.is_contiguous() &&
                   query_start.size(0) == seq_lens.size(0) + 1,
               "query_start [seqs + 1] and seq_lens [seqs] must be contiguous int32");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
-              "dtypes differ");
-  if (q.scalar_type() == at::kFloat) {
-    paged_attention_impl<float>(out, q, k_cache, v_cache, block_tables, query_start, seq_lens,
-                                scale, block_size);
-  } else {
-    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "paged_attention: float32 or bfloat16 only");
-    paged_attention_impl<BFloat16>(out, q, k_cache, v_cache, block_tables, query_start,
-                                   seq_lens, scale, block_size);
-  }
+  TORCH_CHECK(q.scalar_type() == out.scalar_type() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(), "dtypes differ");
+  dispatch_kv(q, k_cache, "paged_attention", [&](auto t, auto c) {
+    paged_attention_impl<decltype(t), decltype(c)>(out, q, k_cache, v_cache, block_tables,
+                                                   query_start, seq_lens, scale, block_size);
+  });
 }
 
-}  // namespace
+
 }  // namespace minimill
-
-TORCH_LIBRARY(minimill, m) {
-  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
-  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
-  m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
-  m.def("rotary_kv_write(Tensor qkv, Tensor positions, Tensor cos_sin, Tensor(a!) q_out, "
-        "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, int num_heads, "
-        "int num_kv_heads, int block_size) -> ()");
-  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor query_start, Tensor seq_lens, float scale, "
-        "int block_size) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(minimill, CPU, m) {
-  m.impl("rms_norm", &minimill::rms_norm);
-  m.impl("add_rms_norm", &minimill::add_rms_norm);
-  m.impl("silu_and_mul", &minimill::silu_and_mul);
-  m.impl("rotary_kv_write", &minimill::rotary_kv_write);
-  m.impl("paged_attention", &minimill::paged_attention);
-}

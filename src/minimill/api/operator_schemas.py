@@ -1,0 +1,115 @@
+"""Wire schemas of the operator routes (sites, prices, keys): what only operator keys see."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from minimill.api.schemas import OutageWindow
+from minimill.control.prices import QuotedPrice
+
+
+class SiteObject(BaseModel):
+    """A site of the fleet as operators see it (`minimill sites list`)."""
+
+    name: str
+    object: Literal["site"] = "site"
+    status: str = Field(description="new | online | draining | outage | offline")
+    chip: str
+    price_per_hour: float = Field(description="What the site costs per hour, in US dollars.")
+    tokens_per_s: float | None = Field(
+        description="Busy output tokens/s as its worker reports it: placement's prior only.")
+    measured_tokens_per_s: float | None = Field(
+        description="Output tokens of accepted completions per second the site held work, "
+                    "as the control plane measured it (recent held time weighs most).")
+    uptime: float | None = Field(description="Observed fraction of time up since first contact.")
+    usd_per_mtok: float = Field(description="$/Mtok at the reported rate (placement's view).")
+    expected_loss: float = Field(description="Fraction of placed work expected to be lost.")
+    effective_usd_per_mtok: float = Field(
+        description="usd_per_mtok / (1 - expected_loss): background work goes to the lowest.")
+    cost_usd_per_mtok: float | None = Field(
+        description="What a million of its output tokens cost, at the measured rate.")
+    busy_s: float = Field(description="Seconds it held at least one lease.")
+    cost_usd: float = Field(description="What its held time cost: busy_s at price_per_hour.")
+    billed_usd: float = Field(description="What tenants were billed for its completions.")
+    margin_usd: float = Field(description="billed_usd - cost_usd.")
+    in_flight: int
+    free_capacity: int = Field(description="What its worker last said it could still take.")
+    leases_granted: int
+    leases_expired: int
+    completions: int
+    stale_completions: int
+    wasted_tokens: int
+    tokens_generated: int
+    last_seen_at: float | None
+    outages: list[OutageWindow]
+
+
+class SiteList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[SiteObject]
+
+
+class PriceSet(BaseModel):
+    """One entry of the price list, in US dollars per million tokens."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    model: str = Field(min_length=1, max_length=200, description='A model name, or "*" for '
+                       "the default entry (models not listed).")
+    tier: Literal["realtime", "background"] = "realtime"
+    input_usd_per_mtok: float = Field(ge=0)
+    output_usd_per_mtok: float = Field(ge=0)
+    cached_input_usd_per_mtok: float | None = Field(
+        default=None, ge=0, description="Prompt tokens from a reused prefix (default: input).")
+
+
+class PriceObject(BaseModel):
+    object: Literal["price"] = "price"
+    model: str
+    tier: str = Field(description="realtime | background")
+    input_usd_per_mtok: float
+    cached_input_usd_per_mtok: float
+    output_usd_per_mtok: float
+    entry: str | None = Field(description='The entry it comes from: the model\'s own, "*" '
+                              "(the default entry), or null (the built-in price).")
+    discounted: bool = Field(description="The entry's realtime price times the background "
+                             "discount (no background price set).")
+
+    @classmethod
+    def of(cls, quoted: QuotedPrice) -> PriceObject:
+        p = quoted.price
+        return cls(model=quoted.model, tier=quoted.tier.value,
+                   input_usd_per_mtok=p.input_usd_per_mtok,
+                   cached_input_usd_per_mtok=p.cached_input_usd_per_mtok,
+                   output_usd_per_mtok=p.output_usd_per_mtok,
+                   entry=quoted.entry, discounted=quoted.discounted)
+
+
+class PriceTable(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[PriceObject] = Field(description="The default entry, each model with an entry "
+                                    "and each model served, in both tiers.")
+    background_price_factor: float
+
+
+class PriceDeleted(BaseModel):
+    model: str
+    tier: str
+    deleted: bool
+
+
+class KeyCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    tenant: str | None = Field(default=None, min_length=1, max_length=200,
+                               description="Tenant name (created if new), for a tenant key.")
+    operator: bool = Field(default=False, description="An operator key instead.")
+
+
+class KeyCreated(BaseModel):
+    object: Literal["api_key"] = "api_key"
+    key: str = Field(description="Shown once; the store keeps only its hash.")
+    tenant: str | None
+    operator: bool

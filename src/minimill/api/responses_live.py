@@ -1,0 +1,113 @@
+"""Following a response as it runs: waiting for its end, or streaming its events.
+
+The events are a pure function of the stored row (control/response_render.py), numbered from 0,
+so a stream sends whatever part of that list it has not sent yet each time the row changes, and
+a stream opened with `starting_after` (a client that lost its connection) starts after that
+number: no gap and no repeat, from any control-plane process, across restarts.
+
+A client that goes away cancels a response only when nobody else can come back for it: a
+foreground (not background) response it created. Background responses run on.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from starlette.requests import Request
+
+from minimill.api.progress import ProgressWatcher, Watch
+from minimill.api.streaming import WAKE_S
+from minimill.control.config import ControlConfig
+from minimill.control.errors import NotFoundError, RequestTimeoutError
+from minimill.control.records import RequestRecord
+from minimill.control.requests import cancel_request, get_request
+from minimill.control.response_render import response_events
+from minimill.control.store import Store
+
+# The OpenAPI description of a streamed answer: server-sent events, one JSON event each.
+EVENT_STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {200: {"content": {
+    "text/event-stream": {"schema": {
+        "type": "object", "required": ["data"],
+        "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}}}}
+
+
+def _sse(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+
+async def _reload(store: Store, record: RequestRecord) -> RequestRecord | None:
+    """The row now; None once it is deleted."""
+    try:
+        return await anyio.to_thread.run_sync(functools.partial(
+            get_request, store, record.tenant_id, record.id, with_checkpoint=True))
+    except NotFoundError:
+        return None
+
+
+async def _cancel(store: Store, record: RequestRecord, reason: str) -> None:
+    with anyio.CancelScope(shield=True):
+        await anyio.to_thread.run_sync(cancel_request, store, record.id, time.time(), reason)
+
+
+async def wait_for_end(request: Request, store: Store, watcher: ProgressWatcher,
+                       record: RequestRecord, config: ControlConfig) -> RequestRecord | None:
+    """The row once terminal; None if the client went away (the response is then cancelled)
+    or the row was deleted meanwhile."""
+    watch = watcher.watch(record.id)
+    current: RequestRecord | None = record
+    try:
+        while current is not None and not current.terminal:
+            await watch.wait(WAKE_S)
+            if await request.is_disconnected():
+                await _cancel(store, current, "the client went away")
+                return None
+            current = await _reload(store, current)
+            # The janitor expires the row at its deadline; this is the backstop without one.
+            if current is not None and not current.terminal \
+                    and time.time() > current.created_at + config.realtime_timeout_s + 5.0:
+                await _cancel(store, current, "no worker finished the response in time")
+                raise RequestTimeoutError("No worker finished the response in time; try "
+                                          "again later.", code="timeout")
+        return current
+    finally:
+        watcher.unwatch(watch)
+
+
+class ResponseEventStream:
+    """One stream of a response's events, from `starting_after` + 1 on."""
+
+    def __init__(self, request: Request, store: Store, watcher: ProgressWatcher,
+                 record: RequestRecord, *, starting_after: int, cancel_on_disconnect: bool) -> None:
+        self.request, self.store, self.watcher = request, store, watcher
+        self.record = record
+        self.next_seq = starting_after + 1
+        self.cancel_on_disconnect = cancel_on_disconnect
+
+    async def events(self) -> AsyncIterator[str]:
+        finished = False
+        watch: Watch = self.watcher.watch(self.record.id)
+        try:
+            while True:
+                for event in response_events(self.record, self.next_seq):
+                    yield _sse(event)
+                    self.next_seq = event["sequence_number"] + 1
+                if self.record.terminal:
+                    finished = True
+                    return
+                await watch.wait(WAKE_S)
+                if await self.request.is_disconnected():
+                    return
+                current = await _reload(self.store, self.record)
+                if current is None:
+                    finished = True  # deleted: nothing left to stream or to cancel
+                    return
+                self.record = current
+        finally:
+            self.watcher.unwatch(watch)
+            if self.cancel_on_disconnect and not finished:
+                await _cancel(self.store, self.record, "the client closed the stream")

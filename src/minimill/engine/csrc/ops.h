@@ -1,0 +1,27 @@
+// The operators minimill registers as torch.ops.minimill.* (registration.cpp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace minimill {
+
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
+void add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+void silu_and_mul(at::Tensor out, at::Tensor gate_up);
+void rotary_kv_write(at::Tensor qkv, at::Tensor positions, at::Tensor cos_sin, at::Tensor q_out,
+                     at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
+                     int64_t num_heads, int64_t num_kv_heads, int64_t block_size);
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                     at::Tensor block_tables, at::Tensor query_start, at::Tensor seq_lens,
+                     double scale, int64_t block_size);
+void sample_tokens(at::Tensor logits, at::Tensor temperature, at::Tensor top_k, at::Tensor top_p,
+                   at::Tensor u, at::Tensor adjust_offsets, at::Tensor adjust_ids,
+                   at::Tensor adjust_values, at::Tensor out);
+void token_logprobs(at::Tensor logits, at::Tensor tokens, int64_t num_top, at::Tensor chosen,
+                    at::Tensor top_ids, at::Tensor top_values);
+std::vector<int64_t> pin_threads(std::vector<int64_t> cpus);
+
+}  // namespace minimill

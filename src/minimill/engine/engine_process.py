@@ -1,0 +1,164 @@
+"""`ProcessEngine`: the builtin engine's step loop in a child process.
+
+A server or worker runs Python of its own (HTTP, checkpoints, JSON) beside the engine. In one
+process that Python holds the GIL while the step loop wants it back after every kernel call,
+and each hand-over can wait a whole switch interval; in a child process the step loop has an
+interpreter to itself. Commands (add, abort, close) go down a pipe; each step's deltas come
+back up it in one message, read by a thread that hands them to the callers' event loops.
+
+The child dies with its parent (a parent-death signal, and a check of the parent's pid while
+idle), and the parent fails every open stream if the child dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+from collections import defaultdict
+from multiprocessing.connection import Connection
+from typing import Any
+
+from minimill.engine.async_engine import (
+    AddRequest,
+    Outcome,
+    StreamFrontend,
+    apply_command,
+    step_into,
+)
+from minimill.engine.params import EngineError, InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+_IDLE_POLL_S = 0.5
+_START_TIMEOUT_S = 600.0
+
+
+class ProcessEngine(StreamFrontend):
+    """The builtin engine for servers and workers, its step loop in a child process."""
+
+    def __init__(self, model: str, **config_overrides: Any) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(
+            target=_child_main, args=(child_conn, model, config_overrides, os.getpid()),
+            name="minimill-engine", daemon=True)
+        self._process.start()
+        child_conn.close()
+        if not self._conn.poll(_START_TIMEOUT_S):
+            self._process.kill()
+            raise EngineError(f"the engine process did not start within {_START_TIMEOUT_S} s")
+        try:
+            message = self._conn.recv()
+        except EOFError:
+            self._process.join(5)
+            raise EngineError(f"the engine process exited while starting (exit code "
+                              f"{self._process.exitcode})") from None
+        if message[0] == "error":
+            self._process.join(5)
+            raise _rebuild(message[1], message[2])
+        _, tokenizer, config, vocab_size = message
+        super().__init__(tokenizer, config, vocab_size)
+        self._send_lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read, name="minimill-engine-reader",
+                                        daemon=True)
+        self._reader.start()
+
+    def _submit(self, command: AddRequest | str) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(command)
+        except (OSError, ValueError):
+            raise EngineError("the engine process is gone") from None
+
+    def close(self) -> None:
+        """Stop the child; unfinished requests' streams raise EngineError."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(OSError, ValueError), self._send_lock:
+            self._conn.send(None)
+        self._process.join(30)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(5)
+        self._reader.join(5)
+        self.fail_streams(EngineError("the engine was closed"))
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            out, self._tok_s = message
+            self.deliver({request_id: [_rebuild(*item) if isinstance(item, tuple) else item
+                                       for item in items]
+                          for request_id, items in out.items()})
+        if not self._closed:
+            log.error("the engine process died (exit code %s)", self._process.exitcode)
+            self._closed = True
+            self.fail_streams(EngineError("the engine process died"))
+
+
+def _portable(item: Outcome) -> Any:
+    """Deltas cross the pipe as they are; exceptions as (kind, message)."""
+    if isinstance(item, BaseException):
+        return ("invalid" if isinstance(item, InvalidRequestError) else "engine", str(item))
+    return item
+
+
+def _rebuild(kind: str, message: str) -> BaseException:
+    return InvalidRequestError(message) if kind == "invalid" else EngineError(message)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if not hasattr(os, "getppid"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+
+
+def _child_main(conn: Connection, model: str, overrides: dict[str, Any],
+                parent_pid: int) -> None:
+    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    from minimill.engine.core import EngineCore
+    from minimill.engine.llm import load
+
+    try:
+        loaded, config = load(model, overrides)
+        core = EngineCore(loaded, config)
+    except Exception as exc:
+        conn.send(("error", *_portable(exc)))
+        return
+    conn.send(("ready", loaded.tokenizer, config, loaded.config.vocab_size))
+    while True:
+        out: dict[str, list[Outcome]] = defaultdict(list)
+        # Idle: wait for work; running: take whatever commands arrived, then step.
+        if not core.has_unfinished and not conn.poll(_IDLE_POLL_S):
+            if os.getppid() != parent_pid:
+                return
+            continue
+        while conn.poll():
+            try:
+                command = conn.recv()
+            except EOFError:
+                return
+            if command is None:
+                return
+            apply_command(core, command, out)
+        if core.has_unfinished:
+            step_into(core, out)
+        if out:
+            conn.send(({request_id: [_portable(i) for i in items]
+                        for request_id, items in out.items()}, core.recent_output_tok_s()))

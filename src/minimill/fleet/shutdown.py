@@ -1,0 +1,59 @@
+"""A worker's way out: finish what it can, hand back the rest with its checkpoints, deliver.
+
+Running requests get `drain_timeout_s` to finish (none at all after a second stop). Whatever
+is still running is stopped, checkpointed and released, so it resumes on another site at once
+instead of after its lease expires. The releases, then the finished results, get FINAL_SEND_S
+each to reach the control plane: an unreachable control plane delays the exit by that much at
+most, and the leases not handed back then simply expire (their last checkpoints are stored).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from minimill.fleet.client import ControlPlaneUnavailable
+
+if TYPE_CHECKING:
+    from minimill.fleet.loops import Worker
+
+log = logging.getLogger("minimill.worker")
+FINAL_SEND_S = 5.0
+
+
+async def drain(worker: Worker) -> None:
+    deadline = time.monotonic() + worker.drain_timeout_s
+    while (time.monotonic() < deadline and not worker.hurry.is_set()
+           and any(h.result is None for h in worker.held.values())):
+        await worker.wait(worker.hurry, 0.1)
+    unfinished = [h.request_id for h in worker.held.values() if h.result is None]
+    if unfinished:
+        log.info("checkpointing %d unfinished requests before exit and handing them back",
+                 len(unfinished))
+        worker.hand_back(unfinished)
+    await send_within(worker.releases.send, "final checkpoints")
+    if worker.releases.pending:
+        log.warning("%d final checkpoints not delivered; those leases will expire",
+                    len(worker.releases.pending))
+    flush_deadline = time.monotonic() + FINAL_SEND_S
+    while worker.outbox and time.monotonic() < flush_deadline:
+        await asyncio.sleep(0.05)
+
+
+async def send_within(send: Callable[[], Awaitable[None]], what: str,
+                      limit_s: float = FINAL_SEND_S) -> None:
+    """`send`, tried again every half second until it succeeds or `limit_s` is over."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            await asyncio.wait_for(send(), max(deadline - time.monotonic(), 0.01))
+            return
+        except (ControlPlaneUnavailable, TimeoutError) as exc:
+            left = deadline - time.monotonic()
+            if left <= 0.1:
+                log.warning("%s not delivered: %s", what, exc)
+                return
+            await asyncio.sleep(min(0.5, left))
