@@ -264,6 +264,31 @@ def bench_fleet(
     run_fleet_bench(workload, json_out=json_out, kill_every_s=kill_every_s, limit=limit)
 
 
+@bench_app.command("ingest")
+def bench_ingest(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    heartbeat_interval_s: float = typer.Option(0.5, help="The heartbeating client's interval."),
+    lines: int = typer.Option(50_000, help="Lines of ~4 KB in the batch (a quick check: fewer)."),
+) -> None:
+    """Control-plane peak RSS while a 50,000-line ~200 MB batch is ingested and finalized,
+    and the longest gap of a worker's heartbeats meanwhile."""
+    import json
+
+    from minimill.bench.ingest_bench import run_ingest_bench
+    from minimill.bench.local_fleet import BenchError
+
+    try:
+        report = run_ingest_bench(heartbeat_interval_s, lines)
+    except (BenchError, RuntimeError, TimeoutError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    if json_out:
+        typer.echo(json.dumps(report))
+        return
+    for key, value in report.items():
+        typer.echo(f"{key:>32}: {value}")
+
+
 @app.command()
 def worker(
     server: str = typer.Option(..., help="Control plane URL, e.g. http://host:8000."),

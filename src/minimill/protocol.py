@@ -7,6 +7,17 @@ outage of its site) is released with its last checkpoint: the request is queued 
 and resumes elsewhere from there. A site needs no inbound connectivity. All routes are under
 `/v1/fleet/` and authenticated with the site token as a Bearer key. Times are Unix seconds
 (float) from the control plane's clock.
+
+Checkpoints are incremental: a heartbeat carries, per choice, only what is new since the
+control plane's last accepted checkpoint (`CheckpointDelta`), with the lengths it extends. A
+delta whose base lengths differ from what the control plane holds (a lost answer, say) is not
+applied and the lease is listed in `resync`: the worker then sends its whole progress once as
+`checkpoint`. A lease's own checkpoint (what it resumes from) is the base of its first delta; a
+release carries the whole progress.
+
+`complete` is idempotent: resending an accepted result (same request, epoch and site) answers
+`accepted` again. A lease revoked by expiry that nobody else took is still the current epoch:
+its finished result is accepted.
 """
 
 from __future__ import annotations
@@ -38,6 +49,31 @@ class Checkpoint(BaseModel):
     """Tokens generated so far, per choice; a resumed request continues from here."""
 
     choices: list[ChoiceProgress] = Field(default_factory=list)
+    num_prompt_tokens: int = 0
+
+
+class ChoiceDelta(BaseModel):
+    """What one choice generated since the control plane's last accepted checkpoint."""
+
+    index: int = Field(default=0, ge=0, le=2**31 - 1)
+    # What this delta extends: the token ids, text characters (Unicode code points) and
+    # logprobs the control plane holds for this choice. A delta whose base differs from what
+    # it holds is refused (the lease is listed in `resync`).
+    base_tokens: int = Field(default=0, ge=0)
+    base_chars: int = Field(default=0, ge=0)
+    base_logprobs: int = Field(default=0, ge=0)
+    token_ids: list[int] = Field(default_factory=list)
+    text: str = ""
+    # None: no logprobs in this delta (the request did not ask, or none are new).
+    logprobs: list[dict[str, Any]] | None = None
+    finish_reason: str | None = None
+
+
+class CheckpointDelta(BaseModel):
+    """New progress of a lease since its last accepted checkpoint (choices without news are
+    left out)."""
+
+    choices: list[ChoiceDelta] = Field(default_factory=list)
     num_prompt_tokens: int = 0
 
 
@@ -85,7 +121,10 @@ class LeaseResponse(BaseModel):
 class HeartbeatItem(BaseModel):
     request_id: str
     epoch: int
+    # The whole progress: replaces what the control plane holds. Sent after a `resync`.
     checkpoint: Checkpoint | None = None
+    # Progress since the last accepted checkpoint; ignored when `checkpoint` is set.
+    delta: CheckpointDelta | None = None
 
 
 class HeartbeatRequest(BaseModel):
@@ -96,8 +135,11 @@ class HeartbeatRequest(BaseModel):
 class HeartbeatResponse(BaseModel):
     # request_id -> new expiry, for leases still held at the sent epoch.
     extended: dict[str, float]
-    # Leases the worker no longer holds (stale epoch, expired, cancelled): abort them.
+    # Leases the worker no longer holds (stale epoch, expired, cancelled): abort them, but
+    # still deliver a result already finished (its epoch may still be current).
     revoked: list[str]
+    # Extended leases whose delta did not extend the stored checkpoint: send `checkpoint`.
+    resync: list[str] = Field(default_factory=list)
     # Leases of this site to give back now, before an announced outage of the site: stop
     # them, and release each with its checkpoint (POST /release). Any lease the site holds may
     # be named, not only those of this heartbeat.
@@ -157,5 +199,6 @@ class RejectedCompletion(BaseModel):
 
 
 class CompleteResponse(BaseModel):
+    # Results now stored, and resent results that had been stored already.
     accepted: list[str]
     rejected: list[RejectedCompletion]

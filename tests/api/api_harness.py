@@ -1,8 +1,8 @@
 """Test harness for the API: a real uvicorn server in a thread, and a protocol-speaking site.
 
-`EchoSite` is a real client of the fleet protocol (lease, heartbeat with checkpoints, complete
-over HTTP with a site token). It answers without a model: each choice's text is the words of
-"echo <last message>", one word per token, so tests can predict every output. A prompt
+`EchoSite` is a real client of the fleet protocol (lease, heartbeat with checkpoint deltas,
+complete over HTTP with a site token). It answers without a model: each choice's text is the
+words of "echo <last message>", one word per token, so tests can predict every output. A prompt
 containing FAIL_CONTEXT is failed with context_length_exceeded, as an engine would.
 """
 
@@ -134,6 +134,12 @@ class EchoSite:
     serve_delay_s: float = 0.0
     # Stop leasing after this many leases (None: no limit).
     max_leases: int | None = None
+    # Stream checkpoints as whole progress (what older workers send) rather than deltas.
+    full_checkpoints: bool = False
+    # At this token of a stream, send a delta from a base one token short (as after a lost
+    # answer): the control plane asks for a resync and the site sends its whole progress.
+    stale_base_at: int | None = None
+    resyncs: list[str] = field(default_factory=list)
     # Seconds a batch of leases is held before it is completed (as generating would take).
     hold_s: float = 0.0
     completed: list[str] = field(default_factory=list)
@@ -221,11 +227,28 @@ class EchoSite:
             return {"index": i, "token_ids": list(range(upto)), "text": "".join(tokens[:upto]),
                     "logprobs": lps}
 
+        def delta(i: int, lo: int, hi: int) -> dict[str, Any]:
+            new = progress(i, hi)
+            lps = new["logprobs"]
+            return {"index": i, "base_tokens": lo, "base_chars": len("".join(tokens[:lo])),
+                    "base_logprobs": lo if want_lp else 0, "token_ids": new["token_ids"][lo:],
+                    "text": "".join(tokens[lo:hi]), "logprobs": None if lps is None else lps[lo:]}
+
         if lease.get("stream"):
+            full = self.full_checkpoints
             for upto in range(1, len(tokens) + 1):
-                cp = {"choices": [progress(i, upto) for i in range(n_choices)],
-                      "num_prompt_tokens": 5}
-                self._post("/heartbeat", {"leases": [{**base, "checkpoint": cp}]})
+                if full:
+                    item = {**base, "checkpoint": {
+                        "choices": [progress(i, upto) for i in range(n_choices)],
+                        "num_prompt_tokens": 5}}
+                else:
+                    lo = upto - 2 if upto == self.stale_base_at and upto >= 2 else upto - 1
+                    item = {**base, "delta": {
+                        "choices": [delta(i, lo, upto) for i in range(n_choices)],
+                        "num_prompt_tokens": 5}}
+                answer = self._post("/heartbeat", {"leases": [item]})
+                full = self.full_checkpoints or lease["request_id"] in answer["resync"]
+                self.resyncs.extend(answer["resync"])
                 time.sleep(self.token_delay_s)
         else:
             time.sleep(self.serve_delay_s)

@@ -25,6 +25,12 @@ def upload(client: OpenAI, text: str, name: str = "input.jsonl") -> str:
     return client.files.create(file=(name, io.BytesIO(text.encode())), purpose="batch").id
 
 
+def validated(client: OpenAI, batch_id: str, timeout_s: float = 60) -> Any:
+    """The batch once its input file has been read (it is created `validating`)."""
+    return wait_for(lambda: (b := client.batches.retrieve(batch_id)).status != "validating"
+                    and b, timeout_s=timeout_s)
+
+
 def finished(client: OpenAI, batch_id: str, timeout_s: float = 60) -> Any:
     return wait_for(lambda: (b := client.batches.retrieve(batch_id)).status in (
         "completed", "failed", "expired", "cancelled") and b, timeout_s=timeout_s)
@@ -49,6 +55,29 @@ def test_files_lifecycle_and_pagination(client: OpenAI) -> None:
     assert bad.value.param == "purpose"
 
 
+def test_files_expire_as_openai_files_do(client: OpenAI, site: EchoSite) -> None:
+    hour = client.files.create(file=("h.jsonl", io.BytesIO(line("h", "x").encode())),
+                               purpose="batch",
+                               expires_after={"anchor": "created_at", "seconds": 3600})
+    assert hour.expires_at == hour.created_at + 3600
+    assert client.files.retrieve(hour.id).expires_at == hour.expires_at
+    default = client.files.retrieve(upload(client, line("d", "x")))
+    assert default.expires_at == default.created_at + 30 * 24 * 3600  # the server's default
+    for bad, param in (({"anchor": "created_at", "seconds": 60}, "expires_after.seconds"),
+                       ({"anchor": "last_active_at", "seconds": 3600}, "expires_after.anchor")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.files.create(file=("b.jsonl", io.BytesIO(b"{}")), purpose="batch",
+                                expires_after=bad)  # type: ignore[arg-type]
+        assert info.value.param == param
+    batch = client.batches.create(input_file_id=hour.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h",
+                                  output_expires_after={"anchor": "created_at", "seconds": 7200})
+    done = finished(client, batch.id)
+    assert done.output_file_id
+    output = client.files.retrieve(done.output_file_id)
+    assert output.expires_at == output.created_at + 7200
+
+
 def test_batch_of_250_lines_with_bad_lines(client: OpenAI, site: EchoSite) -> None:
     good = [line(f"req-{i}", f"item {i}") for i in range(250)]
     bad = ["{not json",
@@ -62,7 +91,10 @@ def test_batch_of_250_lines_with_bad_lines(client: OpenAI, site: EchoSite) -> No
     batch = client.batches.create(input_file_id=upload(client, text),
                                   endpoint="/v1/chat/completions", completion_window="24h",
                                   metadata={"job": "nightly"})
-    assert batch.status == "in_progress" and batch.metadata == {"job": "nightly"}
+    assert batch.status == "validating" and batch.metadata == {"job": "nightly"}
+    batch = validated(client, batch.id)
+    assert batch.status in ("in_progress", "finalizing", "completed")
+    assert batch.in_progress_at is not None
     assert batch.request_counts is not None and batch.request_counts.total == 256
     done = finished(client, batch.id)
     assert done.status == "completed"
@@ -93,13 +125,16 @@ def test_unusable_files_fail_at_validation(client: OpenAI) -> None:
     cases = {"not jsonl\nat all\n": "invalid_file", "\n\n": "empty_file",
              "\n".join(line(f"c{i}", "x") for i in range(1001)): "too_many_lines"}
     for text, code in cases.items():
-        batch = client.batches.create(input_file_id=upload(client, text),
-                                      endpoint="/v1/chat/completions", completion_window="24h")
+        batch = validated(client, client.batches.create(
+            input_file_id=upload(client, text), endpoint="/v1/chat/completions",
+            completion_window="24h").id)
         assert batch.status == "failed" and batch.errors is not None and batch.errors.data
+        assert batch.request_counts is not None and batch.request_counts.total == 0
         assert batch.errors.data[0].code == code
-    not_utf8 = client.batches.create(input_file_id=upload(client, "ok\n") and client.files.create(
-        file=("b.jsonl", io.BytesIO(b'{"a": 1}\n\xff\xfe\n')), purpose="batch").id,
-        endpoint="/v1/chat/completions", completion_window="24h")
+    not_utf8 = validated(client, client.batches.create(
+        input_file_id=client.files.create(
+            file=("b.jsonl", io.BytesIO(b'{"a": 1}\n\xff\xfe\n')), purpose="batch").id,
+        endpoint="/v1/chat/completions", completion_window="24h").id)
     assert not_utf8.errors is not None and not_utf8.errors.data
     assert not_utf8.errors.data[0].line == 2
 

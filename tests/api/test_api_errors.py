@@ -12,7 +12,8 @@ import pytest
 from api_harness import MODEL, ApiEnv
 from openai import OpenAI
 
-SERVER_SETTINGS = {"max_file_bytes": 2000}
+SERVER_SETTINGS = {"max_file_bytes": 2000, "max_body_bytes": 4096,
+                   "max_fleet_body_bytes": 8192}
 CHAT = "/v1/chat/completions"
 
 
@@ -127,3 +128,30 @@ def test_oversized_uploads_are_413(env: ApiEnv, client: OpenAI, http: httpx.Clie
                      headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
     assert_error(resp, 413, code="file_too_large")
     assert [f.id for f in client.files.list()] == [ok.id]
+
+
+def test_every_route_has_a_body_limit(env: ApiEnv, client: OpenAI, http: httpx.Client) -> None:
+    big = "word " * 1000  # a 5,000-byte message: over the 4,096-byte limit of JSON routes
+    with pytest.raises(openai.APIStatusError) as chat:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": big}])
+    assert chat.value.status_code == 413 and chat.value.code == "request_too_large"
+    with pytest.raises(openai.APIStatusError) as batch:
+        client.batches.create(input_file_id="file-x", endpoint=CHAT, completion_window="24h",
+                              metadata={"k": big})
+    assert batch.value.status_code == 413
+    # Without a Content-Length the body is counted as it arrives.
+    streamed = http.post(CHAT, content=iter([b'{"model": "' + b"m" * 3000, b"m" * 3000 + b'"}']),
+                         headers={"Content-Type": "application/json"})
+    assert_error(streamed, 413, code="request_too_large")
+    assert_error(http.post("/v1/completions", content=b"{" + b" " * 5000 + b"}",
+                           headers={"Content-Type": "application/json"}), 413)
+    # The worker protocol's routes have their own (larger) limit, with the same answer.
+    fleet = {"Authorization": f"Bearer {env.site_token}"}
+    under = http.post("/v1/fleet/heartbeat", headers=fleet, json={"leases": [
+        {"request_id": "req_x", "epoch": 1, "delta": {"choices": [{"text": "y" * 6000}]}}]})
+    assert under.status_code == 200 and under.json()["revoked"] == ["req_x"]
+    over = http.post("/v1/fleet/heartbeat", headers=fleet, json={"leases": [
+        {"request_id": "req_x", "epoch": 1, "delta": {"choices": [{"text": "y" * 9000}]}}]})
+    assert_error(over, 413, code="request_too_large")
+    # Within the limits everything still works.
+    assert http.get("/v1/models").status_code == 200

@@ -70,6 +70,25 @@ def test_chat_stream_deltas_and_usage(client: OpenAI, site: EchoSite) -> None:
     assert chunks[-1].usage.completion_tokens == 5
 
 
+@pytest.mark.parametrize("mode", ["deltas", "stale_base", "full_checkpoints"])
+def test_stream_of_choices_and_logprobs_is_exact(env: ApiEnv, client: OpenAI,
+                                                  mode: str) -> None:
+    """Deltas, a delta from a stale base (resync, then the whole progress once), and whole
+    checkpoints as older workers send them: the client gets the same stream."""
+    with EchoSite(env.base_url, env.site_token, full_checkpoints=mode == "full_checkpoints",
+                  stale_base_at=3 if mode == "stale_base" else None) as echo:
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "one two three four five"}],
+            stream=True, n=2, logprobs=True, top_logprobs=1))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert "".join(c.delta.content or "" for c in mine) == "echo one two three four five"
+        tokens = [lp.token for c in mine if c.logprobs and c.logprobs.content
+                  for lp in c.logprobs.content]
+        assert tokens == ["echo", " one", " two", " three", " four", " five"]
+    assert echo.resyncs == ([] if mode != "stale_base" else [echo.leases_seen[0]["request_id"]])
+
+
 def test_completions_non_stream_and_stream(client: OpenAI, site: EchoSite) -> None:
     r = client.completions.create(model=MODEL, prompt="the quick fox", max_tokens=3,
                                   logprobs=1)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
-from minimill.control.batches import create_batch
+from minimill.control.batch_load import ingest_pending
+from minimill.control.batches import create_batch, get_batch
 from minimill.control.config import ControlConfig
 from minimill.control.files import create_file
 from minimill.control.keys import ensure_tenant
@@ -42,9 +44,12 @@ def site(store: Store, name: str = "s1", price_per_hour: float = 0.36) -> Site:
 
 def batch(store: Store, owner: Tenant, lines: list[str], now: float | None = None,
           window: str = "24h", config: ControlConfig = CONFIG) -> BatchRecord:
+    """A batch whose lines are queued (its ingest ran to the end)."""
     f = create_file(store, owner.id, "batch", "in.jsonl", ["\n".join(lines).encode()])
-    return create_batch(store, owner.id, f.id, "/v1/chat/completions", window, None, config,
-                        now=now)
+    created = create_batch(store, owner.id, f.id, "/v1/chat/completions", window, None, config,
+                           now=now)
+    ingest_pending(store, time.time(), config)
+    return get_batch(store, owner.id, created.id)
 
 
 def ask(capacity: int = 8, tokens_per_s: float | None = 100.0) -> LeaseRequest:

@@ -10,7 +10,8 @@ import pytest
 from control_factory import CONFIG, MODEL, chat_line, tenant
 
 from minimill.control.batch_ingest import UnusableFileError, parse_batch_file
-from minimill.control.batches import create_batch
+from minimill.control.batch_load import ingest_pending
+from minimill.control.batches import create_batch, get_batch
 from minimill.control.files import create_file
 from minimill.control.records import BatchStatus
 from minimill.control.store import open_store
@@ -68,8 +69,11 @@ def test_ingest_reaches_5000_lines_per_second_on_sqlite(tmp_path: Path) -> None:
                                    temperature=0.7) for i in range(n))
         f = create_file(store, owner.id, "batch", "big.jsonl", [text.encode()])
         started = time.perf_counter()
-        b = create_batch(store, owner.id, f.id, CHAT, "24h", None, CONFIG)
+        created = create_batch(store, owner.id, f.id, CHAT, "24h", None, CONFIG)
+        assert created.status == BatchStatus.VALIDATING
+        assert ingest_pending(store, time.time(), CONFIG) == 1
         lines_per_s = n / (time.perf_counter() - started)
+        b = get_batch(store, owner.id, created.id)
     finally:
         store.close()
     assert b.status == BatchStatus.IN_PROGRESS and b.counts.total == n

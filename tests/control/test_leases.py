@@ -13,7 +13,7 @@ from sqlalchemy import select
 from minimill.control.bodies import ChatBody, prepare_body
 from minimill.control.leases import complete, heartbeat, lease, reap_expired
 from minimill.control.records import Kind, RequestStatus
-from minimill.control.requests import get_request, submit
+from minimill.control.requests import cancel_request, checkpoint_of, get_request, submit
 from minimill.control.site_view import list_sites
 from minimill.control.store import Store, open_store
 from minimill.control.tables import requests
@@ -73,7 +73,7 @@ def test_heartbeat_extends_stores_checkpoints_and_revokes(store: Store) -> None:
     beat = heartbeat(store, s, HeartbeatRequest(leases=[
         HeartbeatItem(request_id=rid, epoch=held.epoch, checkpoint=cp)]), now + 5, CONFIG)
     assert beat.extended == {rid: now + 5 + CONFIG.lease_ttl_s} and beat.revoked == []
-    assert get_request(store, owner.id, rid).checkpoint == cp.model_dump(mode="json")
+    assert checkpoint_of(store, owner.id, rid) == cp
     for who, epoch in ((s, held.epoch + 1), (other, held.epoch), (s, 2**40)):
         answer = heartbeat(store, who, HeartbeatRequest(leases=[
             HeartbeatItem(request_id=rid, epoch=epoch)]), now + 6, CONFIG)
@@ -89,8 +89,9 @@ def test_completion_is_accepted_once_at_the_current_epoch(store: Store) -> None:
     assert [r.reason for r in stale.rejected] == ["stale_epoch"]
     first = complete(store, s, success(rid, held.epoch, "first", tokens=4), now, CONFIG)
     assert first.accepted == [rid]
+    # A resend (its answer was lost) is accepted again, and changes nothing.
     again = complete(store, s, success(rid, held.epoch, "second"), now, CONFIG)
-    assert [r.reason for r in again.rejected] == ["already_completed"]
+    assert again.accepted == [rid] and again.rejected == []
     unknown = complete(store, s, success("req_missing", 1), now, CONFIG)
     assert [r.reason for r in unknown.rejected] == ["unknown_request"]
     done = get_request(store, owner.id, rid)
@@ -100,7 +101,8 @@ def test_completion_is_accepted_once_at_the_current_epoch(store: Store) -> None:
     # The built-in price (0.10 $/Mtok in, 0.40 out), realtime: the site's price plays no part.
     assert done.billed_usd == pytest.approx((3 * 0.10 + 4 * 0.40) / 1e6)
     (stats,) = list_sites(store, now)
-    assert (stats.completions, stats.stale_completions, stats.wasted_tokens) == (1, 2, 4)
+    assert (stats.completions, stats.stale_completions, stats.wasted_tokens) == (1, 1, 2)
+    assert stats.tokens_generated == 4
 
 
 def test_failed_completion_keeps_the_worker_error(store: Store) -> None:
@@ -137,9 +139,50 @@ def test_reap_requeues_with_checkpoint_and_fences_the_old_holder(store: Store) -
     assert [r.reason for r in late.rejected] == ["stale_epoch"]
     assert complete(store, fresh, success(rid, second.epoch), now + 22, CONFIG).accepted
     stats = {st.name: st for st in list_sites(store, now + 23)}
+    # Of the zombie's 7 tokens, the one its checkpoint held went on in the fresh lease.
     assert (stats["zombie"].leases_expired, stats["zombie"].stale_completions,
-            stats["zombie"].wasted_tokens) == (1, 1, 7)
+            stats["zombie"].wasted_tokens) == (1, 1, 6)
     assert stats["fresh"].completions == 1
+
+
+def test_a_result_from_an_expired_lease_nobody_took_is_accepted(store: Store) -> None:
+    owner, s = tenant(store), site(store)
+    now = time.time()
+    rid = realtime(store, owner.id, "x", now)
+    (held,) = lease(store, s, ask(), now, CONFIG).leases
+    assert reap_expired(store, now + CONFIG.lease_ttl_s + 1) == 1
+    revoked = heartbeat(store, s, HeartbeatRequest(leases=[
+        HeartbeatItem(request_id=rid, epoch=held.epoch)]), now + 12, CONFIG)
+    assert revoked.revoked == [rid]
+    # Its epoch is still the row's: the finished result is not thrown away.
+    late = complete(store, s, success(rid, held.epoch, "late but fine", tokens=5), now + 13,
+                    CONFIG)
+    assert late.accepted == [rid]
+    done = get_request(store, owner.id, rid)
+    assert done.status == RequestStatus.SUCCEEDED and done.completion_tokens == 5
+    assert lease(store, s, ask(), now + 14, CONFIG).leases == []
+    (stats,) = list_sites(store, now + 14)
+    assert (stats.completions, stats.stale_completions, stats.wasted_tokens) == (1, 0, 0)
+
+
+def test_waste_counts_only_work_thrown_away(store: Store) -> None:
+    owner, s = tenant(store), site(store)
+    now = time.time()
+    rid = realtime(store, owner.id, "x", now)
+    (held,) = lease(store, s, ask(), now, CONFIG).leases
+    heartbeat(store, s, HeartbeatRequest(leases=[HeartbeatItem(
+        request_id=rid, epoch=held.epoch,
+        checkpoint=Checkpoint(choices=[ChoiceProgress(index=0, token_ids=[1, 2, 3])]))]),
+        now, CONFIG)
+    assert cancel_request(store, rid, now, "client left")
+    # The request was cancelled: all of its tokens were generated for nothing, once (a resend
+    # after a lost answer is the same work).
+    answer = complete(store, s, success(rid, held.epoch, tokens=9), now, CONFIG)
+    assert [r.reason for r in answer.rejected] == ["already_completed"]
+    again = complete(store, s, success(rid, held.epoch, tokens=9), now, CONFIG)
+    assert [r.reason for r in again.rejected] == ["already_completed"]
+    (stats,) = list_sites(store, now)
+    assert (stats.completions, stats.stale_completions, stats.wasted_tokens) == (0, 1, 9)
 
 
 def test_concurrent_leasing_from_two_control_planes_never_double_leases(

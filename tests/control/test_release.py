@@ -10,10 +10,12 @@ import pytest
 from control_factory import CONFIG, ask, batch, chat_line, site, success, tenant
 from sqlalchemy import select
 
+from minimill.control import checkpoints
 from minimill.control.errors import NotFoundError
 from minimill.control.leases import complete, heartbeat, lease, reap_expired
 from minimill.control.release import release
-from minimill.control.sites import add_outage, list_outages, list_sites, remove_outage
+from minimill.control.site_view import list_sites
+from minimill.control.sites import add_outage, list_outages, remove_outage
 from minimill.control.store import Store
 from minimill.control.tables import requests
 from minimill.protocol import (
@@ -37,6 +39,12 @@ def row(store: Store, request_id: str) -> dict[str, object]:
     return dict(found._mapping)
 
 
+def stored_tokens(store: Store, request_id: str) -> list[int]:
+    """The token ids of the request's stored checkpoint (its chunks, assembled)."""
+    with store.read() as conn:
+        return checkpoints.load(conn, [request_id])[request_id].choices[0].token_ids
+
+
 def test_a_released_lease_is_queued_at_once_with_its_checkpoint(store: Store) -> None:
     owner, mine, other = tenant(store), site(store, "a"), site(store, "b")
     now = time.time()
@@ -50,7 +58,8 @@ def test_a_released_lease_is_queued_at_once_with_its_checkpoint(store: Store) ->
     after = row(store, held.request_id)
     assert after["status"] == "queued" and after["lease_id"] is None
     assert after["lease_expires_at"] is None and after["epoch"] == held.epoch
-    assert after["checkpoint"]["choices"][0]["token_ids"] == [0, 1, 2]  # type: ignore[index]
+    assert stored_tokens(store, held.request_id) == [0, 1, 2]
+    assert after["checkpoint_tokens"] == 3
     # Another site gets it at once (no expiry to wait for), with the checkpoint, at a new epoch.
     again = lease(store, other, ask(), now + 1.5, CONFIG).leases
     assert [g.request_id for g in again] == [held.request_id]
@@ -106,7 +115,8 @@ def test_a_release_after_expiry_still_keeps_the_newer_checkpoint(store: Store) -
     assert answer.released == [held.request_id]
     after = row(store, held.request_id)
     assert after["status"] == "queued"
-    assert len(after["checkpoint"]["choices"][0]["token_ids"]) == 5  # type: ignore[index]
+    assert stored_tokens(store, held.request_id) == [0, 1, 2, 3, 4]
+    assert after["checkpoint_tokens"] == 5
 
 
 def test_heartbeats_name_what_to_hand_back_ahead_of_an_outage(store: Store) -> None:

@@ -27,7 +27,7 @@ def row(text: str, status: RequestStatus, finish: str = "stop",
     return RequestRecord(
         id="req_" + "ab" * 12, tenant_id="t", batch_id=None, kind=Kind.RESPONSE,
         tier=Tier.BACKGROUND, model=MODEL, body=prepared.body, status=status, epoch=1,
-        version=1, checkpoint={"choices": [choice]} if text else None,
+        version=1, progress=None, checkpoint={"choices": [choice]} if text else None,
         result={"choices": [{**choice, "finish_reason": finish}]} if done else None,
         error={"code": "server_error", "message": "x"} if status == RequestStatus.FAILED
         else None, prompt_tokens=3, completion_tokens=5, billed_usd=0.0, created_at=100.0,

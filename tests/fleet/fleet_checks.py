@@ -22,19 +22,53 @@ def wait_until(predicate: Callable[[], T], timeout: float, what: str) -> T:
     raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+def _apply(state: dict[int, dict[str, Any]], item: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """The progress after a heartbeat item's checkpoint: a whole one replaces, a delta's
+    pieces extend each choice at the lengths they say they extend."""
+    if item.get("checkpoint"):
+        return {c["index"]: {"text": c.get("text", ""), "token_ids": list(c.get("token_ids", []))}
+                for c in item["checkpoint"]["choices"]}
+    new = {i: dict(c) for i, c in state.items()}
+    for d in item["delta"]["choices"]:
+        old = new.get(d["index"], {"text": "", "token_ids": []})
+        new[d["index"]] = {
+            "text": old["text"][:d.get("base_chars", 0)] + d.get("text", ""),
+            "token_ids": old["token_ids"][:d.get("base_tokens", 0)] + d.get("token_ids", [])}
+    return new
+
+
+def accepted_history(proxies: Iterable[FleetProxy]) -> list[tuple[float, str,
+                                                                  dict[str, Any]]]:
+    """(when, request_id, checkpoint) for every checkpoint the control plane accepted from the
+    proxied workers, oldest first, rebuilt from each lease's checkpoint and the deltas after it
+    (a checkpoint as `{"choices": [{"index", "text", "token_ids"}]}`)."""
+    exchanges = sorted((e for proxy in proxies for e in proxy.find("")), key=lambda e: e.at)
+    held: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
+    history: list[tuple[float, str, dict[str, Any]]] = []
+    for exchange in exchanges:
+        if exchange.status != 200:
+            continue
+        if exchange.path.endswith("/lease"):
+            for lease in exchange.response["leases"]:
+                held[(lease["request_id"], lease["epoch"])] = _apply(
+                    {}, {"checkpoint": lease.get("checkpoint") or {"choices": []}})
+        if not exchange.path.endswith("/heartbeat"):
+            continue
+        for item in exchange.request["leases"]:
+            key = (item["request_id"], item["epoch"])
+            if not (item.get("checkpoint") or item.get("delta")) or key not in held \
+                    or item["request_id"] not in exchange.response["extended"] \
+                    or item["request_id"] in exchange.response.get("resync", []):
+                continue
+            held[key] = _apply(held[key], item)
+            history.append((exchange.at, item["request_id"], {"choices": [
+                {"index": i, **c} for i, c in sorted(held[key].items())]}))
+    return history
+
+
 def accepted_checkpoints(proxies: Iterable[FleetProxy]) -> dict[str, dict[str, Any]]:
     """request_id -> the newest checkpoint the control plane accepted (lease still held)."""
-    newest: dict[str, tuple[float, dict[str, Any]]] = {}
-    for proxy in proxies:
-        for exchange in proxy.find("/heartbeat"):
-            if exchange.status != 200:
-                continue
-            for item in exchange.request["leases"]:
-                checkpoint, request_id = item.get("checkpoint"), item["request_id"]
-                if checkpoint and request_id in exchange.response["extended"]:
-                    if request_id not in newest or newest[request_id][0] <= exchange.at:
-                        newest[request_id] = (exchange.at, checkpoint)
-    return {request_id: checkpoint for request_id, (_, checkpoint) in newest.items()}
+    return {request_id: checkpoint for _, request_id, checkpoint in accepted_history(proxies)}
 
 
 def batch_records(client: Any, batch: Any) -> list[dict[str, Any]]:

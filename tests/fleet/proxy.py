@@ -2,7 +2,8 @@
 
 It forwards every request unchanged and records the fleet messages (heartbeats with their
 checkpoints, completions with their answers). It can also black-hole chosen routes: a request
-to a blocked route hangs while the route stays blocked (as over a cut link) and then fails.
+to a blocked route hangs while the route stays blocked (as over a cut link) and then fails. And
+it can lose answers: the control plane handles the request, the worker gets a 502.
 Runs uvicorn in a thread of the test process; the worker and control plane are real processes.
 """
 
@@ -32,6 +33,7 @@ class Exchange:
     status: int
     response: Any
     at: float = field(default_factory=time.time)
+    lost: bool = False  # the control plane answered; the worker never saw it
 
 
 class FleetProxy:
@@ -40,6 +42,7 @@ class FleetProxy:
         self.port = port
         self.exchanges: list[Exchange] = []
         self.blocked: set[str] = set()  # path suffixes, e.g. "/heartbeat"; "" blocks all
+        self.lose_answers: dict[str, int] = {}  # path suffix -> how many answers to lose
         self._lock = threading.Lock()
         app = Starlette(routes=[Route("/{path:path}", self._forward,
                                       methods=["GET", "POST", "DELETE"])])
@@ -66,10 +69,17 @@ class FleetProxy:
         async with httpx.AsyncClient(timeout=60.0) as client:
             resp = await client.request(request.method, self.upstream + path, content=body,
                                         headers=headers, params=request.query_params)
+        lose = next((s for s, n in self.lose_answers.items() if n > 0 and path.endswith(s)),
+                    None)
+        if lose is not None:
+            self.lose_answers[lose] -= 1
         with contextlib.suppress(ValueError):
             with self._lock:
                 self.exchanges.append(Exchange(path, json.loads(body) if body else None,
-                                               resp.status_code, resp.json()))
+                                               resp.status_code, resp.json(),
+                                               lost=lose is not None))
+        if lose is not None:
+            return Response(status_code=502)
         return Response(resp.content, status_code=resp.status_code,
                         media_type=resp.headers.get("content-type"))
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fleet_checks import wait_until
+from fleet_checks import accepted_history, wait_until
 from proxy import FleetProxy, fleet_proxy
 from serve_process import MODEL, Serve, Worker, free_port
 
@@ -28,14 +28,8 @@ pytestmark = pytest.mark.slow
 
 def last_checkpoint(proxy: FleetProxy) -> tuple[str, dict[str, Any]] | None:
     """The newest checkpoint the control plane accepted from the proxied worker."""
-    for exchange in reversed(proxy.find("/heartbeat")):
-        if exchange.status != 200:
-            continue
-        for item in exchange.request["leases"]:
-            checkpoint = item.get("checkpoint")
-            if checkpoint and item["request_id"] in exchange.response["extended"]:
-                return item["request_id"], checkpoint
-    return None
+    history = accepted_history([proxy])
+    return (history[-1][1], history[-1][2]) if history else None
 
 
 def site_token(serve: Serve, name: str) -> str:

@@ -102,7 +102,7 @@ def test_an_announced_outage_moves_work_before_it_starts(fleet_home: Path) -> No
         def holders(batch_id: str) -> list[tuple[str, str, Any]]:
             with store.read() as conn:
                 return [tuple(r) for r in conn.execute(
-                    select(sites.c.name, requests.c.status, requests.c.checkpoint)
+                    select(sites.c.name, requests.c.status, requests.c.progress)
                     .join(sites, sites.c.id == requests.c.site_id)
                     .where(requests.c.batch_id == batch_id))]
 
@@ -119,9 +119,9 @@ def test_an_announced_outage_moves_work_before_it_starts(fleet_home: Path) -> No
         def generating() -> bool:
             held = holders(batch_id)
             return len(held) == len(STORIES) and all(
-                name == "busy" and status == "leased" and checkpoint
-                and len(checkpoint["choices"][0]["token_ids"]) >= 3
-                for name, status, checkpoint in held)
+                name == "busy" and status == "leased" and progress
+                and progress["choices"][0]["tokens"] >= 3  # the stored checkpoint's lengths
+                for name, status, progress in held)
 
         wait_until(generating, 120, "the busy site generating every request")
         start = time.time() + OUTAGE_IN_S

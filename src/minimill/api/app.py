@@ -1,6 +1,8 @@
 """The control plane's HTTP app: routers, errors, and the background tasks of one process.
 
-Each process runs a janitor (reap expired leases, expire and finalize batches), a webhook
+Each process runs a janitor (reap expired leases, expire batches, delete expired files), the
+batch jobs (queue the lines of new batches, write the files of finished ones: in a worker
+process, so that the event loop and the heartbeats it serves never wait on them), a webhook
 sender, and a progress poller for its waiting realtime requests and streams. Every piece of
 state is in the store, so any number of these processes can serve one store, and any of them
 can be killed at any moment.
@@ -16,12 +18,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+import anyio.to_process
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
+from sqlalchemy.engine import make_url
 
 from minimill import __version__
 from minimill.api import errors
-from minimill.api.limits import UploadLimitMiddleware
+from minimill.api.limits import BodyLimitMiddleware
 from minimill.api.progress import ProgressWatcher
 from minimill.api.routes import (
     batches,
@@ -39,7 +43,7 @@ from minimill.api.routes import (
 from minimill.api.settings import Settings
 from minimill.api.webhook_sender import run_webhook_sender
 from minimill.control.config import ControlConfig
-from minimill.control.janitor import tick
+from minimill.control.janitor import batch_jobs, run_batch_jobs, tick
 from minimill.control.store import Store, open_store
 
 __all__ = ["Settings", "create_app"]
@@ -49,12 +53,36 @@ log = logging.getLogger("minimill.api")
 async def _janitor(store: Store, config: ControlConfig, interval_s: float) -> None:
     while True:
         try:
-            report = await anyio.to_thread.run_sync(tick, store, time.time(), config)
+            report = await anyio.to_thread.run_sync(tick, store, time.time(), config, False)
             if report.reaped_leases or report.expired_batches:
                 log.info("janitor: %s", report)
         except Exception:  # the store may be briefly unreachable; try again next tick
             log.exception("janitor tick failed")
         await asyncio.sleep(interval_s)
+
+
+async def _batch_jobs(store: Store, config: ControlConfig, wake: asyncio.Event,
+                      interval_s: float, in_process: bool) -> None:
+    """Ingest new batches as they come and finalize finished ones (a create wakes it; it also
+    polls, for batches of other processes or left behind by a dead one). A store held only
+    in this process's memory cannot be opened by another: then the jobs run in a thread."""
+    in_process = in_process or make_url(store.url).database in (None, "", ":memory:")
+    while True:
+        wake.clear()
+        try:
+            if in_process:
+                done = await anyio.to_thread.run_sync(batch_jobs, store, time.time(), config)
+            else:
+                # Cancellable: on shutdown the worker process is killed; its claims go stale
+                # and another process resumes its jobs.
+                done = await anyio.to_process.run_sync(run_batch_jobs, store.url, time.time(),
+                                                       config, cancellable=True)
+            if any(done):
+                log.info("batch jobs: %d validated, %d finalized", *done)
+        except Exception:  # the store may be briefly unreachable; try again
+            log.exception("batch jobs failed")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), interval_s)
 
 
 def create_app(settings: Settings | None = None, store: Store | None = None) -> FastAPI:
@@ -64,6 +92,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     owned = store is None
     the_store = store if store is not None else open_store(settings.db)
     watcher = ProgressWatcher(the_store, settings.poll_interval_s)
+    ingest_wake = asyncio.Event()
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -71,6 +100,9 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         if settings.run_janitor:
             tasks.append(asyncio.create_task(
                 _janitor(the_store, config, settings.janitor_interval_s), name="minimill-janitor"))
+            tasks.append(asyncio.create_task(
+                _batch_jobs(the_store, config, ingest_wake, settings.janitor_interval_s,
+                            settings.batch_jobs_in_process), name="minimill-batch-jobs"))
         if settings.run_webhooks:
             tasks.append(asyncio.create_task(
                 run_webhook_sender(the_store, config, settings.webhook_interval_s,
@@ -92,8 +124,11 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     app.state.config = config
     app.state.settings = settings
     app.state.watcher = watcher
+    app.state.ingest_wake = ingest_wake
     errors.install(app)
-    app.add_middleware(UploadLimitMiddleware, max_file_bytes=settings.max_file_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes,
+                       max_file_bytes=settings.max_file_bytes,
+                       max_fleet_body_bytes=settings.max_fleet_body_bytes)
     for module in (models, chat, completions, responses, files, batches, webhook_endpoints,
                    fleet):
         app.include_router(module.router)

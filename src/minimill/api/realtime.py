@@ -16,8 +16,9 @@ from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
 from minimill.api.progress import ProgressWatcher, Watch
-from minimill.api.streaming import WAKE_S, ChunkStream
+from minimill.api.streaming import WAKE_S, ChunkStream, num_choices
 from minimill.control.bodies import ChatBody, CompletionBody, prepare_body
+from minimill.control.checkpoints import has_output
 from minimill.control.config import ControlConfig
 from minimill.control.errors import ConflictError, ControlError, RequestTimeoutError
 from minimill.control.records import Kind, RequestRecord, RequestStatus, Tenant
@@ -44,11 +45,6 @@ def _raise_for(record: RequestRecord) -> None:
     raise ConflictError("The request was cancelled.", code="cancelled")
 
 
-def _has_output(record: RequestRecord) -> bool:
-    return any(c.get("text") or c.get("token_ids")
-               for c in (record.checkpoint or {}).get("choices") or [])
-
-
 async def _wait(request: Request, store: Store, record: RequestRecord, watch: Watch,
                 done: Callable[[RequestRecord], bool]) -> RequestRecord | None:
     """The row once `done` holds for it; None if the client went away first."""
@@ -57,7 +53,7 @@ async def _wait(request: Request, store: Store, record: RequestRecord, watch: Wa
         if await request.is_disconnected():
             return None
         record = await anyio.to_thread.run_sync(get_request, store, record.tenant_id,
-                                                record.id)
+                                                record.id, False)
         if not record.terminal and time.time() > record.created_at + _timeout(request):
             raise RequestTimeoutError("No worker finished the request in time; try again "
                                       "later.", code="timeout")
@@ -84,13 +80,14 @@ async def serve_realtime(request: Request, kind: Kind, body: ChatBody | Completi
         assert record is not None
         if prepared.stream:
             record = await _wait(request, store, record, watch,
-                                 lambda r: r.terminal or _has_output(r))
+                                 lambda r: r.terminal or has_output(r.progress))
             if record is None:
                 return Response(status_code=204)
             if record.terminal and record.status != RequestStatus.SUCCEEDED:
                 _raise_for(record)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = ChunkStream(request, store, watcher, watch, record, include_usage)
+            stream = ChunkStream(request, store, watcher, watch, record, include_usage,
+                                 num_choices(kind, prepared.body))
             handed_over = True
             return StreamingResponse(stream.events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})

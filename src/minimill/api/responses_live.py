@@ -11,6 +11,7 @@ foreground (not background) response it created. Background responses run on.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -42,7 +43,8 @@ def _sse(event: dict[str, Any]) -> str:
 async def _reload(store: Store, record: RequestRecord) -> RequestRecord | None:
     """The row now; None once it is deleted."""
     try:
-        return await anyio.to_thread.run_sync(get_request, store, record.tenant_id, record.id)
+        return await anyio.to_thread.run_sync(functools.partial(
+            get_request, store, record.tenant_id, record.id, with_checkpoint=True))
     except NotFoundError:
         return None
 

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from minimill.control.files import MAX_EXPIRES_AFTER_S, MIN_EXPIRES_AFTER_S
 from minimill.control.records import BatchRecord, FileRecord
 
 
@@ -35,7 +36,8 @@ class FileObject(BaseModel):
     @classmethod
     def of(cls, record: FileRecord) -> FileObject:
         return cls(id=record.id, bytes=record.bytes, created_at=int(record.created_at),
-                   filename=record.filename, purpose=record.purpose)
+                   filename=record.filename, purpose=record.purpose,
+                   expires_at=None if record.expires_at is None else int(record.expires_at))
 
 
 class FileList(BaseModel):
@@ -52,6 +54,15 @@ class FileDeleted(BaseModel):
     deleted: bool
 
 
+class ExpiresAfter(BaseModel):
+    """OpenAI's file expiration policy: `seconds` after the file's creation."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=MIN_EXPIRES_AFTER_S, le=MAX_EXPIRES_AFTER_S)
+
+
 class BatchCreate(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -59,6 +70,8 @@ class BatchCreate(BaseModel):
     endpoint: str = Field(description="/v1/chat/completions or /v1/completions")
     completion_window: str = Field("24h", description='"24h", or longer ("48h", "7d")')
     metadata: dict[str, str] | None = None
+    # When the output and error files expire (default: the server's file expiry).
+    output_expires_after: ExpiresAfter | None = None
 
 
 class BatchError(BaseModel):

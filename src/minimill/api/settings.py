@@ -17,6 +17,16 @@ class Settings(BaseSettings):
     models: list[str] = Field(default_factory=lambda: [DEFAULT_MODEL])
     max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1)
     max_batch_lines: int = Field(default=50_000, ge=1)
+    # Largest request body of every other route (and of one batch line), and of the worker
+    # protocol's routes (a completion carries whole results); larger ones are refused with 413.
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    max_fleet_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    # Files without `expires_after` (uploads, batch outputs) expire this long after their
+    # creation; 0 keeps them until deleted.
+    file_expires_after_s: float = Field(default=30 * 24 * 3600.0, ge=0)
+    # Batch ingest: lines per transaction, and how long a silent ingester keeps its batch.
+    ingest_group_lines: int = Field(default=250, ge=1)
+    ingest_claim_ttl_s: float = Field(default=60.0, gt=0)
     lease_ttl_s: float = Field(default=30.0, gt=0)
     checkpoint_interval_s: float = Field(default=2.0, gt=0)
     stream_checkpoint_interval_s: float = Field(default=0.1, gt=0)
@@ -25,6 +35,9 @@ class Settings(BaseSettings):
     # How often the janitor reaps leases and finalizes batches.
     janitor_interval_s: float = Field(default=0.5, gt=0)
     run_janitor: bool = True
+    # Run batch ingest and finalization in a thread of this process rather than in a worker
+    # process (where they cannot slow the event loop and the heartbeats it serves).
+    batch_jobs_in_process: bool = False
     # How often waiting realtime requests poll the store for progress made elsewhere.
     poll_interval_s: float = Field(default=0.025, gt=0)
     background_response_window_s: float = Field(default=24 * 3600.0, gt=0)
@@ -43,6 +56,9 @@ class Settings(BaseSettings):
             checkpoint_interval_s=self.checkpoint_interval_s,
             stream_checkpoint_interval_s=self.stream_checkpoint_interval_s,
             max_batch_lines=self.max_batch_lines, max_file_bytes=self.max_file_bytes,
+            max_line_bytes=self.max_body_bytes, ingest_group_lines=self.ingest_group_lines,
+            ingest_claim_ttl_s=self.ingest_claim_ttl_s,
+            file_expires_after_s=self.file_expires_after_s or None,
             background_price_factor=self.background_price_factor,
             realtime_timeout_s=self.realtime_timeout_s,
             background_response_window_s=self.background_response_window_s,

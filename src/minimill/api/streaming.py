@@ -1,9 +1,11 @@
-"""Server-sent events for `stream: true`: successive checkpoints of the row become deltas.
+"""Server-sent events for `stream: true`: the row's checkpoint chunks become deltas.
 
-The worker checkpoints streaming leases often; each new checkpoint's text beyond what was sent
-becomes one chunk per choice, in OpenAI's chunk format. The last chunks carry finish reasons,
-then (with `stream_options.include_usage`) a usage chunk, then `data: [DONE]`. A failure after
-the stream started is sent as an error event, as OpenAI does.
+The worker checkpoints streaming leases often, each checkpoint holding only what is new. On
+every wake the stream reads the chunks after the last one it read (never the whole text again)
+and sends what it has not sent, as one chunk per choice in OpenAI's chunk format. Once the
+request ends, the rest comes from its result; the last chunks carry finish reasons, then (with
+`stream_options.include_usage`) a usage chunk, then `data: [DONE]`. A failure after the stream
+started is sent as an error event, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from minimill.control.render import (
     render_chunk,
     usage_dict,
 )
-from minimill.control.requests import cancel_request, get_request
+from minimill.control.requests import cancel_request, read_stream
 from minimill.control.store import Store
 
 # Longest wait between two reads of the row when nothing wakes the stream.
@@ -45,7 +47,8 @@ def _event(payload: dict[str, Any] | str) -> str:
 
 
 def _choices(record: RequestRecord) -> list[dict[str, Any]]:
-    source = record.result if record.status == RequestStatus.SUCCEEDED else record.checkpoint
+    """The final choices of a succeeded request (None of a running one)."""
+    source = record.result if record.status == RequestStatus.SUCCEEDED else None
     choices = (source or {}).get("choices") or []
     return sorted(choices, key=lambda c: int(c.get("index", 0)))
 
@@ -63,12 +66,14 @@ class ChunkStream:
     """One streaming response; owns its watch and cancels the request if the client leaves."""
 
     def __init__(self, request: Request, store: Store, watcher: ProgressWatcher, watch: Watch,
-                 first: RequestRecord, include_usage: bool) -> None:
+                 first: RequestRecord, include_usage: bool, num_choices: int) -> None:
         self.request, self.store, self.watcher, self.watch = request, store, watcher, watch
         self.record = first
         self.kind = first.kind or Kind.CHAT
         self.include_usage = include_usage
+        self.num_choices = num_choices
         self.sent: dict[int, _Sent] = {}
+        self.after_seq = 0  # the last checkpoint chunk read
 
     def _chunk(self, choices: list[dict[str, Any]],
                usage: dict[str, Any] | None = None) -> str:
@@ -89,30 +94,56 @@ class ChunkStream:
             return {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
         return {"index": index, "text": "", "logprobs": None, "finish_reason": reason}
 
-    def _new_output(self) -> list[str]:
-        out = []
-        for choice in _choices(self.record):
-            index = int(choice.get("index", 0))
+    def _new_output(self, chunks: list[tuple[int, dict[str, Any]]]) -> list[str]:
+        """Events for what the chunks (and, once succeeded, the result) add to what was sent.
+        Each piece says which lengths it extends, so overlaps are skipped."""
+        texts: dict[int, list[str]] = {}
+        lps: dict[int, list[dict[str, Any]]] = {}
+        ahead: dict[int, tuple[int, int]] = {}  # index -> (chars, logprobs) once these are sent
+
+        def take(index: int, base_chars: int, text: str, base_lps: int,
+                 logprobs: list[dict[str, Any]] | None) -> None:
             sent = self.sent.setdefault(index, _Sent())
-            text = str(choice.get("text", ""))[sent.chars:]
-            all_lps = choice.get("logprobs")
-            lps = None if all_lps is None else all_lps[sent.logprobs:]
-            if text or lps:
-                out.append(self._chunk([self._delta(index, text, lps, sent.chars)]))
-                sent.chars += len(text)
-                sent.logprobs += len(lps or [])
+            chars, num_lps = ahead.get(index, (sent.chars, sent.logprobs))
+            new_text = text[max(chars - base_chars, 0):]
+            new_lps = (logprobs or [])[max(num_lps - base_lps, 0):]
+            if new_text:
+                texts.setdefault(index, []).append(new_text)
+            if new_lps:
+                lps.setdefault(index, []).extend(new_lps)
+            ahead[index] = (max(chars, base_chars + len(text)),
+                            max(num_lps, base_lps + len(logprobs or [])))
+
+        for seq, chunk in chunks:
+            for c in chunk.get("choices", []):
+                take(int(c.get("index", 0)), int(c.get("base_chars", 0)), str(c.get("text", "")),
+                     int(c.get("base_logprobs", 0)), c.get("logprobs"))
+            self.after_seq = seq
+        for choice in _choices(self.record):
+            take(int(choice.get("index", 0)), 0, str(choice.get("text", "")), 0,
+                 choice.get("logprobs"))
+        out = []
+        for index in sorted(set(texts) | set(lps)):
+            sent = self.sent[index]
+            text, new_lps = "".join(texts.get(index, [])), lps.get(index)
+            out.append(self._chunk([self._delta(index, text, new_lps, sent.chars)]))
+            sent.chars += len(text)
+            sent.logprobs += len(new_lps or [])
         return out
 
     async def events(self) -> AsyncIterator[str]:
         finished = False
         try:
             if self.kind == Kind.CHAT:
-                for index in range(num_choices(self.kind, self.record.body or {})):
+                for index in range(self.num_choices):
                     yield self._chunk([{"index": index,
                                         "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}])
             while True:
-                for event in self._new_output():
+                self.record, chunks = await anyio.to_thread.run_sync(
+                    read_stream, self.store, self.record.tenant_id, self.record.id,
+                    self.after_seq)
+                for event in self._new_output(chunks):
                     yield event
                 r = self.record
                 if r.terminal:
@@ -133,8 +164,6 @@ class ChunkStream:
                 await self.watch.wait(WAKE_S)
                 if await self.request.is_disconnected():
                     return
-                self.record = await anyio.to_thread.run_sync(
-                    get_request, self.store, self.record.tenant_id, self.record.id)
         finally:
             self.watcher.unwatch(self.watch)
             if not finished:

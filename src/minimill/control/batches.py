@@ -1,8 +1,8 @@
-"""Batches: create (validate + ingest in one transaction), retrieve, list, cancel.
+"""Batches: create, retrieve, list, cancel.
 
-Ingest writes every line as a request row (bad lines as `failed` rows carrying their error) in
-one transaction, so a crash leaves either the whole batch or nothing. Finalization (output and
-error files) and expiry belong to batch_finalize.py, driven by the janitor.
+Creating a batch only checks the request; its lines are queued by an ingester (batch_load.py),
+in short transactions, while the batch is `validating`. Finalization (output and error files)
+and expiry belong to batch_finalize.py, driven by the janitor.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, func, insert, or_, select, update
 
-from minimill.control.batch_ingest import UnusableFileError, parse_batch_file
+from minimill.control import checkpoints
 from minimill.control.config import ControlConfig
 from minimill.control.errors import ConflictError, InvalidRequestError, NotFoundError
-from minimill.control.files import get_file, read_content
+from minimill.control.files import get_file
 from minimill.control.records import (
     ACTIVE_REQUEST_STATUSES,
     ENDPOINT_KINDS,
@@ -25,11 +25,9 @@ from minimill.control.records import (
     BatchStatus,
     RequestCounts,
     RequestStatus,
-    Tier,
     UsageTotals,
     new_id,
 )
-from minimill.control.requests import new_seed, row_values
 from minimill.control.store import Store, retry_conflicts
 from minimill.control.tables import batches, requests
 from minimill.control.webhook_events import watch
@@ -135,8 +133,10 @@ def list_batches(store: Store, tenant_id: str, after: str | None = None,
 
 def create_batch(store: Store, tenant_id: str, input_file_id: str, endpoint: str,
                  completion_window: str, metadata: dict[str, Any] | None,
-                 config: ControlConfig, now: float | None = None) -> BatchRecord:
-    """Validate the input file and queue its lines; an unusable file gives a `failed` batch."""
+                 config: ControlConfig, now: float | None = None,
+                 output_expires_after_s: int | None = None) -> BatchRecord:
+    """Check the request and leave the batch `validating`: an ingester (batch_load.py) reads
+    the input file and queues its lines, or fails the batch when the file is unusable."""
     if endpoint not in ENDPOINT_KINDS:
         raise InvalidRequestError(f"endpoint must be one of {', '.join(ENDPOINT_KINDS)}; got "
                                   f"{endpoint!r}", param="endpoint")
@@ -147,49 +147,19 @@ def create_batch(store: Store, tenant_id: str, input_file_id: str, endpoint: str
         raise InvalidRequestError(f"file {input_file_id} has purpose {source.purpose!r}, "
                                   "not 'batch'", param="input_file_id")
     now = time.time() if now is None else now
-    base = {"id": new_id("batch_"), "tenant_id": tenant_id, "endpoint": endpoint,
-            "input_file_id": input_file_id, "completion_window": completion_window,
-            "created_at": now, "expires_at": now + window_s, "metadata": metadata}
-    try:
-        if source.bytes > config.max_file_bytes:
-            raise UnusableFileError([])
-        lines = parse_batch_file(read_content(store, tenant_id, input_file_id), endpoint,
-                                 config.served_models, config.max_batch_lines)
-    except UnusableFileError as exc:
-        errors = [e.as_dict() for e in exc.errors] or [{
+    values = {"id": new_id("batch_"), "tenant_id": tenant_id, "endpoint": endpoint,
+              "input_file_id": input_file_id, "completion_window": completion_window,
+              "created_at": now, "expires_at": now + window_s, "metadata": metadata,
+              "output_expires_after_s": output_expires_after_s,
+              "status": BatchStatus.VALIDATING.value}
+    if source.bytes > config.max_file_bytes:
+        values.update(status=BatchStatus.FAILED.value, failed_at=now, errors=[{
             "code": "file_too_large", "line": None, "param": "input_file_id",
-            "message": f"the input file is larger than {config.max_file_bytes} bytes"}]
-        with store.write() as conn:
-            conn.execute(insert(batches).values(**base, status=BatchStatus.FAILED.value,
-                                                failed_at=now, errors=errors))
-            watch(conn, "batch", str(base["id"]), tenant_id, now)
-        return get_batch(store, tenant_id, str(base["id"]))
-    # Good and bad lines go in separate bulk inserts: one executemany needs one set of columns.
-    rows: list[dict[str, Any]] = []
-    bad_rows: list[dict[str, Any]] = []
-    deadline = now + window_s
-    for line in lines:
-        extra = {"batch_id": base["id"], "custom_id": line.custom_id, "line_no": line.line_no}
-        if line.prepared is not None:
-            rows.append(row_values(tenant_id, line.prepared, now, deadline, Tier.BACKGROUND,
-                                   **extra))
-            continue
-        error = {**line.error.as_dict(), "source": "validation"} if line.error else None
-        bad_rows.append({"id": new_id("req_"), "tenant_id": tenant_id, "kind": None,
-                     "tier": Tier.BACKGROUND.value, "model": None, "body": None,
-                     "seed": new_seed(), "max_tokens": None, "stream": False,
-                     "status": RequestStatus.FAILED.value, "epoch": 0, "attempts": 0,
-                     "version": 0, "prompt_tokens": 0, "completion_tokens": 0, "billed_usd": 0.0,
-                     "created_at": now, "finished_at": now, "deadline": deadline,
-                     "error": error, **extra})
+            "message": f"the input file is larger than {config.max_file_bytes} bytes"}])
     with store.write() as conn:
-        conn.execute(insert(batches).values(**base, status=BatchStatus.IN_PROGRESS.value,
-                                            in_progress_at=now))
-        watch(conn, "batch", str(base["id"]), tenant_id, now)
-        for group in (rows, bad_rows):
-            for start in range(0, len(group), 5000):
-                conn.execute(insert(requests), group[start:start + 5000])
-    return get_batch(store, tenant_id, str(base["id"]))
+        conn.execute(insert(batches).values(**values))
+        watch(conn, "batch", str(values["id"]), tenant_id, now)
+    return get_batch(store, tenant_id, str(values["id"]))
 
 
 @retry_conflicts
@@ -212,9 +182,10 @@ def cancel_batch(store: Store, tenant_id: str, batch_id: str,
                 .where(requests.c.batch_id == batch_id,
                        requests.c.status.in_([s.value for s in ACTIVE_REQUEST_STATUSES]))
                 .values(status=RequestStatus.CANCELLED.value, finished_at=now,
-                        lease_expires_at=None, version=requests.c.version + 1,
+                        lease_expires_at=None, version=requests.c.version + 1, progress=None,
                         error={"code": "batch_cancelled", "source": "batch",
                                "message": "the batch was cancelled before this request ran"}))
+            checkpoints.drop_for_batches(conn, [batch_id])
         elif status not in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
             raise ConflictError(f"Cannot cancel a batch with status {status}.",
                                 param="batch_id")

@@ -16,9 +16,19 @@ class ControlConfig:
     # How often workers checkpoint ordinary leases, and streaming ones (streams read them).
     checkpoint_interval_s: float = 2.0
     stream_checkpoint_interval_s: float = 0.1
-    # Batch input limits.
+    # Batch input limits; a longer line is a bad line (as a larger realtime body is refused).
     max_batch_lines: int = 50_000
     max_file_bytes: int = 200 * 1024 * 1024
+    max_line_bytes: int = 16 * 1024 * 1024
+    # Batch ingest: lines per transaction, and how long an ingester that stopped committing
+    # keeps its claim before another process resumes its batch.
+    ingest_group_lines: int = 250
+    ingest_claim_ttl_s: float = 60.0
+    # Files (uploads without `expires_after`, batch outputs) expire this long after their
+    # creation, as OpenAI's batch files do (None: kept until deleted).
+    file_expires_after_s: float | None = 30 * 24 * 3600.0
+    # A file still being written this long after it was started lost its writer: deleted.
+    file_writing_ttl_s: float = 3600.0
     # Background work (batches, service_tier "flex") is billed this fraction of the realtime
     # price, where the price list sets no background price of its own (prices.py).
     background_price_factor: float = 0.5

@@ -5,12 +5,14 @@
   becomes `leased` with a bumped fencing epoch, a lease id and an expiry. The site row records
   what the worker said (free capacity after the grant, when, its models, its rate, and the
   price and chip it declares, if any) for metering and the placement of its peers' calls.
-- `heartbeat`: extends leases the site still holds at the sent epoch and stores checkpoints;
-  everything else is reported revoked.
+- `heartbeat`: extends leases the site still holds at the sent epoch and appends their
+  checkpoint deltas (checkpoints.py); everything else is reported revoked.
 - `complete`: accepted only at the row's current epoch, from the site that holds (or last held)
   it, while the row is not terminal: the first valid completion wins and each request completes
   exactly once. An accepted one is billed from the operator's price list (prices.py), whatever
-  the site declares. Rejections are counted per site, with the tokens they wasted.
+  the site declares. Resending an accepted result is answered `accepted` again, and counted
+  nowhere. Rejections are counted per site, with the tokens they threw away: those beyond what
+  the request's next lease resumed from.
 - `reap_expired`: expired leases go back to `queued`, keeping their checkpoint.
 - Released leases (release.py) go back to `queued` at once, with the checkpoint sent; a
   heartbeat answer names the leases a site should release ahead of its announced outage.
@@ -27,7 +29,7 @@ from typing import Any, Literal
 
 from sqlalchemy import Connection, case, func, select, tuple_, update
 
-from minimill.control import prices
+from minimill.control import checkpoints, prices
 from minimill.control.config import ControlConfig
 from minimill.control.placement import (
     DEFAULT_POLICY,
@@ -53,7 +55,6 @@ from minimill.control.sites import touch_site
 from minimill.control.store import Store, retry_conflicts
 from minimill.control.tables import requests, sites
 from minimill.protocol import (
-    Checkpoint,
     CompleteRequest,
     CompleteResponse,
     HeartbeatRequest,
@@ -90,13 +91,13 @@ def _count(value: int) -> int:
 def _candidates(conn: Connection, tier: Tier, models: list[str], limit: int) -> list[Candidate]:
     order = (requests.c.seq,) if tier == Tier.REALTIME else (requests.c.deadline, requests.c.seq)
     query = (select(requests.c.id, requests.c.model, requests.c.seq, requests.c.deadline,
-                    requests.c.max_tokens, requests.c.checkpoint)
+                    requests.c.max_tokens, requests.c.checkpoint_tokens)
              .where(requests.c.status == _QUEUED, requests.c.tier == tier.value,
                     requests.c.model.in_(models))
              .order_by(*order).limit(limit)
              .with_for_update(skip_locked=True))
     return [Candidate(request_id=r.id, tier=tier, model=r.model, seq=r.seq, deadline=r.deadline,
-                      remaining_tokens=remaining_tokens(r.max_tokens, r.checkpoint))
+                      remaining_tokens=remaining_tokens(r.max_tokens, r.checkpoint_tokens))
             for r in conn.execute(query)]
 
 
@@ -177,10 +178,12 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
                 .where(requests.c.id.in_(picked), requests.c.status == _QUEUED)
                 .values(status=_LEASED, epoch=requests.c.epoch + 1, lease_id=lease_id,
                         site_id=site.id, lease_expires_at=expires_at, leased_at=now,
-                        attempts=requests.c.attempts + 1, version=requests.c.version + 1)
+                        attempts=requests.c.attempts + 1, version=requests.c.version + 1,
+                        lease_base_tokens=requests.c.checkpoint_tokens)
                 .returning(requests.c.id, requests.c.epoch, requests.c.kind, requests.c.model,
-                           requests.c.body, requests.c.seed, requests.c.checkpoint,
+                           requests.c.body, requests.c.seed, requests.c.progress,
                            requests.c.stream, requests.c.session_key)).all())
+        resumed = checkpoints.load(conn, [r.id for r in rows if r.progress])
         # What the worker said, for the placement of its peers' lease calls; its measured
         # rate covers a time in which it held what it held before this call.
         touch_site(conn, site.id, now, config.lease_ttl_s, ask.tokens_per_s,
@@ -192,7 +195,7 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
     rank = {request_id: i for i, request_id in enumerate(picked)}
     leases = [Lease(request_id=r.id, lease_id=lease_id, epoch=r.epoch, expires_at=expires_at,
                     kind=Kind(r.kind).wire_kind, model=r.model, body=r.body, seed=r.seed,
-                    checkpoint=Checkpoint.model_validate(r.checkpoint) if r.checkpoint else None,
+                    checkpoint=resumed.get(r.id),
                     stream=bool(r.stream),
                     checkpoint_interval_s=(config.stream_checkpoint_interval_s if r.stream
                                            else config.checkpoint_interval_s),
@@ -204,11 +207,11 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
 @retry_conflicts
 def heartbeat(store: Store, site: Site, beat: HeartbeatRequest, now: float,
               config: ControlConfig) -> HeartbeatResponse:
-    """Extend the leases still held at their epochs; store checkpoints; report the rest."""
+    """Extend the leases still held at their epochs; append checkpoints; report the rest."""
     expires_at = now + config.lease_ttl_s
     extended: set[str] = set()
     plausible = [i for i in beat.leases if _epoch_ok(i.epoch)]
-    with store.write() as conn:
+    with store.write(urgent=True) as conn:
         for start in range(0, len(plausible), 500):
             part = plausible[start:start + 500]
             held = conn.execute(
@@ -219,21 +222,14 @@ def heartbeat(store: Store, site: Site, beat: HeartbeatRequest, now: float,
                 .values(lease_expires_at=expires_at)
                 .returning(requests.c.id)).scalars().all()
             extended.update(held)
-        for item in beat.leases:
-            if item.checkpoint is not None and item.request_id in extended:
-                conn.execute(update(requests)
-                             .where(requests.c.id == item.request_id,
-                                    requests.c.epoch == item.epoch,
-                                    requests.c.status == _LEASED)
-                             .values(checkpoint=item.checkpoint.model_dump(mode="json"),
-                                     version=requests.c.version + 1))
+        resync = checkpoints.save(conn, [i for i in plausible if i.request_id in extended])
         touch_site(conn, site.id, now, config.lease_ttl_s, beat.tokens_per_s,
                    busy=bool(extended))
         handback = handback_for(conn, site.id, now, policy_for(config)) if extended else []
     return HeartbeatResponse(
         extended={i.request_id: expires_at for i in beat.leases if i.request_id in extended},
         revoked=[i.request_id for i in beat.leases if i.request_id not in extended],
-        handback=handback)
+        resync=resync, handback=handback)
 
 
 @retry_conflicts
@@ -241,8 +237,9 @@ def complete(store: Store, site: Site, done: CompleteRequest, now: float,
              config: ControlConfig) -> CompleteResponse:
     """Accept completions at the current epoch; reject stale ones and count them."""
     accepted: list[str] = []
+    finished: list[str] = []
     rejected: list[RejectedCompletion] = []
-    generated = wasted = 0
+    generated = wasted = stale = 0
     billed_total = 0.0
     with store.write() as conn:
         price_list = prices.load_price_list(conn)
@@ -252,7 +249,7 @@ def complete(store: Store, site: Site, done: CompleteRequest, now: float,
             tokens_out = _count(item.usage.completion_tokens if item.usage
                                 else sum(len(c.token_ids) for c in item.choices))
             values: dict[str, Any] = {"finished_at": now, "lease_expires_at": None,
-                                      "version": requests.c.version + 1}
+                                      "version": requests.c.version + 1, "progress": None}
             billed = 0.0
             if item.outcome == "succeeded":
                 tokens_in = _count(item.usage.prompt_tokens) if item.usage else 0
@@ -277,28 +274,49 @@ def complete(store: Store, site: Site, done: CompleteRequest, now: float,
                 .values(**values)).rowcount
             if hit:
                 accepted.append(item.request_id)
+                finished.append(item.request_id)
                 generated += tokens_out
                 billed_total += billed
                 continue
-            status = conn.execute(select(requests.c.status)
-                                  .where(requests.c.id == item.request_id)).scalar()
-            reason: RejectReason = ("unknown_request" if status is None
-                      else "already_completed" if status in TERMINAL_REQUEST_STATUSES
-                      else "stale_epoch")
+            row = conn.execute(select(requests.c.status, requests.c.epoch, requests.c.site_id,
+                                      requests.c.lease_base_tokens, requests.c.wasted_epoch)
+                               .where(requests.c.id == item.request_id)).first()
+            if row is not None and _completed_by(row, item.epoch, site.id):
+                accepted.append(item.request_id)  # a resend after a lost answer
+                continue
+            reason: RejectReason = ("unknown_request" if row is None
+                                    else "already_completed"
+                                    if row.status in TERMINAL_REQUEST_STATUSES
+                                    else "stale_epoch")
             rejected.append(RejectedCompletion(request_id=item.request_id, reason=reason))
-            if reason != "unknown_request":
-                wasted += tokens_out
-        stale = sum(1 for r in rejected if r.reason != "unknown_request")
+            # Counted once per (request, epoch): a resend of a refused result is the same work.
+            if row is not None and _epoch_ok(item.epoch) and conn.execute(
+                    update(requests)
+                    .where(requests.c.id == item.request_id,
+                           requests.c.wasted_epoch.is_distinct_from(item.epoch))
+                    .values(wasted_epoch=item.epoch)).rowcount:
+                stale += 1
+                # What a later lease resumed from was kept; the rest was generated for nothing.
+                kept = row.lease_base_tokens if row.epoch > item.epoch else 0
+                wasted += max(0, tokens_out - kept)
+        checkpoints.drop(conn, finished)
         # Whatever it completed, accepted or too late, it held until now.
         touch_site(
             conn, site.id, now, config.lease_ttl_s, busy=bool(accepted) or stale > 0,
             accepted_tokens=generated,
-            completions=sites.c.completions + len(accepted),
+            completions=sites.c.completions + len(finished),
             tokens_generated=sites.c.tokens_generated + generated,
             stale_completions=sites.c.stale_completions + stale,
             wasted_tokens=sites.c.wasted_tokens + wasted,
             billed_usd=sites.c.billed_usd + billed_total)
     return CompleteResponse(accepted=accepted, rejected=rejected)
+
+
+def _completed_by(row: Any, epoch: int, site_id: str) -> bool:
+    """Whether the row's outcome is this site's completion at this epoch (only a completion
+    ends a row as succeeded or failed at a leased epoch)."""
+    return (row.status in (RequestStatus.SUCCEEDED, RequestStatus.FAILED) and row.epoch == epoch
+            and row.site_id == site_id)
 
 
 def _billed_as(conn: Connection, request_ids: list[str]) -> dict[str, tuple[str, str]]:

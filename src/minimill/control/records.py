@@ -28,7 +28,7 @@ TERMINAL_REQUEST_STATUSES = (RequestStatus.SUCCEEDED, RequestStatus.FAILED,
 
 
 class BatchStatus(StrEnum):
-    VALIDATING = "validating"  # input file being read (inside the create transaction)
+    VALIDATING = "validating"  # input file being read and its lines queued, in short steps
     FAILED = "failed"  # the input file was unusable; `errors` says which line and why
     IN_PROGRESS = "in_progress"  # rows are being served
     FINALIZING = "finalizing"  # every row is terminal; output and error files being written
@@ -92,6 +92,7 @@ class FileRecord:
     filename: str
     bytes: int
     created_at: float
+    expires_at: float | None  # when the janitor deletes it; None: kept until deleted
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +148,8 @@ class RequestRecord:
     status: RequestStatus
     epoch: int
     version: int  # bumped on every checkpoint and state change; watchers compare it
-    checkpoint: dict[str, Any] | None
+    # Lengths of the stored checkpoint per choice (checkpoints.Progress); None once terminal.
+    progress: dict[str, Any] | None
     result: dict[str, Any] | None  # {"choices": [ChoiceProgress...]} once succeeded
     error: dict[str, Any] | None  # {"code", "message", "param"} once failed
     prompt_tokens: int
@@ -156,6 +158,9 @@ class RequestRecord:
     created_at: float
     finished_at: float | None
     session_key: str | None = None  # the conversation it belongs to (requests.session_key)
+    # The stored checkpoint, assembled (a Checkpoint as JSON), for readers that ask for it (a
+    # response's text so far); None otherwise, and once terminal.
+    checkpoint: dict[str, Any] | None = None
 
     @property
     def terminal(self) -> bool:

@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlalchemy import Connection, select, update
 
+from minimill.control import checkpoints
 from minimill.control.config import ControlConfig
 from minimill.control.handback import handback_due
 from minimill.control.placement import Candidate, PlacementPolicy
@@ -28,19 +29,12 @@ _LEASED = RequestStatus.LEASED.value
 _MAX_EPOCH = 2**31 - 1
 
 
-def generated_tokens(checkpoint: dict[str, Any] | None) -> int:
-    """Tokens a stored checkpoint holds (its longest choice)."""
-    if not checkpoint:
-        return 0
-    return max((len(c.get("token_ids") or []) for c in checkpoint.get("choices") or []),
-               default=0)
-
-
-def remaining_tokens(max_tokens: int | None, checkpoint: dict[str, Any] | None) -> int | None:
-    """Tokens a request may still generate (None: no limit but the context)."""
+def remaining_tokens(max_tokens: int | None, checkpoint_tokens: int) -> int | None:
+    """Tokens a request may still generate (None: no limit but the context), given what its
+    stored checkpoint holds (`requests.checkpoint_tokens`)."""
     if max_tokens is None:
         return None
-    return max(max_tokens - generated_tokens(checkpoint), 1)
+    return max(max_tokens - checkpoint_tokens, 1)
 
 
 @retry_conflicts
@@ -57,8 +51,10 @@ def release(store: Store, site: Site, request: ReleaseRequest, now: float,
             mine = (requests.c.id == item.request_id, requests.c.epoch == item.epoch,
                     requests.c.site_id == site.id)
             values: dict[str, Any] = {"version": requests.c.version + 1}
-            if item.checkpoint is not None:
-                values["checkpoint"] = item.checkpoint.model_dump(mode="json")
+            chunk: dict[str, Any] | None = None
+            if item.checkpoint is not None:  # the whole progress, in place of what is stored
+                stored, chunk = checkpoints.replacement(conn, item.request_id, item.checkpoint)
+                values.update(stored)
             hit = conn.execute(
                 update(requests).where(*mine, requests.c.status == _LEASED)
                 .values(status=_QUEUED, lease_id=None, lease_expires_at=None, **values)
@@ -66,6 +62,8 @@ def release(store: Store, site: Site, request: ReleaseRequest, now: float,
             if not hit:  # expired meanwhile: still ours if nobody leased it since
                 hit = conn.execute(update(requests).where(*mine, requests.c.status == _QUEUED)
                                    .values(**values)).rowcount
+            if hit and chunk is not None:
+                checkpoints.put(conn, item.request_id, values, chunk)
             (released if hit else rejected).append(item.request_id)
         touch_site(conn, site.id, now, config.lease_ttl_s)
     return ReleaseResponse(released=released, rejected=rejected)
@@ -83,9 +81,10 @@ def handback_for(conn: Connection, site_id: str, now: float,
     states = site_states(conn)
     held = [Candidate(request_id=r.id, tier=Tier(r.tier), model=r.model, seq=r.seq,
                       deadline=r.deadline,
-                      remaining_tokens=remaining_tokens(r.max_tokens, r.checkpoint))
+                      remaining_tokens=remaining_tokens(r.max_tokens, r.checkpoint_tokens))
             for r in conn.execute(
                 select(requests.c.id, requests.c.tier, requests.c.model, requests.c.seq,
-                       requests.c.deadline, requests.c.max_tokens, requests.c.checkpoint)
+                       requests.c.deadline, requests.c.max_tokens,
+                       requests.c.checkpoint_tokens)
                 .where(requests.c.site_id == site_id, requests.c.status == _LEASED))]
     return handback_due(states[site_id], held, list(states.values()), now, policy)

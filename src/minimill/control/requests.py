@@ -6,8 +6,9 @@ import random
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import Connection, insert, select, update
 
+from minimill.control import checkpoints
 from minimill.control.bodies import PreparedBody
 from minimill.control.config import ControlConfig
 from minimill.control.errors import NotFoundError
@@ -21,6 +22,7 @@ from minimill.control.records import (
 )
 from minimill.control.store import Store, retry_conflicts
 from minimill.control.tables import requests
+from minimill.protocol import Checkpoint
 
 _rng = random.SystemRandom()
 
@@ -30,15 +32,25 @@ def new_seed() -> int:
     return _rng.getrandbits(63)
 
 
-def record(row: Any) -> RequestRecord:
+# What a waiter reads on every wake: everything but the body, which may be large.
+_WATCHED = [c for c in requests.c if c.name != "body"]
+
+
+def record(row: Any, checkpoint: Checkpoint | None = None) -> RequestRecord:
     return RequestRecord(
         id=row.id, tenant_id=row.tenant_id, batch_id=row.batch_id,
         kind=Kind(row.kind) if row.kind else None, tier=Tier(row.tier), model=row.model,
-        body=row.body, status=RequestStatus(row.status), epoch=row.epoch, version=row.version,
-        checkpoint=row.checkpoint, result=row.result, error=row.error,
+        body=getattr(row, "body", None), status=RequestStatus(row.status), epoch=row.epoch,
+        version=row.version, progress=row.progress, result=row.result, error=row.error,
         prompt_tokens=row.prompt_tokens, completion_tokens=row.completion_tokens,
         billed_usd=row.billed_usd, created_at=row.created_at, finished_at=row.finished_at,
-        session_key=row.session_key)
+        session_key=row.session_key,
+        checkpoint=checkpoint.model_dump(mode="json") if checkpoint is not None else None)
+
+
+def record_with_checkpoint(conn: Connection, row: Any) -> RequestRecord:
+    """The row's record with its checkpoint assembled (for a response's text so far)."""
+    return record(row, checkpoints.load(conn, [row.id]).get(row.id) if row.progress else None)
 
 
 def row_values(tenant_id: str, prepared: PreparedBody, now: float, deadline: float,
@@ -64,13 +76,37 @@ def submit(store: Store, tenant_id: str, prepared: PreparedBody, now: float,
     return str(values["id"])
 
 
-def get_request(store: Store, tenant_id: str, request_id: str) -> RequestRecord:
+def get_request(store: Store, tenant_id: str, request_id: str, with_body: bool = True,
+                with_checkpoint: bool = False) -> RequestRecord:
+    """The request's row; without its body (None) for waiters that read it on every wake;
+    with its checkpoint assembled if asked."""
+    columns = requests.c if with_body else _WATCHED
     with store.read() as conn:
-        row = conn.execute(select(requests).where(requests.c.id == request_id,
+        row = conn.execute(select(*columns).where(requests.c.id == request_id,
                                                   requests.c.tenant_id == tenant_id)).first()
-    if row is None:
-        raise NotFoundError(f"No such request: {request_id}")
-    return record(row)
+        if row is None:
+            raise NotFoundError(f"No such request: {request_id}")
+        return record_with_checkpoint(conn, row) if with_checkpoint else record(row)
+
+
+def checkpoint_of(store: Store, tenant_id: str, request_id: str) -> Checkpoint | None:
+    """The request's stored checkpoint, assembled (None when it has none)."""
+    get_request(store, tenant_id, request_id, with_body=False)  # 404 for other tenants
+    with store.read() as conn:
+        return checkpoints.load(conn, [request_id]).get(request_id)
+
+
+def read_stream(store: Store, tenant_id: str, request_id: str,
+                after_seq: int) -> tuple[RequestRecord, list[tuple[int, dict[str, Any]]]]:
+    """The row (without its body) and the checkpoint chunks after `after_seq`, in one
+    snapshot: a stream reads only what is new since its last read."""
+    with store.read() as conn:
+        row = conn.execute(select(*_WATCHED).where(requests.c.id == request_id,
+                                                   requests.c.tenant_id == tenant_id)).first()
+        if row is None:
+            raise NotFoundError(f"No such request: {request_id}")
+        chunks = [] if row.progress is None else checkpoints.since(conn, request_id, after_seq)
+    return record(row), chunks
 
 
 def versions(store: Store, request_ids: Iterable[str]) -> dict[str, int]:
@@ -94,8 +130,10 @@ def cancel_request(store: Store, request_id: str, now: float, reason: str) -> bo
             .where(requests.c.id == request_id,
                    requests.c.status.in_([s.value for s in ACTIVE_REQUEST_STATUSES]))
             .values(status=RequestStatus.CANCELLED.value, finished_at=now,
-                    version=requests.c.version + 1,
+                    version=requests.c.version + 1, progress=None,
                     error={"code": "cancelled", "message": reason, "source": "cancel"}))
+        if done.rowcount:
+            checkpoints.drop(conn, [request_id])
     return bool(done.rowcount)
 
 
@@ -103,12 +141,14 @@ def cancel_request(store: Store, request_id: str, now: float, reason: str) -> bo
 def expire_overdue(store: Store, now: float) -> int:
     """Realtime (and flex) requests past their deadline expire; their waiters answer 504."""
     with store.write() as conn:
-        done = conn.execute(
+        expired = conn.execute(
             update(requests)
             .where(requests.c.status.in_([s.value for s in ACTIVE_REQUEST_STATUSES]),
                    requests.c.deadline < now, requests.c.batch_id.is_(None))
             .values(status=RequestStatus.EXPIRED.value, finished_at=now,
-                    lease_expires_at=None, version=requests.c.version + 1,
+                    lease_expires_at=None, version=requests.c.version + 1, progress=None,
                     error={"code": "timeout", "source": "timeout",
-                           "message": "no worker finished the request in time"}))
-    return int(done.rowcount)
+                           "message": "no worker finished the request in time"})
+            .returning(requests.c.id)).scalars().all()
+        checkpoints.drop(conn, expired)
+    return len(expired)

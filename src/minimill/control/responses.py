@@ -15,7 +15,7 @@ from sqlalchemy import Connection, delete, insert, select
 from minimill.control.config import ControlConfig
 from minimill.control.errors import ConflictError, InvalidRequestError, NotFoundError
 from minimill.control.records import Kind, RequestRecord, RequestStatus, new_id
-from minimill.control.requests import cancel_request, record, row_values
+from minimill.control.requests import cancel_request, record, record_with_checkpoint, row_values
 from minimill.control.response_bodies import (
     Continuation,
     ResponseBody,
@@ -47,7 +47,7 @@ def _find(conn: Connection, tenant_id: str, response_id: str) -> RequestRecord |
     row = conn.execute(select(requests).where(
         requests.c.id == request_id, requests.c.tenant_id == tenant_id,
         requests.c.kind == Kind.RESPONSE.value)).first()
-    found = record(row) if row is not None else None
+    found = record_with_checkpoint(conn, row) if row is not None else None
     return found if found is not None and stored(found) else None
 
 

@@ -76,7 +76,7 @@ class SiteStatus:
     leases_expired: int  # lost work: leases that ran out (their requests resumed elsewhere)
     completions: int
     stale_completions: int  # completions rejected for a stale fencing epoch
-    wasted_tokens: int  # tokens of rejected completions: generated, then discarded
+    wasted_tokens: int  # tokens of rejected results beyond what a later lease resumed from
     tokens_generated: int
     last_seen_at: float | None
     outages: list[dict[str, float]]  # announced outages not yet over

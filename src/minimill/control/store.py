@@ -3,16 +3,24 @@
 Domain modules call `store.write()` for a transaction that changes state and `store.read()` for
 a consistent read. On SQLite a write transaction starts with `BEGIN IMMEDIATE`, so it holds the
 write lock from its first read and never fails half-way on a busy snapshot; the busy timeout
-makes concurrent writers (several processes included) wait instead of failing. On PostgreSQL the
+makes concurrent writers (several processes included) wait instead of failing. Within a
+process, SQLite writers also queue, first come first served with heartbeats ahead: SQLite's
+busy handler polls with growing sleeps, so a steady stream of writers (an ingest, completions)
+could otherwise starve one (a heartbeat) for seconds. On PostgreSQL the
 domain code takes row locks (`FOR UPDATE SKIP LOCKED`) and makes every state transition a
 conditional UPDATE, so several control-plane processes can share one database.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import os
+import threading
 import time
+import traceback
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,10 +33,13 @@ from sqlalchemy.exc import DBAPIError
 from minimill.control.tables import metadata
 
 SQLITE_BUSY_TIMEOUT_S = 30.0
+# A write transaction longer than this is logged (on SQLite it holds up every other writer).
+SLOW_WRITE_S = 1.0
 # Any constant shared by every process: serializes concurrent schema creation on PostgreSQL.
 _SCHEMA_LOCK_KEY = 0x6D696E696D696C6C
 
 
+log = logging.getLogger("minimill.store")
 P = ParamSpec("P")
 R = TypeVar("R")
 # PostgreSQL's deadlock_detected and serialization_failure: the transaction may simply rerun.
@@ -115,12 +126,65 @@ def _sqlite_engine(url: str) -> Engine:
     return engine
 
 
+def _add_missing(conn: Connection, name: str) -> None:
+    """Add the columns and indexes `tables.py` has and an existing table lacks. New columns
+    are nullable or carry a server default, so rows written before read as they should."""
+    table = metadata.tables[name]
+    found = inspect(conn)
+    have = {c["name"] for c in found.get_columns(name)}
+    preparer = conn.dialect.identifier_preparer
+    for column in table.columns:
+        if column.name in have:
+            continue
+        spec = f"{preparer.quote(column.name)} {column.type.compile(dialect=conn.dialect)}"
+        default = getattr(column.server_default, "arg", None)
+        if default is not None:
+            spec += f" NOT NULL DEFAULT {getattr(default, 'text', default)}"
+        conn.exec_driver_sql(f"ALTER TABLE {preparer.quote(name)} ADD COLUMN {spec}")
+    indexes = {i["name"] for i in found.get_indexes(name)}
+    for index in table.indexes:
+        if index.name not in indexes:
+            index.create(conn)
+
+
+class _WriteQueue:
+    """SQLite's one write lock, handed out in the order asked for, urgent askers first."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._busy = False
+        self._waiting: tuple[deque[object], deque[object]] = (deque(), deque())
+
+    def _first(self) -> object:
+        urgent, normal = self._waiting
+        return urgent[0] if urgent else normal[0]
+
+    @contextmanager
+    def hold(self, urgent: bool) -> Iterator[None]:
+        me = object()
+        with self._cond:
+            line = self._waiting[0 if urgent else 1]
+            line.append(me)
+            while self._busy or self._first() is not me:
+                self._cond.wait()
+            line.popleft()
+            self._busy = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+
 class Store:
     """Owns the engine; hands out transactions. Safe to share between threads."""
 
     def __init__(self, engine: Engine, url: str) -> None:
         self.engine = engine
         self.url = url
+        # SQLite has one writer at a time anyway; PostgreSQL locks rows, not the database.
+        self._writers = _WriteQueue() if engine.dialect.name == "sqlite" else None
 
     @property
     def dialect(self) -> str:
@@ -132,12 +196,23 @@ class Store:
         return self.dialect == "postgresql"
 
     @contextmanager
-    def write(self) -> Iterator[Connection]:
-        """A transaction that may change state; commits on success, rolls back on error."""
-        with self.engine.connect() as conn:
+    def write(self, urgent: bool = False) -> Iterator[Connection]:
+        """A transaction that may change state; commits on success, rolls back on error.
+        `urgent` (heartbeats: a late one costs a lease) goes before other waiting writers."""
+        with contextlib.ExitStack() as stack:
+            if self._writers is not None:
+                stack.enter_context(self._writers.hold(urgent))
+            started = time.monotonic()
+            conn = stack.enter_context(self.engine.connect())
             conn.execution_options(minimill_write=True)
             with conn.begin():
                 yield conn
+            held_s = time.monotonic() - started
+            if held_s > SLOW_WRITE_S:
+                # Every other writer waited this long (heartbeats included): say who it was.
+                caller = [f"{f.name}:{f.lineno}" for f in traceback.extract_stack(limit=6)[:-2]]
+                log.warning("a write transaction took %.2fs (%s)", held_s, " < ".join(
+                    reversed(caller)))
 
     @contextmanager
     def read(self) -> Iterator[Connection]:
@@ -146,28 +221,19 @@ class Store:
             yield conn
 
     def create_schema(self) -> None:
-        """Create missing tables; several processes may do this at once."""
+        """Create missing tables, and the columns and indexes that a store made by an older
+        version lacks; several processes may do this at once."""
         with self.write() as conn:
             if self.is_postgres:
                 conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_SCHEMA_LOCK_KEY})")
+            existing = set(inspect(conn).get_table_names())
             metadata.create_all(conn)
-            _add_missing_columns(conn)
+            for table in metadata.sorted_tables:
+                if table.name in existing:
+                    _add_missing(conn, table.name)
 
     def close(self) -> None:
         self.engine.dispose()
-
-
-def _add_missing_columns(conn: Connection) -> None:
-    """Add the nullable columns a newer schema has to the tables of an older store (create_all
-    only creates missing tables), so a store keeps working across an upgrade."""
-    inspector = inspect(conn)
-    for table in metadata.sorted_tables:
-        present = {c["name"] for c in inspector.get_columns(table.name)}
-        for column in table.columns:
-            if column.name in present or not column.nullable:
-                continue
-            kind = column.type.compile(dialect=conn.dialect)
-            conn.exec_driver_sql(f'ALTER TABLE "{table.name}" ADD COLUMN "{column.name}" {kind}')
 
 
 def open_store(url: str | None = None) -> Store:

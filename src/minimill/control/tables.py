@@ -22,6 +22,7 @@ from sqlalchemy import (
     MetaData,
     Table,
     TypeDecorator,
+    text,
 )
 from sqlalchemy import String as _String
 from sqlalchemy import Text as _Text
@@ -99,10 +100,18 @@ files = Table(
     Column("filename", String(500), nullable=False),
     Column("bytes", BigInteger, nullable=False),
     Column("created_at", Double, nullable=False),
+    # "writing" while its chunks are written, each in its own short transaction (invisible to
+    # clients; the janitor removes one whose writer died); "processed" once complete.
+    Column("status", String(20), nullable=False, server_default=text("'processed'")),
+    # When the janitor deletes it (None: kept until deleted).
+    Column("expires_at", Double),
     Index("ix_files_tenant_created", "tenant_id", "created_at"),
+    Index("ix_files_expires", "expires_at"),
+    Index("ix_files_status_created", "status", "created_at"),
 )
 
 # File contents in chunks, so that a 200 MB file is neither one huge value nor read at once.
+# Every chunk but a file's last holds exactly files.CHUNK_BYTES (offsets map to chunks).
 file_chunks = Table(
     "file_chunks", metadata,
     Column("file_id", String(40), primary_key=True),
@@ -131,6 +140,14 @@ batches = Table(
     Column("end_status", String(20)),
     # When a janitor last started writing the output files (another may retry after a while).
     Column("finalize_claimed_at", Double),
+    # Ingest of the input file (status validating), in short transactions: who holds it and
+    # when it last committed, and how far it got (bytes of the input file, its last line).
+    Column("ingest_claim", String(40)),
+    Column("ingest_claimed_at", Double),
+    Column("ingest_offset", BigInteger, nullable=False, server_default=text("0")),
+    Column("ingest_line", Integer, nullable=False, server_default=text("0")),
+    # Seconds the output and error files live (None: the server's default).
+    Column("output_expires_after_s", Double),
     Column("output_file_id", String(40)),
     Column("error_file_id", String(40)),
     Column("errors", JSON),
@@ -164,7 +181,15 @@ requests = Table(
     Column("attempts", Integer, nullable=False, default=0),
     # Bumped on every checkpoint and state change, so watchers notice progress cheaply.
     Column("version", Integer, nullable=False, default=0),
-    Column("checkpoint", JSON),
+    # Lengths of the stored checkpoint per choice (its contents are in checkpoint_chunks), so
+    # a delta is length-checked without reading what it extends; None once terminal.
+    Column("progress", JSON),
+    # Tokens the stored checkpoint holds, and what it held when the current lease was granted
+    # (the work a successor kept of a stale lease's).
+    Column("checkpoint_tokens", Integer, nullable=False, server_default=text("0")),
+    Column("lease_base_tokens", Integer, nullable=False, server_default=text("0")),
+    # The last epoch whose rejected result was counted as waste (a resend is not counted again).
+    Column("wasted_epoch", Integer),
     Column("result", JSON),
     Column("error", JSON),
     Column("prompt_tokens", Integer, nullable=False, default=0),
@@ -180,8 +205,20 @@ requests = Table(
     Column("session_key", String(200)),
     Index("ix_requests_queue", "status", "tier", "deadline", "seq"),
     Index("ix_requests_batch", "batch_id", "status"),
+    # One row per input line, whatever happens to an ingest (output is written in this order).
+    Index("ux_requests_batch_line", "batch_id", "line_no", unique=True),
     Index("ix_requests_lease_expiry", "status", "lease_expires_at"),
     Index("ix_requests_site", "site_id", "status"),
+)
+
+# A checkpoint as appended pieces: each accepted heartbeat adds one row holding what is new
+# per choice (with the lengths it extends); a full checkpoint replaces the request's rows.
+# Dropped when the request ends (its result is in requests.result).
+checkpoint_chunks = Table(
+    "checkpoint_chunks", metadata,
+    Column("request_id", String(40), primary_key=True),
+    Column("seq", Integer, primary_key=True, autoincrement=False),
+    Column("data", JSON, nullable=False),
 )
 
 sites = Table(
@@ -207,7 +244,7 @@ sites = Table(
     Column("leases_expired", BigInteger, nullable=False, default=0),
     Column("completions", BigInteger, nullable=False, default=0),
     Column("stale_completions", BigInteger, nullable=False, default=0),
-    # Tokens generated and then discarded (stale completions).
+    # Tokens generated and then discarded (stale completions, less what a checkpoint kept).
     Column("wasted_tokens", BigInteger, nullable=False, default=0),
     Column("tokens_generated", BigInteger, nullable=False, default=0),
     # Measured by the control plane, never reported by the worker (sites.touch_site):

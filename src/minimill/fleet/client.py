@@ -39,6 +39,10 @@ class ControlPlaneUnavailable(RuntimeError):
     """One call failed for a passing reason; the caller decides when to try again."""
 
 
+class PayloadTooLarge(ControlPlaneUnavailable):
+    """The control plane refused the request's size (413): sending it again will not help."""
+
+
 class Backoff:
     """Capped exponential backoff with full jitter; `reset` after a success."""
 
@@ -74,6 +78,8 @@ class ControlPlaneClient:
         if resp.status_code in (401, 403):
             raise SiteAuthError(f"the control plane rejected this site's token "
                                 f"(HTTP {resp.status_code}): {resp.text[:300]}")
+        if resp.status_code == 413:
+            raise PayloadTooLarge(f"{path}: HTTP 413: {resp.text[:300]}")
         if resp.status_code >= 400:
             raise ControlPlaneUnavailable(f"{path}: HTTP {resp.status_code}: {resp.text[:300]}")
         try:

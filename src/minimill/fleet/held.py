@@ -1,7 +1,9 @@
 """One lease a worker holds: its choices' progress, the task that generates them, its result.
 
-Progress per choice starts from the lease's checkpoint and grows with every engine update; the
-worker sends it as the lease's checkpoint. When every choice has finished the lease turns into a
+Progress per choice starts from the lease's checkpoint and grows with every engine update. The
+worker checkpoints only what is new since the control plane's last accepted checkpoint (a
+delta, from the lengths the control plane holds); when the control plane asks for a resync it
+sends the whole progress once. When every choice has finished the lease turns into a
 `CompletionItem` (succeeded, or failed with an OpenAI error code).
 """
 
@@ -11,11 +13,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from minimill.fleet.choices import BodyError, ChoiceJob, choice_jobs, resumed_token_count
 from minimill.fleet.engines import EngineAdapter, EngineUnavailableError, JobError
 from minimill.protocol import (
     Checkpoint,
+    CheckpointDelta,
+    ChoiceDelta,
     ChoiceProgress,
     CompletionItem,
     ErrorInfo,
@@ -25,8 +30,48 @@ from minimill.protocol import (
 )
 
 log = logging.getLogger("minimill.worker")
-# How often a streaming request's progress goes to the control plane (it streams from there).
-STREAM_CHECKPOINT_S = 0.1
+# Floor under the checkpoint interval a lease asks for (the server's settings decide above it).
+MIN_CHECKPOINT_INTERVAL_S = 0.02
+# Rough bytes of one logprob entry on the wire, per alternative, for sizing requests.
+_LOGPROB_BYTES = 60
+
+
+@dataclass(frozen=True, slots=True)
+class Lengths:
+    """How much of one choice a checkpoint holds."""
+
+    tokens: int = 0
+    chars: int = 0
+    logprobs: int = 0
+    has_logprobs: bool = False
+    finish_reason: str | None = None
+
+    @classmethod
+    def of(cls, choice: ChoiceProgress) -> Lengths:
+        return cls(len(choice.token_ids), len(choice.text), len(choice.logprobs or []),
+                   choice.logprobs is not None, choice.finish_reason)
+
+
+@dataclass(frozen=True, slots=True)
+class SentCheckpoint:
+    """A checkpoint on its way: the lengths it extends and those it brings the choices to."""
+
+    base: dict[int, Lengths]
+    target: dict[int, Lengths]
+    full: bool
+
+
+def _approx_bytes(choice: ChoiceProgress, base: Lengths) -> int:
+    """About how many bytes a choice's progress beyond `base` takes as JSON."""
+    lps = choice.logprobs or []
+    tops = len(lps[-1].get("top_logprobs") or []) if lps else 0
+    return (64 + 2 * (len(choice.text) - base.chars) + 8 * (len(choice.token_ids) - base.tokens)
+            + (len(lps) - base.logprobs) * _LOGPROB_BYTES * (1 + tops))
+
+
+def approx_bytes(choices: list[ChoiceProgress]) -> int:
+    """About how many bytes these choices take as JSON (to keep requests under the limit)."""
+    return sum(_approx_bytes(c, Lengths()) for c in choices)
 
 
 class Tally:
@@ -54,8 +99,11 @@ class HeldLease:
         self.task: asyncio.Task[None] | None = None
         self.dirty = False  # progress changed since the last checkpoint sent
         self.last_checkpoint_at = time.monotonic()
-        self.checkpoint_interval_s = (STREAM_CHECKPOINT_S if lease.stream
-                                      else max(0.1, lease.checkpoint_interval_s))
+        self.checkpoint_interval_s = max(MIN_CHECKPOINT_INTERVAL_S, lease.checkpoint_interval_s)
+        # What the control plane holds (the lease's own checkpoint to begin with); deltas
+        # extend it. `needs_full`: it asked for the whole progress (a delta did not fit).
+        self.acked: dict[int, Lengths] = {c.index: Lengths.of(c) for c in resumed}
+        self.needs_full = False
 
     @property
     def request_id(self) -> str:
@@ -83,13 +131,55 @@ class HeldLease:
             choices=[self.progress[i] for i in sorted(self.progress)],
             num_prompt_tokens=self.num_prompt_tokens)
 
-    def heartbeat_item(self, with_checkpoint: bool) -> HeartbeatItem:
-        checkpoint = self.checkpoint() if with_checkpoint and self.progress else None
-        if checkpoint is not None:
-            self.dirty = False
-            self.last_checkpoint_at = time.monotonic()
-        return HeartbeatItem(request_id=self.request_id, epoch=self.lease.epoch,
-                             checkpoint=checkpoint)
+    def _delta(self) -> CheckpointDelta:
+        """What is new per choice since what the control plane holds."""
+        choices = []
+        for index in sorted(self.progress):
+            p, base = self.progress[index], self.acked.get(index, Lengths())
+            if Lengths.of(p) == base:
+                continue
+            choices.append(ChoiceDelta(
+                index=index, base_tokens=base.tokens, base_chars=base.chars,
+                base_logprobs=base.logprobs, token_ids=p.token_ids[base.tokens:],
+                text=p.text[base.chars:],
+                logprobs=None if p.logprobs is None else p.logprobs[base.logprobs:],
+                finish_reason=p.finish_reason))
+        return CheckpointDelta(choices=choices, num_prompt_tokens=self.num_prompt_tokens)
+
+    def pending_bytes(self) -> int:
+        """About how large the next checkpoint of this lease is."""
+        return sum(_approx_bytes(p, Lengths() if self.needs_full
+                                 else self.acked.get(i, Lengths()))
+                   for i, p in self.progress.items())
+
+    def heartbeat_item(self, with_checkpoint: bool) -> tuple[HeartbeatItem,
+                                                             SentCheckpoint | None]:
+        """This lease's heartbeat, with its checkpoint if asked (a delta, or the whole progress
+        after a resync), and what that checkpoint would make the control plane hold."""
+        item = HeartbeatItem(request_id=self.request_id, epoch=self.lease.epoch)
+        if not with_checkpoint or not self.progress:
+            return item, None
+        target = {i: Lengths.of(p) for i, p in self.progress.items()}
+        if self.needs_full:
+            # Serialized at once by the caller, before generation runs again.
+            item.checkpoint = self.checkpoint()
+        else:
+            item.delta = self._delta()
+        self.dirty = False
+        self.last_checkpoint_at = time.monotonic()
+        return item, SentCheckpoint(base=dict(self.acked), target=target,
+                                    full=self.needs_full)
+
+    def checkpoint_answered(self, sent: SentCheckpoint, accepted: bool, resync: bool) -> None:
+        """The control plane's answer to a checkpoint (neither flag: no answer came)."""
+        if accepted and (sent.full or self.acked == sent.base):
+            self.acked = sent.target
+            if sent.full:
+                self.needs_full = False
+        elif accepted or resync:
+            self.needs_full = True  # what it holds is no longer known here
+        if not accepted:
+            self.dirty = True
 
     def checkpoint_due(self, now: float) -> bool:
         return self.dirty and now - self.last_checkpoint_at >= self.checkpoint_interval_s
@@ -149,7 +239,9 @@ class HeldLease:
             if update.new_text:
                 state.text += update.new_text
             if update.logprobs:
-                state.logprobs = [*(state.logprobs or []), *update.logprobs]
+                if state.logprobs is None:
+                    state.logprobs = []
+                state.logprobs.extend(update.logprobs)
             self.num_tokens[job.index] += update.num_new_tokens
             self.tally.generated_tokens += update.num_new_tokens
             if update.finish_reason is not None:

@@ -1,11 +1,16 @@
 """The worker's loops over the leases it holds (see fleet/worker.py for the process around them).
 
 The lease loop asks for as many requests as the engine has free sequences; the heartbeat loop
-extends every lease each ttl/3 and sends checkpoints (every lease's checkpoint_interval_s, every
-100 ms for streaming ones), and hands back the leases its answers name (an outage of the site
-is near: releases.py); the completion loop sends finished results in batches with their
-epoch, keeping any it could not deliver until the control plane accepts or rejects them. A
-stale-epoch rejection means another site owns the request now: the result is dropped.
+extends every lease each ttl/3 and sends checkpoints every lease's checkpoint_interval_s (the
+control plane's settings, streaming leases more often), each holding only what is new since the
+last accepted one, and hands back the leases its answers name (an outage of the site is near:
+releases.py); the completion loop sends finished results in batches with their epoch, keeping
+any it could not deliver until the control plane accepts or rejects them (a resend of an
+accepted result is accepted again). A stale-epoch rejection means another site owns the request
+now: the result is dropped. A revoked lease is aborted unless it has finished: its result is
+still delivered, since an expired lease nobody else took keeps its epoch. Requests stay under
+the control plane's body limits: checkpoints per heartbeat and results per completion call are
+capped in bytes, and a result too large to deliver at all fails its request.
 
 `stop()` ends leasing at once; running requests get `drain_timeout_s` to finish, then the rest
 are checkpointed and handed back, so they resume elsewhere without waiting for an expiry. A
@@ -22,15 +27,17 @@ from minimill.fleet.client import (
     Backoff,
     ControlPlaneClient,
     ControlPlaneUnavailable,
+    PayloadTooLarge,
     sleep_backoff,
 )
 from minimill.fleet.engines import EngineAdapter
-from minimill.fleet.held import HeldLease, Tally
+from minimill.fleet.held import HeldLease, SentCheckpoint, Tally, approx_bytes
 from minimill.fleet.releases import Releases
 from minimill.fleet.shutdown import drain
 from minimill.protocol import (
     CompleteRequest,
     CompletionItem,
+    ErrorInfo,
     HeartbeatItem,
     HeartbeatRequest,
     Lease,
@@ -44,6 +51,10 @@ BUSY_POLL_S = 0.05  # shortest gap between lease calls while slots free up
 COMPLETE_BATCH_S = 0.03  # results wait this long to share one POST
 MAX_COMPLETIONS_PER_POST = 256
 ENGINE_COOLDOWN_S = 5.0  # no new leases for this long after the engine failed
+HEARTBEAT_TICK_S = 0.25  # the heartbeat loop's longest sleep
+# Request sizes kept well under the control plane's fleet body limit (64 MiB by default).
+MAX_CHECKPOINT_BYTES_PER_BEAT = 4 * 1024 * 1024
+MAX_COMPLETION_BYTES_PER_POST = 8 * 1024 * 1024
 
 
 class Worker:
@@ -70,6 +81,7 @@ class Worker:
         self._wake_complete = asyncio.Event()
         self._engine_cooldown_until = 0.0
         self._last_full_heartbeat = time.monotonic()
+        self._max_per_post = MAX_COMPLETIONS_PER_POST
         self.stats = {"leased": 0, "succeeded": 0, "failed": 0, "rejected": 0, "revoked": 0,
                       "handed_back": 0}
         self.first_lease_at: float | None = None  # monotonic time of the first lease answer
@@ -167,17 +179,27 @@ class Worker:
             if not resp.leases:
                 await self.wait(self._wake_lease, IDLE_POLL_S)
 
-    def _heartbeat_items(self, force_all: bool) -> list[HeartbeatItem]:
+    def _heartbeat_items(self, force_all: bool) -> tuple[list[HeartbeatItem],
+                                                         dict[str, SentCheckpoint]]:
         now = time.monotonic()
         full = force_all or now - self._last_full_heartbeat >= self.lease_ttl_s / 3
-        items = []
+        items, sent = [], {}
+        budget = MAX_CHECKPOINT_BYTES_PER_BEAT
         for held in self.held.values():
             due = held.checkpoint_due(now) or (force_all and held.dirty)
+            if due:
+                # Past the budget the lease is only extended; its checkpoint waits a beat.
+                size = held.pending_bytes()
+                due = size <= budget or budget == MAX_CHECKPOINT_BYTES_PER_BEAT
+                budget -= size
             if full or due:
-                items.append(held.heartbeat_item(with_checkpoint=due))
+                item, checkpoint = held.heartbeat_item(with_checkpoint=due)
+                items.append(item)
+                if checkpoint is not None:
+                    sent[held.request_id] = checkpoint
         if full:
             self._last_full_heartbeat = now
-        return items
+        return items, sent
 
     async def _send_releases(self) -> None:
         """Hand back what is pending; a failure must not hold up the heartbeats of the rest."""
@@ -191,14 +213,26 @@ class Worker:
 
     async def heartbeat_once(self, force_all: bool = False) -> None:
         await self._send_releases()
-        items = self._heartbeat_items(force_all)
+        items, checkpoints = self._heartbeat_items(force_all)
         if not items:
             return
-        resp = await self.client.heartbeat(HeartbeatRequest(
-            leases=items, tokens_per_s=self.adapter.tokens_per_s()))
+        beat = HeartbeatRequest(leases=items, tokens_per_s=self.adapter.tokens_per_s())
+        try:
+            resp = await self.client.heartbeat(beat)
+        except PayloadTooLarge:
+            # The checkpoints did not fit: the leases must still be extended.
+            for item in items:
+                item.checkpoint = item.delta = None
+            self._answer_checkpoints(checkpoints, None, set())
+            resp = await self.client.heartbeat(beat)
+        except ControlPlaneUnavailable:
+            self._answer_checkpoints(checkpoints, None, set())
+            raise
         sent = {i.request_id: i.epoch for i in items}
+        self._answer_checkpoints(checkpoints, set(resp.extended), set(resp.resync))
         revoked = [r for r in resp.revoked
-                   if r in self.held and self.held[r].lease.epoch == sent.get(r)]
+                   if r in self.held and self.held[r].lease.epoch == sent.get(r)
+                   and self.held[r].result is None]  # a finished result is still offered
         for request_id in revoked:
             self._drop(request_id)
         if revoked:
@@ -211,22 +245,61 @@ class Worker:
                      len(self.releases.pending))
             await self._send_releases()
 
+    def _answer_checkpoints(self, checkpoints: dict[str, SentCheckpoint],
+                            extended: set[str] | None, resync: set[str]) -> None:
+        """Record the answer to the checkpoints sent (`extended` None: no answer came)."""
+        for request_id, checkpoint in checkpoints.items():
+            held = self.held.get(request_id)
+            if held is not None:
+                accepted = extended is not None and request_id in extended \
+                    and request_id not in resync
+                held.checkpoint_answered(checkpoint, accepted, request_id in resync)
+
     async def heartbeat_loop(self) -> None:
         backoff = Backoff(cap_s=2.0)
         while True:
-            streaming = any(h.lease.stream for h in self.held.values())
-            await asyncio.sleep(0.1 if streaming else 0.25)
+            # Streaming leases are checkpointed as often as the control plane asks.
+            await asyncio.sleep(min((h.checkpoint_interval_s for h in self.held.values()
+                                     if h.lease.stream), default=HEARTBEAT_TICK_S))
             try:
                 await self.heartbeat_once()
                 backoff.reset()
             except ControlPlaneUnavailable as exc:
                 await sleep_backoff(backoff, "heartbeat", exc)
 
+    def _next_completions(self) -> list[CompletionItem]:
+        """Results for one call: at most MAX_COMPLETIONS_PER_POST, and about
+        MAX_COMPLETION_BYTES_PER_POST (at least one)."""
+        items: list[CompletionItem] = []
+        size = 0
+        for item in self.outbox.values():
+            size += approx_bytes(item.choices)
+            if items and (len(items) >= self._max_per_post
+                          or size > MAX_COMPLETION_BYTES_PER_POST):
+                break
+            items.append(item)
+        return items
+
     async def complete_once(self) -> None:
-        items = list(self.outbox.values())[:MAX_COMPLETIONS_PER_POST]
+        items = self._next_completions()
         if not items:
             return
-        resp = await self.client.complete(CompleteRequest(results=items))
+        try:
+            resp = await self.client.complete(CompleteRequest(results=items))
+        except PayloadTooLarge:
+            if len(items) > 1:
+                self._max_per_post = max(1, len(items) // 2)
+                return
+            # Never deliverable as it is: fail the request rather than retry forever.
+            big = items[0]
+            log.warning("result of %s is larger than the control plane accepts; failing it",
+                        big.request_id)
+            self.outbox[big.request_id] = CompletionItem(
+                request_id=big.request_id, epoch=big.epoch, outcome="failed",
+                error=ErrorInfo(code="server_error",
+                                message="the result is larger than the server accepts"))
+            return
+        self._max_per_post = MAX_COMPLETIONS_PER_POST
         sent = {i.request_id: i for i in items}
         for request_id in resp.accepted:
             item = sent.get(request_id)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+import anyio
+from fastapi import APIRouter, Query, Request
 
 from minimill.api.deps import ConfigDep, StoreDep, TenantDep
 from minimill.api.errors import error_responses
@@ -15,10 +17,14 @@ router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=error_respo
 
 
 @router.post("", response_model=BatchObject, responses=error_responses(404))
-def create_batch(body: BatchCreate, store: StoreDep, tenant: TenantDep,
-                 config: ConfigDep) -> BatchObject:
-    record = batches.create_batch(store, tenant.id, body.input_file_id, body.endpoint,
-                                  body.completion_window, body.metadata, config)
+async def create_batch(body: BatchCreate, request: Request, store: StoreDep, tenant: TenantDep,
+                       config: ConfigDep) -> BatchObject:
+    """Answers at once with the batch `validating`; its lines are queued in the background."""
+    expires = body.output_expires_after.seconds if body.output_expires_after else None
+    record = await anyio.to_thread.run_sync(functools.partial(
+        batches.create_batch, store, tenant.id, body.input_file_id, body.endpoint,
+        body.completion_window, body.metadata, config, output_expires_after_s=expires))
+    request.app.state.ingest_wake.set()
     return BatchObject.of(record)
 
 

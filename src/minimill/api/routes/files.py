@@ -1,4 +1,5 @@
-"""Files: upload (multipart, purpose=batch), list, retrieve, content, delete."""
+"""Files: upload (multipart, purpose=batch, optional expires_after), list, retrieve, content,
+delete."""
 
 from __future__ import annotations
 
@@ -24,10 +25,17 @@ def _parts(upload: UploadFile) -> Iterator[bytes]:
 
 
 @router.post("", response_model=FileObject, responses=error_responses(413))
-def upload_file(file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()],
-                store: StoreDep, tenant: TenantDep, config: ConfigDep) -> FileObject:
+def upload_file(
+    file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()], store: StoreDep,
+    tenant: TenantDep, config: ConfigDep,
+    # OpenAI's `expires_after` object, as its clients send it in a multipart form.
+    expires_anchor: Annotated[str | None, Form(alias="expires_after[anchor]")] = None,
+    expires_seconds: Annotated[int | None, Form(alias="expires_after[seconds]")] = None,
+) -> FileObject:
+    seconds = files.check_expires_after(expires_anchor, expires_seconds)
     record = files.create_file(store, tenant.id, purpose, file.filename or "upload.jsonl",
-                               _parts(file), max_bytes=config.max_file_bytes)
+                               _parts(file), max_bytes=config.max_file_bytes,
+                               expires_after_s=seconds or config.file_expires_after_s)
     return FileObject.of(record)
 
 

@@ -52,7 +52,8 @@ async def heartbeat(beat: HeartbeatRequest, store: StoreDep, site: SiteDep, conf
     answer = await anyio.to_thread.run_sync(leases.heartbeat, store, site, beat, time.time(),
                                             config)
     watcher.poke(i.request_id for i in beat.leases
-                 if i.checkpoint is not None and i.request_id in answer.extended)
+                 if (i.checkpoint is not None or i.delta is not None)
+                 and i.request_id in answer.extended)
     return answer
 
 

@@ -1,0 +1,273 @@
+"""Checkpoints stored as appended pieces: the SQL and the length checks.
+
+A request's checkpoint is the rows of `checkpoint_chunks` in `seq` order: each accepted heartbeat
+appends one row holding what is new per choice, with the lengths it extends, and a full
+checkpoint (after a resync) replaces the rows. `requests.progress` holds only the lengths per
+choice, so a delta is checked and appended without reading what it extends, and a stream reads
+only the rows after the last one it sent. Leases get the assembled checkpoint (once per lease).
+When a request ends, its rows are dropped; its result is kept with the row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Connection, bindparam, delete, insert, select, update
+
+from minimill.control.records import RequestStatus
+from minimill.control.tables import checkpoint_chunks, requests
+from minimill.protocol import Checkpoint, CheckpointDelta, ChoiceProgress, HeartbeatItem
+
+# Ids per IN (...) list: well under every backend's limit on bound parameters.
+ID_GROUP = 500
+# Without token ids (a text-only checkpoint from an HTTP engine) ~4 characters make a token.
+_CHARS_PER_TOKEN = 4
+
+
+@dataclass(slots=True)
+class ChoiceLengths:
+    """How much of one choice the stored checkpoint holds."""
+
+    tokens: int = 0  # token ids
+    chars: int = 0  # text, in Unicode code points
+    logprobs: int = 0
+    has_logprobs: bool = False  # a logprobs list was sent (possibly empty so far)
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Generated tokens: ids if any, else logprobs, else estimated from the text."""
+        return self.tokens or self.logprobs or -(-self.chars // _CHARS_PER_TOKEN)
+
+
+@dataclass(slots=True)
+class Progress:
+    """`requests.progress`: the stored checkpoint's lengths and its newest chunk's seq."""
+
+    seq: int = 0
+    num_prompt_tokens: int = 0
+    choices: dict[int, ChoiceLengths] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, data: dict[str, Any] | None) -> Progress:
+        if not data:
+            return cls()
+        return cls(seq=int(data.get("seq", 0)),
+                   num_prompt_tokens=int(data.get("num_prompt_tokens", 0)),
+                   choices={int(c["index"]): ChoiceLengths(
+                       tokens=int(c["tokens"]), chars=int(c["chars"]),
+                       logprobs=int(c["logprobs"]), has_logprobs=bool(c["has_logprobs"]),
+                       finish_reason=c.get("finish_reason"))
+                       for c in data.get("choices", [])})
+
+    def as_json(self) -> dict[str, Any]:
+        return {"seq": self.seq, "num_prompt_tokens": self.num_prompt_tokens,
+                "choices": [{"index": i, "tokens": c.tokens, "chars": c.chars,
+                             "logprobs": c.logprobs, "has_logprobs": c.has_logprobs,
+                             "finish_reason": c.finish_reason}
+                            for i, c in sorted(self.choices.items())]}
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices.values())
+
+    @property
+    def max_choice_tokens(self) -> int:
+        return max((c.num_tokens for c in self.choices.values()), default=0)
+
+
+def has_output(progress: dict[str, Any] | None) -> bool:
+    """Whether a stored checkpoint holds any generated text or tokens."""
+    return any(c.tokens or c.chars for c in Progress.of(progress).choices.values())
+
+
+def _entry(index: int, base: ChoiceLengths, token_ids: list[int], text: str,
+           logprobs: list[dict[str, Any]] | None, finish_reason: str | None) -> dict[str, Any]:
+    return {"index": index, "base_tokens": base.tokens, "base_chars": base.chars,
+            "base_logprobs": base.logprobs, "token_ids": token_ids, "text": text,
+            "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def replaced(current: Progress, checkpoint: Checkpoint) -> tuple[Progress, dict[str, Any]]:
+    """The progress and chunk of a full checkpoint that replaces what is stored."""
+    new = Progress(seq=current.seq + 1, num_prompt_tokens=checkpoint.num_prompt_tokens)
+    entries = []
+    for c in checkpoint.choices:
+        new.choices[c.index] = ChoiceLengths(
+            tokens=len(c.token_ids), chars=len(c.text), logprobs=len(c.logprobs or []),
+            has_logprobs=c.logprobs is not None, finish_reason=c.finish_reason)
+        entries.append(_entry(c.index, ChoiceLengths(), c.token_ids, c.text, c.logprobs,
+                              c.finish_reason))
+    return new, {"full": True, "num_prompt_tokens": new.num_prompt_tokens, "choices": entries}
+
+
+def extended(current: Progress,
+             delta: CheckpointDelta) -> tuple[Progress, dict[str, Any] | None] | None:
+    """The progress after `delta` and its chunk (None when it adds nothing); None when a
+    choice's base differs from what is stored (the worker must resend in full)."""
+    new = Progress(seq=current.seq, num_prompt_tokens=current.num_prompt_tokens,
+                   choices={i: ChoiceLengths(c.tokens, c.chars, c.logprobs, c.has_logprobs,
+                                             c.finish_reason)
+                            for i, c in current.choices.items()})
+    entries = []
+    for d in delta.choices:
+        base = current.choices.get(d.index, ChoiceLengths())
+        if (d.base_tokens, d.base_chars, d.base_logprobs) != (base.tokens, base.chars,
+                                                              base.logprobs):
+            return None
+        if not (d.token_ids or d.text or d.logprobs
+                or (d.finish_reason and d.finish_reason != base.finish_reason)
+                or (d.logprobs is not None and not base.has_logprobs)):
+            continue
+        c = new.choices[d.index] = ChoiceLengths(
+            tokens=base.tokens + len(d.token_ids), chars=base.chars + len(d.text),
+            logprobs=base.logprobs + len(d.logprobs or []),
+            has_logprobs=base.has_logprobs or d.logprobs is not None,
+            finish_reason=d.finish_reason or base.finish_reason)
+        entries.append(_entry(d.index, base, d.token_ids, d.text, d.logprobs, c.finish_reason))
+    prompt_changed = delta.num_prompt_tokens not in (0, current.num_prompt_tokens)
+    if not entries and not prompt_changed:
+        return new, None
+    new.seq += 1
+    if prompt_changed:
+        new.num_prompt_tokens = delta.num_prompt_tokens
+    return new, {"full": False, "num_prompt_tokens": new.num_prompt_tokens, "choices": entries}
+
+
+def replacement(conn: Connection, request_id: str,
+                checkpoint: Checkpoint) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The row values and the chunk that replace the request's stored checkpoint with
+    `checkpoint` (a release's): set the values in the caller's conditional UPDATE, and `put` the
+    chunk if it took."""
+    row = conn.execute(select(requests.c.progress).where(requests.c.id == request_id)).first()
+    new, chunk = replaced(Progress.of(row.progress if row else None), checkpoint)
+    return {"progress": new.as_json(), "checkpoint_tokens": _tokens(new)}, chunk
+
+
+def put(conn: Connection, request_id: str, values: dict[str, Any],
+        chunk: dict[str, Any]) -> None:
+    """Store a full checkpoint's chunk (from `replacement`) in place of the request's chunks."""
+    drop(conn, [request_id])
+    conn.execute(insert(checkpoint_chunks).values(request_id=request_id,
+                                                  seq=values["progress"]["seq"], data=chunk))
+
+
+def _tokens(progress: Progress) -> int:
+    return min(progress.num_tokens, 2**31 - 1)
+
+
+def save(conn: Connection, items: Sequence[HeartbeatItem]) -> list[str]:
+    """Store the checkpoints of leases just extended (held, at their epochs, locked by the
+    caller's transaction); returns the ids whose delta did not apply (resync)."""
+    wanted = [i for i in items if i.checkpoint is not None or i.delta is not None]
+    current: dict[str, Progress] = {}
+    ids = list({i.request_id for i in wanted})
+    for start in range(0, len(ids), ID_GROUP):
+        current.update({r.id: Progress.of(r.progress) for r in conn.execute(
+            select(requests.c.id, requests.c.progress)
+            .where(requests.c.id.in_(ids[start:start + ID_GROUP])))})
+    resync: list[str] = []
+    cleared: list[str] = []
+    chunks: dict[tuple[str, int], dict[str, Any]] = {}
+    stored: dict[str, tuple[int, Progress]] = {}
+    for item in wanted:
+        if item.request_id not in current:
+            continue
+        data: dict[str, Any] | None
+        if item.checkpoint is not None:
+            new, data = replaced(current[item.request_id], item.checkpoint)
+            cleared.append(item.request_id)
+            chunks = {k: v for k, v in chunks.items() if k[0] != item.request_id}
+        else:
+            assert item.delta is not None
+            applied = extended(current[item.request_id], item.delta)
+            if applied is None:
+                resync.append(item.request_id)
+                continue
+            new, data = applied
+        current[item.request_id] = new
+        if data is not None:
+            chunks[(item.request_id, new.seq)] = data
+            stored[item.request_id] = (item.epoch, new)
+    drop(conn, cleared)
+    if chunks:
+        conn.execute(insert(checkpoint_chunks), [
+            {"request_id": request_id, "seq": seq, "data": data}
+            for (request_id, seq), data in chunks.items()])
+    if stored:
+        conn.execute(
+            update(requests)
+            .where(requests.c.id == bindparam("b_id"), requests.c.epoch == bindparam("b_epoch"),
+                   requests.c.status == RequestStatus.LEASED.value)
+            .values(progress=bindparam("b_progress"), checkpoint_tokens=bindparam("b_tokens"),
+                    version=requests.c.version + 1),
+            [{"b_id": request_id, "b_epoch": epoch, "b_progress": p.as_json(),
+              "b_tokens": _tokens(p)}
+             for request_id, (epoch, p) in stored.items()])
+    return resync
+
+
+def load(conn: Connection, request_ids: Iterable[str]) -> dict[str, Checkpoint]:
+    """The assembled checkpoints of these requests (those that have one)."""
+    ids = list(request_ids)
+    out: dict[str, Checkpoint] = {}
+    for start in range(0, len(ids), ID_GROUP):
+        rows = conn.execute(
+            select(checkpoint_chunks.c.request_id, checkpoint_chunks.c.data)
+            .where(checkpoint_chunks.c.request_id.in_(ids[start:start + ID_GROUP]))
+            .order_by(checkpoint_chunks.c.request_id, checkpoint_chunks.c.seq))
+        pieces: dict[str, list[dict[str, Any]]] = {}
+        for row in rows:
+            pieces.setdefault(row.request_id, []).append(row.data)
+        out.update({request_id: assemble(data) for request_id, data in pieces.items()})
+    return out
+
+
+def assemble(chunks: Iterable[dict[str, Any]]) -> Checkpoint:
+    """A checkpoint from its chunks in seq order."""
+    token_ids: dict[int, list[int]] = {}
+    texts: dict[int, list[str]] = {}
+    logprobs: dict[int, list[dict[str, Any]]] = {}
+    finish: dict[int, str | None] = {}
+    num_prompt_tokens = 0
+    for chunk in chunks:
+        if chunk.get("full"):
+            token_ids, texts, logprobs, finish = {}, {}, {}, {}
+        num_prompt_tokens = int(chunk.get("num_prompt_tokens") or num_prompt_tokens)
+        for c in chunk.get("choices", []):
+            i = int(c["index"])
+            token_ids.setdefault(i, []).extend(c.get("token_ids") or [])
+            texts.setdefault(i, []).append(c.get("text") or "")
+            if c.get("logprobs") is not None:
+                logprobs.setdefault(i, []).extend(c["logprobs"])
+            finish[i] = c.get("finish_reason") or finish.get(i)
+    return Checkpoint(num_prompt_tokens=num_prompt_tokens, choices=[
+        ChoiceProgress(index=i, token_ids=token_ids[i], text="".join(texts[i]),
+                       logprobs=logprobs.get(i), finish_reason=finish[i])
+        for i in sorted(texts)])
+
+
+def since(conn: Connection, request_id: str, after_seq: int) -> list[tuple[int, dict[str, Any]]]:
+    """(seq, chunk) of the request's chunks after `after_seq`, in order."""
+    rows = conn.execute(select(checkpoint_chunks.c.seq, checkpoint_chunks.c.data)
+                        .where(checkpoint_chunks.c.request_id == request_id,
+                               checkpoint_chunks.c.seq > after_seq)
+                        .order_by(checkpoint_chunks.c.seq))
+    return [(int(r.seq), r.data) for r in rows]
+
+
+def drop(conn: Connection, request_ids: Sequence[str]) -> None:
+    """Delete the chunks of these requests (they ended, or a full checkpoint replaces them)."""
+    ids = list(request_ids)
+    for start in range(0, len(ids), ID_GROUP):
+        conn.execute(delete(checkpoint_chunks)
+                     .where(checkpoint_chunks.c.request_id.in_(ids[start:start + ID_GROUP])))
+
+
+def drop_for_batches(conn: Connection, batch_ids: Sequence[str]) -> None:
+    """Delete the chunks of every row of these batches (all of them just ended)."""
+    if batch_ids:
+        conn.execute(delete(checkpoint_chunks).where(checkpoint_chunks.c.request_id.in_(
+            select(requests.c.id).where(requests.c.batch_id.in_(list(batch_ids))))))
