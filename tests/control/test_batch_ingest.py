@@ -60,7 +60,9 @@ def test_not_jsonl_lists_the_bad_lines() -> None:
     assert [e.line for e in info.value.errors[1:]] == [1, 2, 3]
 
 
-def test_ingest_reaches_5000_lines_per_second_on_sqlite(tmp_path: Path) -> None:
+def test_ingest_of_20000_lines_on_sqlite_queues_them_all(tmp_path: Path) -> None:
+    # Its speed is a benchmark figure (`bench batch` prints ingest lines/s beside its target),
+    # not a timed test: a loaded machine must not fail the suite.
     store = open_store(f"sqlite:///{tmp_path / 'ingest.db'}")
     try:
         owner = tenant(store)
@@ -68,13 +70,10 @@ def test_ingest_reaches_5000_lines_per_second_on_sqlite(tmp_path: Path) -> None:
         text = "\n".join(chat_line(f"c{i}", f"Tell me about the number {i}, briefly.",
                                    temperature=0.7) for i in range(n))
         f = create_file(store, owner.id, "batch", "big.jsonl", [text.encode()])
-        started = time.perf_counter()
         created = create_batch(store, owner.id, f.id, CHAT, "24h", None, CONFIG)
         assert created.status == BatchStatus.VALIDATING
         assert ingest_pending(store, time.time(), CONFIG) == 1
-        lines_per_s = n / (time.perf_counter() - started)
         b = get_batch(store, owner.id, created.id)
     finally:
         store.close()
     assert b.status == BatchStatus.IN_PROGRESS and b.counts.total == n
-    assert lines_per_s >= 5000, f"ingest ran at {lines_per_s:.0f} lines/s"
