@@ -259,16 +259,30 @@ def worker(
         "cost only, never what tenants are billed)."),
     chip: str | None = typer.Option(
         None, help="Chip name, for the registry (default: as the site was registered)."),
-    engine: str = typer.Option("builtin", help="'builtin' or an OpenAI-compatible base URL."),
+    engine: str = typer.Option("builtin", help="'builtin', an OpenAI-compatible base URL, or "
+                               "'none' (a box host serving no tokens)."),
     model: str = typer.Option(DEFAULT_MODEL, help="Model to serve."),
     dtype: str = typer.Option("auto", help="Builtin engine dtype: " + DTYPE_HELP),
     capacity: int = typer.Option(256, help="Most requests in flight."),
+    boxes: int = typer.Option(0, min=0, help="Boxes (sandboxes) this site holds at once."),
+    box_dir: Path | None = typer.Option(None, help="Where box workspaces live (default: "
+                                        "under the system temp directory)."),
+    box_snapshot_interval_s: float = typer.Option(
+        30.0, min=0.1, help="Snapshot a changed box at most this often (what losing this "
+        "site may cost a box)."),
+    insecure_no_sandbox: bool = typer.Option(
+        False, "--insecure-no-sandbox", help="Run boxes without bubblewrap isolation where "
+        "it is unavailable (their commands then see this host's files)."),
 ) -> None:
     """Join a fleet: pull work from the control plane under leases and run it."""
+    from minimill.boxes.host_setup import BoxOptions
     from minimill.fleet.worker import run_worker
 
     run_worker(server=server, site=site, token=token, price_per_hour=price_per_hour, chip=chip,
-               engine=engine, model=model, dtype=dtype, capacity=capacity)
+               engine=engine, model=model, dtype=dtype, capacity=capacity,
+               boxes=BoxOptions(slots=boxes, box_dir=box_dir,
+                                insecure_no_sandbox=insecure_no_sandbox,
+                                snapshot_interval_s=box_snapshot_interval_s))
 
 
 @sites_app.command("create")

@@ -25,6 +25,8 @@ from minimill.api.limits import UploadLimitMiddleware
 from minimill.api.progress import ProgressWatcher
 from minimill.api.routes import (
     batches,
+    box_fleet,
+    boxes,
     chat,
     completions,
     files,
@@ -50,7 +52,7 @@ async def _janitor(store: Store, config: ControlConfig, interval_s: float) -> No
     while True:
         try:
             report = await anyio.to_thread.run_sync(tick, store, time.time(), config)
-            if report.reaped_leases or report.expired_batches:
+            if report.reaped_leases or report.expired_batches or report.reaped_boxes:
                 log.info("janitor: %s", report)
         except Exception:  # the store may be briefly unreachable; try again next tick
             log.exception("janitor tick failed")
@@ -86,7 +88,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
 
     app = FastAPI(title="minimill", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible token factory: chat, completions, responses, "
-                              "files, batches, webhooks; plus the fleet protocol for worker "
+                              "files, batches, webhooks, boxes; plus the fleet protocol for worker "
                               "sites.")
     app.state.store = the_store
     app.state.config = config
@@ -95,7 +97,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     errors.install(app)
     app.add_middleware(UploadLimitMiddleware, max_file_bytes=settings.max_file_bytes)
     for module in (models, chat, completions, responses, files, batches, webhook_endpoints,
-                   fleet):
+                   boxes, fleet, box_fleet):
         app.include_router(module.router)
     operator_routers = (sites.router, prices.router, keys.router)
     for router in operator_routers:

@@ -59,7 +59,8 @@ class ExecResult:
     stderr: bytes
     duration_s: float
     timed_out: bool = False
-    # Set when a limit ended or spoiled the exec: "timeout" | "disk_quota_exceeded".
+    # Set when a limit ended or spoiled the exec: "timeout" | "disk_quota_exceeded"; or
+    # "cancelled" when its host stopped it.
     error: str | None = None
     output_truncated: bool = False
 
@@ -184,11 +185,13 @@ def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
 def run_exec(workspace: Path, command: list[str], *, stdin: bytes = b"",
              env: Mapping[str, str] | None = None, limits: Limits = Limits(),
              network: bool = False, insecure: bool = False, disk_free_bytes: int | None = None,
-             over_quota: Callable[[], bool] | None = None) -> ExecResult:
+             over_quota: Callable[[], bool] | None = None,
+             cancel: threading.Event | None = None) -> ExecResult:
     """Run `command` in the box whose workspace is `workspace` and wait for it.
 
     `disk_free_bytes` caps the size of any file the exec writes; `over_quota`, polled while
-    it runs, kills it once the workspace holds more than its quota. `insecure` runs it without
+    it runs, kills it once the workspace holds more than its quota; setting `cancel` kills it
+    (its host lost the box). `insecure` runs it without
     bubblewrap (namespaces), with the same limits: only where the operator opted out.
     """
     fsize = disk_free_bytes if disk_free_bytes is not None else limits.disk_mb * 1024 * 1024
@@ -214,7 +217,9 @@ def run_exec(workspace: Path, command: list[str], *, stdin: bytes = b"",
     deadline = started + limits.timeout_s
     error: str | None = None
     while proc.poll() is None:
-        if time.monotonic() >= deadline:
+        if cancel is not None and cancel.is_set():
+            error = "cancelled"
+        elif time.monotonic() >= deadline:
             error = "timeout"
         elif over_quota is not None and over_quota():
             error = "disk_quota_exceeded"

@@ -39,13 +39,34 @@ def _rechunk(parts: Iterable[bytes], max_bytes: int | None) -> Iterator[bytes]:
         yield bytes(buf)
 
 
+def insert_chunks(conn: Connection, blob_id: str, parts: Iterable[bytes],
+                  max_bytes: int | None = None) -> int:
+    """Store content under `blob_id` in chunks (files, box snapshots); returns its size."""
+    size = 0
+    for seq, chunk in enumerate(_rechunk(parts, max_bytes)):
+        conn.execute(insert(file_chunks).values(file_id=blob_id, seq=seq, data=chunk))
+        size += len(chunk)
+    return size
+
+
+def iter_chunks(store: Store, blob_id: str) -> Iterator[bytes]:
+    """Content stored under `blob_id`, one chunk per query (a large one is never read whole)."""
+    seq = 0
+    while True:
+        with store.read() as conn:
+            data = conn.execute(select(file_chunks.c.data).where(
+                file_chunks.c.file_id == blob_id, file_chunks.c.seq == seq)).scalar()
+        if data is None:
+            return
+        yield bytes(data)
+        seq += 1
+
+
 def insert_file(conn: Connection, tenant_id: str, purpose: str, filename: str,
                 parts: Iterable[bytes], max_bytes: int | None = None) -> FileRecord:
     """Store a file inside the caller's transaction (batch finalization uses this)."""
-    file_id, size = new_id("file-"), 0
-    for seq, chunk in enumerate(_rechunk(parts, max_bytes)):
-        conn.execute(insert(file_chunks).values(file_id=file_id, seq=seq, data=chunk))
-        size += len(chunk)
+    file_id = new_id("file-")
+    size = insert_chunks(conn, file_id, parts, max_bytes)
     record = FileRecord(id=file_id, tenant_id=tenant_id, purpose=purpose, filename=filename,
                         bytes=size, created_at=time.time())
     conn.execute(insert(files).values(id=record.id, tenant_id=tenant_id, purpose=purpose,

@@ -1,5 +1,5 @@
-"""The janitor's work, one tick at a time: reap expired leases, expire overdue requests and
-batches, finalize batches whose rows are all terminal.
+"""The janitor's work, one tick at a time: reap expired leases (of requests and boxes), expire
+overdue requests and batches, finalize batches whose rows are all terminal.
 
 Every step is a conditional UPDATE or a claimed finalization, so any number of control-plane
 processes may run ticks at the same time. The API runs `tick` every fraction of a second.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from minimill.control import box_hosts
 from minimill.control.batch_finalize import expire_due, finalize, finishable
 from minimill.control.config import ControlConfig
 from minimill.control.leases import reap_expired
@@ -22,6 +23,7 @@ class TickReport:
     expired_requests: int
     expired_batches: int
     finalized_batches: int
+    reaped_boxes: int = 0
 
 
 def tick(store: Store, now: float, config: ControlConfig) -> TickReport:
@@ -30,5 +32,7 @@ def tick(store: Store, now: float, config: ControlConfig) -> TickReport:
     expired_batches = expire_due(store, now)
     finalized = sum(finalize(store, batch_id, now, config.finalize_claim_ttl_s)
                     for batch_id in finishable(store, now, config.finalize_claim_ttl_s))
+    reaped_boxes = box_hosts.reap_expired(store, now)
     return TickReport(reaped_leases=reaped, expired_requests=expired,
-                      expired_batches=expired_batches, finalized_batches=finalized)
+                      expired_batches=expired_batches, finalized_batches=finalized,
+                      reaped_boxes=reaped_boxes)

@@ -281,3 +281,58 @@ webhook_deliveries = Table(
     Column("delivered_at", Double),
     Index("ix_webhook_deliveries_due", "status", "next_attempt_at"),
 )
+
+# Boxes (sandboxes): a tenant's workspace that a box host (a site) holds under a lease with a
+# fencing epoch, as requests are; a lapsed lease sends it back to `pending`, to come back on
+# another host from `snapshot_id` (else `image_id`).
+boxes = Table(
+    "boxes", metadata,
+    Column("id", String(40), primary_key=True),
+    Column("tenant_id", String(40), nullable=False),
+    Column("status", String(20), nullable=False),  # control/boxes.BoxStatus
+    Column("epoch", Integer, nullable=False, default=0),
+    Column("site_id", String(40)),
+    Column("lease_expires_at", Double),
+    Column("image_id", String(40)),  # the archive it was created from (an image or snapshot)
+    Column("snapshot_id", String(40)),  # its latest snapshot
+    Column("network", Boolean, nullable=False, default=False),
+    Column("limits", JSON, nullable=False),
+    Column("metadata", JSON),
+    Column("created_at", Double, nullable=False),
+    Column("leased_at", Double),
+    Column("restarts", Integer, nullable=False, default=0),  # leases after the first
+    Index("ix_boxes_tenant_created", "tenant_id", "created_at"),
+    Index("ix_boxes_status", "status", "lease_expires_at"),
+    Index("ix_boxes_site", "site_id", "status"),
+)
+
+# Operations on a box (exec, file reads and writes, snapshot, pause), run by its host in order.
+box_ops = Table(
+    "box_ops", metadata,
+    Column("seq", SeqType, primary_key=True, autoincrement=True),
+    Column("id", String(40), nullable=False, unique=True),
+    Column("box_id", String(40), nullable=False),
+    Column("tenant_id", String(40), nullable=False),
+    Column("kind", String(20), nullable=False),
+    Column("args", JSON, nullable=False),
+    Column("status", String(20), nullable=False),  # control/boxes.OpStatus
+    Column("epoch", Integer),  # the box's epoch when its host took it
+    Column("result", JSON),
+    Column("error", JSON),
+    Column("created_at", Double, nullable=False),
+    Column("started_at", Double),
+    Column("finished_at", Double),
+    Index("ix_box_ops_box", "box_id", "status", "seq"),
+)
+
+# Workspace archives: tenants' images, and snapshots of boxes. Content lives in file_chunks
+# under the snapshot's id.
+box_snapshots = Table(
+    "box_snapshots", metadata,
+    Column("id", String(40), primary_key=True),
+    Column("tenant_id", String(40), nullable=False),
+    Column("box_id", String(40), index=True),  # None for an image
+    Column("kind", String(20), nullable=False),  # image | manual | auto
+    Column("bytes", BigInteger, nullable=False),
+    Column("created_at", Double, nullable=False),
+)
