@@ -68,12 +68,12 @@ class Boxes:
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         base_url = base_url or os.environ.get("OPENAI_BASE_URL", "http://127.0.0.1:8000/v1")
         api_key = api_key or os.environ.get("OPENAI_API_KEY", "")
-        self._http = httpx.Client(base_url=base_url.rstrip("/") + "/boxes",
+        self._http = httpx.Client(base_url=base_url.rstrip("/"),
                                   headers={"Authorization": f"Bearer {api_key}"},
                                   timeout=httpx.Timeout(timeout_s))
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        resp = self._http.request(method, path, **kwargs)
+        resp = self._http.request(method, "/boxes" + path, **kwargs)
         if resp.status_code >= 400:
             try:
                 error = resp.json()["error"]
