@@ -7,9 +7,9 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from conftest import BoxHostProc
 
-from minimill.boxes.client import Boxes, BoxError
+from conftest import BoxHostProc
+from minimill.boxes.client import BoxError, Boxes
 
 # Every test of this module runs against SQLite and PostgreSQL stores.
 pytestmark = pytest.mark.parametrize(

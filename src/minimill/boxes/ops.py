@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,14 +43,17 @@ class Workspace:
     def quota_bytes(self) -> int:
         return self.limits.disk_mb * 1024 * 1024
 
-    def over_quota_checker(self) -> Any:
-        last = [0.0, False]
+    def over_quota_checker(self, used_at_start: int) -> Callable[[], bool]:
+        """True once the workspace holds more than its quota and more than when the exec
+        started (an exec that frees space in a full box is not stopped)."""
+        ceiling = max(self.quota_bytes, used_at_start)
+        last = [time.monotonic(), 0.0]
 
         def over() -> bool:
             now = time.monotonic()
             if now - last[0] >= QUOTA_CHECK_EVERY_S:
                 last[0] = now
-                last[1] = workspace.usage_bytes(self.path) > self.quota_bytes
+                last[1] = float(workspace.usage_bytes(self.path) > ceiling)
             return bool(last[1])
 
         return over
@@ -67,17 +71,21 @@ def run_exec(ws: Workspace, args: dict[str, Any]) -> dict[str, Any]:
     limits = sandbox.Limits(cpu_s=ws.limits.cpu_s, memory_mb=ws.limits.memory_mb,
                             max_processes=ws.limits.max_processes, disk_mb=ws.limits.disk_mb,
                             timeout_s=float(args.get("timeout_s") or ws.limits.timeout_s))
-    free = ws.quota_bytes - workspace.usage_bytes(ws.path)
+    used = workspace.usage_bytes(ws.path)
     result = sandbox.run_exec(ws.path, command, stdin=str(args.get("stdin") or "").encode(),
                               env=env, limits=limits, network=ws.network, insecure=ws.insecure,
-                              disk_free_bytes=free, over_quota=ws.over_quota_checker(),
+                              disk_free_bytes=ws.quota_bytes - used,
+                              over_quota=ws.over_quota_checker(used),
                               cancel=ws.cancel)
     if result.error == "cancelled":
         raise OpError("box_host_lost", "the box's host stopped it while this ran")
+    error = result.error
+    if error is None and workspace.usage_bytes(ws.path) > max(ws.quota_bytes, used):
+        error = "disk_quota_exceeded"  # it grew past the quota between two checks
     return {"exit_code": result.exit_code, "stdout": result.stdout.decode(errors="replace"),
             "stderr": result.stderr.decode(errors="replace"),
             "duration_s": round(result.duration_s, 3), "timed_out": result.timed_out,
-            "error": result.error, "output_truncated": result.output_truncated}
+            "error": error, "output_truncated": result.output_truncated}
 
 
 def write(ws: Workspace, args: dict[str, Any]) -> dict[str, Any]:

@@ -101,7 +101,9 @@ def _bwrap_args(workspace: Path, network: bool) -> list[str]:
         path = Path("/etc") / name
         if path.exists():
             args += ["--ro-bind", str(path), str(path)]
-    return [*args, "--"]
+    # The root bubblewrap builds its mount points in is read-only too: a box writes only to
+    # /workspace and /tmp.
+    return [*args, "--remount-ro", "/", "--"]
 
 
 def _prlimit_args(limits: Limits, fsize_bytes: int) -> list[str]:
@@ -232,8 +234,6 @@ def run_exec(workspace: Path, command: list[str], *, stdin: bytes = b"",
             pass
     code = proc.wait()
     _kill_tree(proc)  # anything it left behind in its session
-    if error is None and over_quota is not None and over_quota():
-        error = "disk_quota_exceeded"
     stdout, stderr = out.join(5.0), err.join(5.0)
     return ExecResult(exit_code=128 - code if code < 0 else code, stdout=stdout, stderr=stderr,
                       duration_s=time.monotonic() - started, timed_out=error == "timeout",
