@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from minimill.box_cli import box_app
+
 if TYPE_CHECKING:
     from minimill.control.site_view import SiteStatus
     from minimill.control.store import Store
@@ -30,6 +32,7 @@ outage_app = typer.Typer(help="Planned or forecast outages of a site.", no_args_
 prices_app = typer.Typer(help="The price list: what tenants are billed per model and tier.",
                          no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
+app.add_typer(box_app, name="box")
 app.add_typer(batch_app, name="batch")
 app.add_typer(bench_app, name="bench")
 app.add_typer(sites_app, name="sites")
@@ -87,12 +90,18 @@ def serve(
     price_per_hour: float = typer.Option(
         0.10, help="What the local site costs in $/hour (cost only; tenants are billed by "
         "`minimill prices`)."),
+    boxes: int = typer.Option(4, min=0, help="Boxes (sandboxes) the local worker holds at "
+                              "once; none where bubblewrap isolation is unavailable."),
+    insecure_no_sandbox: bool = typer.Option(
+        False, "--insecure-no-sandbox", help="Let the local worker run boxes without "
+        "bubblewrap isolation where it is unavailable."),
 ) -> None:
     """Serve the OpenAI-compatible API (control plane) plus one local worker process."""
     from minimill.api.serve import run_serve
 
     run_serve(host=host, port=port, db=db, model=model, dtype=dtype,
-              local_worker=local_worker, price_per_hour=price_per_hour)
+              local_worker=local_worker, price_per_hour=price_per_hour, boxes=boxes,
+              insecure_no_sandbox=insecure_no_sandbox)
 
 
 @keys_app.command("create")
