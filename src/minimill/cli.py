@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from minimill.agent_cli import agent_app
 from minimill.box_cli import box_app
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ prices_app = typer.Typer(help="The price list: what tenants are billed per model
                          no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 app.add_typer(box_app, name="box")
+app.add_typer(agent_app, name="agent")
 app.add_typer(batch_app, name="batch")
 app.add_typer(bench_app, name="bench")
 app.add_typer(sites_app, name="sites")
@@ -282,6 +284,8 @@ def worker(
     insecure_no_sandbox: bool = typer.Option(
         False, "--insecure-no-sandbox", help="Run boxes without bubblewrap isolation where "
         "it is unavailable (their commands then see this host's files)."),
+    agents: int = typer.Option(0, min=0, help="Durable agents (harnesses) this site runs at "
+                               "once."),
 ) -> None:
     """Join a fleet: pull work from the control plane under leases and run it."""
     from minimill.boxes.host_setup import BoxOptions
@@ -291,7 +295,8 @@ def worker(
                engine=engine, model=model, dtype=dtype, capacity=capacity,
                boxes=BoxOptions(slots=boxes, box_dir=box_dir,
                                 insecure_no_sandbox=insecure_no_sandbox,
-                                snapshot_interval_s=box_snapshot_interval_s))
+                                snapshot_interval_s=box_snapshot_interval_s),
+               agents=agents)
 
 
 @sites_app.command("create")

@@ -41,7 +41,7 @@ class BoxHostProc(Proc):
 
     def start_and_wait(self) -> BoxHostProc:
         self.start()
-        self.wait_for_log("box host for site .* ready", timeout=60)
+        self.wait_for_log("worker for site .* ready: no engine", timeout=60)
         return self
 
 

@@ -72,8 +72,9 @@ class Boxes:
                                   headers={"Authorization": f"Bearer {api_key}"},
                                   timeout=httpx.Timeout(timeout_s))
 
-    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        resp = self._http.request(method, "/boxes" + path, **kwargs)
+    def request(self, method: str, path: str, prefix: str = "/boxes",
+                **kwargs: Any) -> httpx.Response:
+        resp = self._http.request(method, prefix + path, **kwargs)
         if resp.status_code >= 400:
             try:
                 error = resp.json()["error"]

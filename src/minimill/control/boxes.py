@@ -158,10 +158,20 @@ def drop_archives(conn: Connection, snapshot_ids: list[str]) -> None:
 
 @retry_conflicts
 def submit_op(store: Store, tenant_id: str, box_id: str, kind: str,
-              args: dict[str, Any]) -> str:
-    """Queue an operation for the box's host; returns its id."""
+              args: dict[str, Any], idempotency_key: str | None = None) -> str:
+    """Queue an operation for the box's host; returns its id. With an idempotency key that
+    named an operation of this box before, that operation's id (it is not run again)."""
     op_id = new_id("bop_")
     with store.write() as conn:
+        if idempotency_key is not None:
+            earlier = conn.execute(select(box_ops.c.id, box_ops.c.error).where(
+                box_ops.c.tenant_id == tenant_id, box_ops.c.box_id == box_id,
+                box_ops.c.idempotency_key == idempotency_key)).first()
+            if earlier is not None and (earlier.error or {}).get("code") != "box_host_lost":
+                return str(earlier.id)
+            if earlier is not None:  # it never finished: the box came back without it
+                conn.execute(update(box_ops).where(box_ops.c.id == earlier.id)
+                             .values(idempotency_key=None))
         status = conn.execute(select(boxes.c.status).where(
             boxes.c.id == box_id, boxes.c.tenant_id == tenant_id)).scalar()
         if status is None or status == BoxStatus.DELETED.value:
@@ -171,7 +181,8 @@ def submit_op(store: Store, tenant_id: str, box_id: str, kind: str,
                                 code="box_paused")
         conn.execute(insert(box_ops).values(id=op_id, box_id=box_id, tenant_id=tenant_id,
                                             kind=kind, args=args, status=OpStatus.QUEUED.value,
-                                            created_at=time.time()))
+                                            created_at=time.time(),
+                                            idempotency_key=idempotency_key))
     return op_id
 
 
@@ -192,8 +203,9 @@ def finish_wait(store: Store, op_id: str) -> OpRecord:
             raise NotFoundError(f"No such operation: {op_id}")
         record = op_record(row)
         if record.status in TERMINAL_OP_STATUSES:
-            conn.execute(delete(box_ops).where(box_ops.c.id == op_id))
-        elif record.status == OpStatus.QUEUED:
+            if row.idempotency_key is None:
+                conn.execute(delete(box_ops).where(box_ops.c.id == op_id))
+        elif record.status == OpStatus.QUEUED and row.idempotency_key is None:
             conn.execute(update(box_ops).where(box_ops.c.id == op_id,
                                                box_ops.c.status == OpStatus.QUEUED.value)
                          .values(status=OpStatus.FAILED.value, finished_at=time.time(),

@@ -19,6 +19,7 @@ import sys
 import time
 from types import FrameType
 
+from minimill.agents.runner import AgentRunner, RunnerClient
 from minimill.boxes.host import BoxHost
 from minimill.boxes.host_setup import BoxHostStartError, BoxOptions, open_box_host
 from minimill.fleet.client import ControlPlaneClient, SiteAuthError
@@ -44,16 +45,22 @@ def _stop_while_starting(signum: int, _frame: FrameType | None) -> None:
     raise StoppedWhileStarting(stop_reason(signum))
 
 
-def _stop(worker: Worker, signum: int, box_host: BoxHost | None = None) -> None:
+def _stop(worker: Worker, signum: int, box_host: BoxHost | None = None,
+          runner: AgentRunner | None = None) -> None:
     log.info("%s: stopping", stop_reason(signum))
     worker.stop()
+    _stop_sidelines(box_host, runner)
+
+
+def _stop_sidelines(box_host: BoxHost | None, runner: AgentRunner | None,
+                    signum: int | None = None) -> None:
+    """Stop what a worker runs beside the engine: its box host and its agent runner."""
+    if signum is not None:
+        log.info("%s: stopping", stop_reason(signum))
     if box_host is not None:
         box_host.stop()
-
-
-def _stop_boxes(box_host: BoxHost, signum: int) -> None:
-    log.info("%s: stopping", stop_reason(signum))
-    box_host.stop()
+    if runner is not None:
+        runner.stop()
 
 
 async def _log_first_lease(worker: Worker, clock: StartClock) -> None:
@@ -61,6 +68,16 @@ async def _log_first_lease(worker: Worker, clock: StartClock) -> None:
         await asyncio.sleep(0.05)
     clock.mark("first lease")
     log.info("%s", clock.summary("first lease"))
+
+
+async def _run_runner(runner: AgentRunner | None) -> None:
+    if runner is None:
+        return
+    try:
+        await runner.run()
+    finally:
+        await runner.client.close()
+        log.info("agent runner stopped: %s", runner.stats)
 
 
 async def _run_box_host(host: BoxHost | None) -> None:
@@ -75,18 +92,19 @@ async def _run_box_host(host: BoxHost | None) -> None:
 
 async def _amain(*, server: str, site: str, token: str, engine: str, model: str, dtype: str,
                  capacity: int, price_per_hour: float | None, chip: str | None,
-                 clock: StartClock, boxes: BoxOptions) -> None:
+                 clock: StartClock, boxes: BoxOptions, agents: int = 0) -> None:
     # Boxes first: a host that cannot isolate them says so before a long model load.
     box_host = open_box_host(server, token, site, boxes) if boxes.slots > 0 else None
+    runner = AgentRunner(RunnerClient(server, token), agents) if agents > 0 else None
     loop = asyncio.get_running_loop()
     if engine == NO_ENGINE:
-        if box_host is None:
-            raise SystemExit("--engine none serves no tokens: give it --boxes N")
+        if box_host is None and runner is None:
+            raise SystemExit("--engine none serves no tokens: give it --boxes N or --agents N")
         for sig in STOP_SIGNALS:
-            loop.add_signal_handler(sig, _stop_boxes, box_host, sig)
-        log.info("box host for site %r ready: %d boxes, control plane %s", site, boxes.slots,
-                 server)
-        await _run_box_host(box_host)
+            loop.add_signal_handler(sig, _stop_sidelines, box_host, runner, sig)
+        log.info("worker for site %r ready: no engine, %d boxes, %d agents, control plane %s",
+                 site, boxes.slots, agents, server)
+        await asyncio.gather(_run_box_host(box_host), _run_runner(runner))
         return
     adapter = await open_engine(engine, model=model, dtype=dtype, capacity=capacity,
                                 clock=clock)
@@ -97,18 +115,17 @@ async def _amain(*, server: str, site: str, token: str, engine: str, model: str,
                     stats_every_s=float(os.environ.get("MINIMILL_WORKER_STATS_S", "0")),
                     price_per_hour=price_per_hour, chip=chip)
     for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, _stop, worker, sig, box_host)
+        loop.add_signal_handler(sig, _stop, worker, sig, box_host, runner)
     log.info("worker for site %r ready: engine %s, models %s, capacity %d, boxes %d, "
              "control plane %s", site, engine, adapter.models, effective, boxes.slots, server)
     timing = asyncio.create_task(_log_first_lease(worker, clock))
-    boxes_task = asyncio.create_task(_run_box_host(box_host))
+    sidelines = asyncio.gather(_run_box_host(box_host), _run_runner(runner))
     try:
         await worker.run()
     finally:
         timing.cancel()
-        if box_host is not None:
-            box_host.stop()
-        await asyncio.gather(boxes_task, return_exceptions=True)
+        _stop_sidelines(box_host, runner)
+        await asyncio.gather(sidelines, return_exceptions=True)
         await client.close()
         await adapter.close()
         log.info("worker stopped: %s, generated_tokens %d", worker.stats,
@@ -130,14 +147,14 @@ def _check_declared(price_per_hour: float | None, chip: str | None) -> str | Non
 
 def run_worker(*, server: str, site: str, token: str, price_per_hour: float | None,
                chip: str | None, engine: str, model: str, dtype: str, capacity: int,
-               boxes: BoxOptions | None = None) -> None:
+               boxes: BoxOptions | None = None, agents: int = 0) -> None:
     """Join the fleet at `server` as `site` and serve until SIGTERM/SIGINT.
 
     The worker declares `price_per_hour` and `chip` with every lease call: they replace what
     the site was registered with (`minimill sites create`), and metering and placement use
     them. None keeps the registered values. It also reports its measured tokens/s with every
-    lease and heartbeat call. With `boxes.slots` > 0 it is a box host too (boxes/host.py);
-    engine "none" makes it a box host only.
+    lease and heartbeat call. With `boxes.slots` > 0 it is a box host too (boxes/host.py),
+    with `agents` > 0 an agent runner (agents/runner.py); engine "none" serves no tokens.
     """
     logging.basicConfig(level=os.environ.get("MINIMILL_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s worker[{site}] %(levelname)s %(message)s",
@@ -155,7 +172,8 @@ def run_worker(*, server: str, site: str, token: str, price_per_hour: float | No
     try:
         asyncio.run(_amain(server=server, site=site, token=token, engine=engine, model=model,
                            dtype=dtype, capacity=capacity, price_per_hour=price_per_hour,
-                           chip=chip, clock=clock, boxes=boxes or BoxOptions()))
+                           chip=chip, clock=clock, boxes=boxes or BoxOptions(),
+                           agents=agents))
     except (EngineStartError, SiteAuthError, BoxHostStartError) as exc:
         log.error("%s", exc)
         raise SystemExit(2) from None

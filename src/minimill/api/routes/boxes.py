@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import anyio
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import Response
 
 from minimill.api.box_schemas import (
@@ -42,6 +42,8 @@ from minimill.control.store import Store
 
 router = APIRouter(prefix="/v1/boxes", tags=["boxes"], responses=error_responses(400, 401))
 WakeupsDep = Annotated[BoxWakeups, Depends(box_wakeups)]
+# A retried exec or write with the same key gets the first one's result; it runs once.
+IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", max_length=500)]
 # A box without a host may wait this long for one, on top of the operation's own time.
 PLACEMENT_GRACE_S = 120.0
 # Errors a host reports that are the caller's doing (400), not the service's.
@@ -68,10 +70,11 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
 
 
 async def _run_op(store: Store, wakeups: BoxWakeups, tenant_id: str, box_id: str, kind: str,
-                  args: dict[str, Any], wait_s: float) -> dict[str, Any]:
+                  args: dict[str, Any], wait_s: float,
+                  idempotency_key: str | None = None) -> dict[str, Any]:
     """Queue an operation, wait for its host's result, and return it (or raise its error)."""
     op_id = await anyio.to_thread.run_sync(boxes.submit_op, store, tenant_id, box_id, kind,
-                                           args)
+                                           args, idempotency_key)
     wakeups.work.notify()
     deadline = time.monotonic() + wait_s + PLACEMENT_GRACE_S
     try:
@@ -143,14 +146,15 @@ def delete_box(box_id: str, store: StoreDep, tenant: TenantDep) -> BoxDeleted:
 @router.post("/{box_id}/exec", response_model=ExecResult,
              responses=error_responses(404, 409, 504))
 async def exec_in_box(box_id: str, body: ExecCreate, store: StoreDep, tenant: TenantDep,
-                      wakeups: WakeupsDep) -> ExecResult:
+                      wakeups: WakeupsDep, idempotency_key: IdempotencyKey = None,
+                      ) -> ExecResult:
     """Run a command in the box and wait for it: stdout, stderr, exit code."""
     box = await anyio.to_thread.run_sync(boxes.get_box, store, tenant.id, box_id)
     timeout = _timeout(box.limits, body.timeout_s)
     command = ["/bin/sh", "-c", body.command] if isinstance(body.command, str) else body.command
     result = await _run_op(store, wakeups, tenant.id, box_id, "exec",
                            {"command": command, "stdin": body.stdin, "env": body.env,
-                            "timeout_s": timeout}, timeout)
+                            "timeout_s": timeout}, timeout, idempotency_key)
     return ExecResult.model_validate(result)
 
 
@@ -159,12 +163,13 @@ async def exec_in_box(box_id: str, body: ExecCreate, store: StoreDep, tenant: Te
 async def write_file(box_id: str, request: Request, store: StoreDep, tenant: TenantDep,
                      wakeups: WakeupsDep,
                      path: Annotated[str, Query(description="Workspace-relative path.")],
-                     ) -> FileWritten:
+                     idempotency_key: IdempotencyKey = None) -> FileWritten:
     """Write the body to a file of the workspace (parent directories are created)."""
     boxes.check_path(path)
     data = await _read_body(request, MAX_INLINE_BYTES)
     result = await _run_op(store, wakeups, tenant.id, box_id, "write",
-                           {"path": path, "content_b64": base64.b64encode(data).decode()}, 60)
+                           {"path": path, "content_b64": base64.b64encode(data).decode()}, 60,
+                           idempotency_key)
     return FileWritten(path=path, bytes=int(result.get("bytes", len(data))))
 
 
