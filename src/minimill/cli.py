@@ -97,13 +97,15 @@ def serve(
     insecure_no_sandbox: bool = typer.Option(
         False, "--insecure-no-sandbox", help="Let the local worker run boxes without "
         "bubblewrap isolation where it is unavailable."),
+    agents: int = typer.Option(8, min=0, help="Durable agents (harnesses) the local worker "
+                               "runs at once."),
 ) -> None:
     """Serve the OpenAI-compatible API (control plane) plus one local worker process."""
     from minimill.api.serve import run_serve
 
     run_serve(host=host, port=port, db=db, model=model, dtype=dtype,
               local_worker=local_worker, price_per_hour=price_per_hour, boxes=boxes,
-              insecure_no_sandbox=insecure_no_sandbox)
+              insecure_no_sandbox=insecure_no_sandbox, agents=agents)
 
 
 @keys_app.command("create")
@@ -258,6 +260,22 @@ def bench_fleet(
     from minimill.bench.fleet_bench import run_fleet_bench
 
     run_fleet_bench(workload, json_out=json_out, kill_every_s=kill_every_s, limit=limit)
+
+
+@bench_app.command("agents")
+def bench_agents(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    model: str = typer.Option(DEFAULT_MODEL, help="Model to serve."),
+    dtype: str = typer.Option("auto", help="Engine dtype: " + DTYPE_HELP),
+    docs: int = typer.Option(1000, min=100, help="Documents in the generated corpus."),
+    docs_per_subagent: int = typer.Option(10, min=1, help="Documents each subagent reads."),
+) -> None:
+    """The deep-research example: subagents, tokens, batching, tok/s vs the engine alone,
+    and the same with the runner killed twice."""
+    from minimill.bench.agents_bench import run_agents_bench
+
+    run_agents_bench(model=model, dtype=dtype, json_out=json_out, docs=docs,
+                     docs_per_subagent=docs_per_subagent)
 
 
 @app.command()

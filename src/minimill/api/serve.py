@@ -131,9 +131,9 @@ def _local_boxes(boxes: int, insecure_no_sandbox: bool) -> int:
 
 def run_serve(*, host: str, port: int, db: str | None, model: str, dtype: str,
               local_worker: bool, price_per_hour: float, boxes: int = 4,
-              insecure_no_sandbox: bool = False) -> None:
-    """Serve the OpenAI-compatible API on host:port, plus one local worker serving `model`
-    and holding up to `boxes` boxes."""
+              insecure_no_sandbox: bool = False, agents: int = 8) -> None:
+    """Serve the OpenAI-compatible API on host:port, plus one local worker serving `model`,
+    holding up to `boxes` boxes and running up to `agents` durable agents."""
     logging.basicConfig(level=os.environ.get("MINIMILL_LOG_LEVEL", "INFO"),
                         format="%(asctime)s serve %(levelname)s %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per call is noise
@@ -168,7 +168,8 @@ def run_serve(*, host: str, port: int, db: str | None, model: str, dtype: str,
                                     timeout_graceful_shutdown=5))
     command = worker_command(_loopback_url(host, port), model, dtype, price_per_hour, chip,
                              boxes=_local_boxes(boxes, insecure_no_sandbox) if local_worker
-                             else 0, insecure_no_sandbox=insecure_no_sandbox)
+                             else 0, insecure_no_sandbox=insecure_no_sandbox,
+                             agents=agents if local_worker else 0)
     supervisor = WorkerSupervisor(command, token) if local_worker else None
     log.info("control plane on http://%s:%d/v1 (store %s)%s", host, port, store.url,
              ", starting the local worker" if local_worker else "")

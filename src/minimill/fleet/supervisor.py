@@ -23,12 +23,13 @@ RESTART_BACKOFF_MAX_S = 30.0
 
 
 def worker_command(server: str, model: str, dtype: str, price_per_hour: float,
-                   chip: str, boxes: int = 0, insecure_no_sandbox: bool = False) -> list[str]:
+                   chip: str, boxes: int = 0, insecure_no_sandbox: bool = False,
+                   agents: int = 0) -> list[str]:
     command = [sys.executable, "-m", "minimill.cli", "worker",
                "--server", server, "--site", LOCAL_SITE,
                "--price-per-hour", str(price_per_hour), "--chip", chip,
                "--engine", "builtin", "--model", model, "--dtype", dtype,
-               "--boxes", str(boxes)]
+               "--boxes", str(boxes), "--agents", str(agents)]
     return [*command, "--insecure-no-sandbox"] if insecure_no_sandbox else command
 
 
