@@ -26,7 +26,11 @@ async def main(ctx, task):
 
     async def read_group(sub, group):
         paths = " ".join(f"docs/{name}" for name in group)
-        found = await sub.box.exec(f"cat {paths} | tr '.' '\\n' | grep -i 'vault code' || true")
+        # Read the group's documents in the box, sentence by sentence: what they say about
+        # the subject, else what they say about vault codes at all.
+        found = await sub.box.exec(
+            f"cat {paths} | tr '.' '\\n' > /tmp/s; grep -i '{subject}' /tmp/s "
+            "|| grep -i 'vault code' /tmp/s || true")
         notes = found["stdout"].strip() or "(nothing about vault codes)"
         reply = await sub.chat(PROMPT.format(notes=notes[:1200], question=question),
                                max_tokens=8)

@@ -115,7 +115,9 @@ def _prompts(corpus: Path, task: dict[str, Any]) -> list[str]:
     prompts = []
     for i in range(0, len(names), per):
         text = " ".join((corpus / "docs" / n).read_text() for n in names[i:i + per])
-        lines = [s for s in text.replace(".", "\n").splitlines() if "vault code" in s.lower()]
+        sentences = text.replace(".", "\n").splitlines()
+        lines = ([s for s in sentences if task["subject"].lower() in s.lower()]
+                 or [s for s in sentences if "vault code" in s.lower()])
         notes = "\n".join(lines).strip() or "(nothing about vault codes)"
         prompts.append(harness.PROMPT.format(notes=notes[:1200], question=task["question"]))
     return prompts

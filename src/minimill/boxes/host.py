@@ -2,10 +2,11 @@
 
 One long poll at a time extends the leases of the boxes held, takes new boxes for free slots
 and brings their queued operations. Each held box has a task that first builds its workspace
-(from its latest snapshot, else its image, else empty), then runs its operations in order,
-one at a time, each in a thread (sandbox.py), and posts each result with the box's epoch. A
-box whose workspace changed is snapshotted every `snapshot_interval_s` while it has work, and
-once it goes idle, so that a host lost with it costs at most that much of its files.
+(from its latest snapshot, else its image, else empty), then runs its operations as they
+come, up to CONCURRENT_OPS_PER_BOX at once, each in a thread (sandbox.py), and posts each
+result with the box's epoch. A box whose workspace changed is snapshotted every
+`snapshot_interval_s` while it has work, and once it goes idle, so that a host lost with it
+costs at most that much of its files.
 
 `stop()`: no new boxes; running operations finish (up to `drain_timeout_s`), changed boxes
 are snapshotted, and every box is released so it comes back elsewhere at once.
@@ -42,6 +43,10 @@ from minimill.fleet.client import Backoff, ControlPlaneUnavailable, sleep_backof
 
 log = logging.getLogger("minimill.boxes")
 POLL_WAIT_S = 2.0
+# Execs and file operations of one box run side by side (a harness's subagents share a box);
+# snapshots and pauses wait for them and run alone.
+CONCURRENT_OPS_PER_BOX = 16
+EXCLUSIVE_OPS = frozenset({"snapshot", "pause"})
 T = TypeVar("T")
 
 
@@ -52,8 +57,13 @@ class HostedBox:
     queue: asyncio.Queue[BoxOp] = field(default_factory=asyncio.Queue)
     task: asyncio.Task[None] | None = None
     dirty: bool = False
-    busy: bool = False
+    in_flight: int = 0  # operations running now
+    ops: set[asyncio.Task[None]] = field(default_factory=set)
     last_snapshot_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def busy(self) -> bool:
+        return self.in_flight > 0
 
     @property
     def box_id(self) -> str:
@@ -140,17 +150,40 @@ class BoxHost:
             log.exception("box %s: cannot build its workspace", box.box_id)
             await self._fail_queued(box, "invalid_archive", f"cannot build the workspace: {exc}")
             return
-        while True:
-            timeout = self.snapshot_interval_s if box.dirty else None
-            try:
-                op = await asyncio.wait_for(box.queue.get(), timeout)
-            except TimeoutError:
-                await self._snapshot(box, "auto")  # idle with changes
-                continue
-            await self._run(box, op)
-            due = time.monotonic() - box.last_snapshot_at >= self.snapshot_interval_s
-            if box.dirty and due:
-                await self._snapshot(box, "auto")
+        limit = asyncio.Semaphore(CONCURRENT_OPS_PER_BOX)
+        try:
+            while True:
+                # While changes may be pending, look again every interval.
+                timeout = self.snapshot_interval_s if box.dirty or box.busy else None
+                try:
+                    op = await asyncio.wait_for(box.queue.get(), timeout)
+                except TimeoutError:
+                    if box.dirty and not box.busy:
+                        await self._snapshot(box, "auto")  # idle with changes
+                    continue
+                if op.kind in EXCLUSIVE_OPS:
+                    await self._settle(box)
+                    box.in_flight += 1
+                    await self._run(box, op)
+                else:
+                    await limit.acquire()
+                    box.in_flight += 1  # busy from now on, not from when the task starts
+                    task = asyncio.create_task(self._run(box, op))
+                    task.add_done_callback(lambda _t: limit.release())
+                    box.ops.add(task)
+                    task.add_done_callback(box.ops.discard)
+                due = time.monotonic() - box.last_snapshot_at >= self.snapshot_interval_s
+                if box.dirty and due:
+                    await self._settle(box)
+                    await self._snapshot(box, "auto")
+        finally:
+            for task in list(box.ops):
+                task.cancel()
+
+    async def _settle(self, box: HostedBox) -> None:
+        """Wait for the box's running operations (a snapshot sees their effects whole)."""
+        if box.ops:
+            await asyncio.gather(*list(box.ops), return_exceptions=True)
 
     async def _build(self, box: HostedBox) -> None:
         path = box.ws.path
@@ -172,7 +205,7 @@ class BoxHost:
         await anyio.to_thread.run_sync(build)
 
     async def _run(self, box: HostedBox, op: BoxOp) -> None:
-        box.busy = True
+        """Run one operation; the caller counted it in `box.in_flight` already."""
         result: dict[str, object] | None = None
         error: BoxOpError | None = None
         try:
@@ -188,7 +221,7 @@ class BoxHost:
         except NotHeld:
             return
         finally:
-            box.busy = False
+            box.in_flight -= 1
         self.stats["ops"] += 1
         await self._post(BoxOpResult(op_id=op.op_id, box_id=op.box_id, epoch=op.epoch,
                                      result=result, error=error))

@@ -14,6 +14,7 @@ root against RLIMIT_NPROC, and a box must own nothing of the host's.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -23,6 +24,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # What a box sees of the host's /etc: enough for the dynamic linker, users and certificates.
 _ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "passwd", "group", "nsswitch.conf",
@@ -35,6 +37,8 @@ TMP_BYTES = 64 * 1024 * 1024
 # A box's output beyond this is cut (its process keeps running; the rest is discarded).
 MAX_OUTPUT_BYTES = 1024 * 1024
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
+SETUP_RETRIES = 3
+log = logging.getLogger("minimill.boxes")
 
 
 class IsolationUnavailable(RuntimeError):
@@ -184,7 +188,27 @@ def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
         pass
 
 
-def run_exec(workspace: Path, command: list[str], *, stdin: bytes = b"",
+def _setup_failed(result: ExecResult) -> bool:
+    """bubblewrap itself failed before the command ran (it says so on stderr, exit 1): under
+    heavy load creating namespaces can fail for a moment."""
+    return (result.exit_code == 1 and not result.stdout and result.error is None
+            and result.stderr.startswith(b"bwrap: "))
+
+
+def run_exec(workspace: Path, command: list[str], **kwargs: Any) -> ExecResult:
+    """`_run_exec_once`, tried again a few times when bubblewrap could not set up."""
+    result = _run_exec_once(workspace, command, **kwargs)
+    for attempt in range(SETUP_RETRIES):
+        if kwargs.get("insecure") or not _setup_failed(result):
+            break
+        log.warning("bubblewrap could not set up (%s); trying again",
+                    result.stderr.decode(errors="replace").strip()[:200])
+        time.sleep(0.1 * 2**attempt)
+        result = _run_exec_once(workspace, command, **kwargs)
+    return result
+
+
+def _run_exec_once(workspace: Path, command: list[str], *, stdin: bytes = b"",
              env: Mapping[str, str] | None = None, limits: Limits = Limits(),
              network: bool = False, insecure: bool = False, disk_free_bytes: int | None = None,
              over_quota: Callable[[], bool] | None = None,
