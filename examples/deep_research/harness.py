@@ -33,7 +33,7 @@ async def main(ctx, task):
             "|| grep -i 'vault code' /tmp/s || true")
         notes = found["stdout"].strip() or "(nothing about vault codes)"
         reply = await sub.chat(PROMPT.format(notes=notes[:1200], question=question),
-                               max_tokens=8)
+                               max_tokens=16)
         return {"codes": re.findall(r"\b\d{4}\b", reply), "reply": reply.strip()}
 
     reports = await ctx.map(read_group, groups, concurrency=int(task.get("concurrency", 32)))

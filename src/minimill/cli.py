@@ -97,8 +97,9 @@ def serve(
     insecure_no_sandbox: bool = typer.Option(
         False, "--insecure-no-sandbox", help="Let the local worker run boxes without "
         "bubblewrap isolation where it is unavailable."),
-    agents: int = typer.Option(8, min=0, help="Durable agents (harnesses) the local worker "
-                               "runs at once."),
+    agents: int = typer.Option(8, min=0, envvar="MINIMILL_LOCAL_AGENTS",
+                               help="Durable agents (harnesses) the local worker runs at "
+                               "once."),
 ) -> None:
     """Serve the OpenAI-compatible API (control plane) plus one local worker process."""
     from minimill.api.serve import run_serve

@@ -78,3 +78,50 @@ def test_runner_killed_mid_run(serve: Serve, tmp_path: Path) -> None:
         first.stop()
         if second is not None:
             second.stop()
+
+
+SLEEPER = '''
+import time
+
+
+async def main(ctx, task):
+    if task == "sleep":
+        wake = await ctx.box.exec("date +%s")  # journaled: the same wake time on every run
+        await ctx.sleep_until(int(wake["stdout"]) + 2)
+        return "woke"
+    if task == "budget":
+        await ctx.chat("Say hi.", max_tokens=4)
+        try:
+            await ctx.chat("Say hi again.", max_tokens=4)
+        except Exception as exc:
+            return type(exc).__name__
+        return "no limit"
+    for _ in range(600):
+        await ctx.box.exec("sleep 0.5")
+'''
+
+
+def test_sleep_budget_cancel(serve: Serve, tmp_path: Path) -> None:
+    harness = tmp_path / "sleeper.py"
+    harness.write_text(SLEEPER)
+    runner = start_runner(serve, "runner-c")
+    try:
+        with Agents(serve.base_url, serve.key) as agents:
+            sleeper = agents.run(harness, "sleep")
+            budgeted = agents.run(harness, "budget", budget_tokens=1)
+            forever = agents.run(harness, "forever")
+            seen = set()
+            deadline = time.monotonic() + 120
+            while agents.get(sleeper)["status"] != "succeeded":
+                seen.add(agents.get(sleeper)["status"])
+                assert time.monotonic() < deadline, agents.get(sleeper)
+                time.sleep(0.1)
+            assert "sleeping" in seen  # it left the runner while it waited
+            assert agents.get(sleeper)["result"] == "woke"
+            assert agents.wait(budgeted, timeout_s=120)["result"] == "BudgetExceeded"
+            while agents.get(forever)["journaled_effects"] < 3:
+                time.sleep(0.1)
+            assert agents.cancel(forever)["status"] == "cancelled"
+            runner.wait_for_log(r"agent \S+: lease lost or revoked", timeout=30)
+    finally:
+        runner.stop()

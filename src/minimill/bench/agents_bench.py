@@ -132,7 +132,7 @@ def _engine_tok_s(model: str, dtype: str, prompts: list[str]) -> float:
             "convs=[[{'role':'user','content':p}] for p in args['prompts']]\n"
             "llm.chat(convs[:1],SamplingParams(max_tokens=2,temperature=0))\n"
             "t=time.perf_counter()\n"
-            "outs=llm.chat(convs,SamplingParams(max_tokens=8,temperature=0))\n"
+            "outs=llm.chat(convs,SamplingParams(max_tokens=16,temperature=0))\n"
             "s=time.perf_counter()-t\n"
             "print(json.dumps(sum(len(o.output_token_ids) for o in outs)/s))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
