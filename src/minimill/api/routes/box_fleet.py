@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 from minimill.api.box_wakeup import POLL_INTERVAL_S, BoxWakeups, box_wakeups
 from minimill.api.deps import ConfigDep, SiteDep, StoreDep
 from minimill.api.errors import error_responses
-from minimill.api.routes.boxes import _body
+from minimill.api.routes.boxes import body_chunks
 from minimill.box_protocol import (
     BOX_FLEET_PREFIX,
     BoxPollRequest,
@@ -62,7 +62,7 @@ async def store_snapshot(box_id: str, request: Request, store: StoreDep, site: S
                          kind: Annotated[str, Query(pattern="^(manual|auto)$")] = "auto",
                          ) -> SnapshotStored:
     """The body is the workspace archive; accepted only at the box's current epoch."""
-    data = b"".join([c async for c in _body(request, config.max_file_bytes)])
+    data = b"".join([c async for c in body_chunks(request, config.max_file_bytes)])
     return await anyio.to_thread.run_sync(
         box_hosts.store_snapshot, store, site, box_id, epoch, SnapshotKind(kind), [data],
         config.max_file_bytes)

@@ -55,7 +55,7 @@ class OpFailed(ControlError):
     """An operation its host could not run: the host's code and message."""
 
 
-async def _body(request: Request, max_bytes: int) -> AsyncIterator[bytes]:
+async def body_chunks(request: Request, max_bytes: int) -> AsyncIterator[bytes]:
     total = 0
     async for chunk in request.stream():
         total += len(chunk)
@@ -66,7 +66,7 @@ async def _body(request: Request, max_bytes: int) -> AsyncIterator[bytes]:
 
 
 async def _read_body(request: Request, max_bytes: int) -> bytes:
-    return b"".join([c async for c in _body(request, max_bytes)])
+    return b"".join([c async for c in body_chunks(request, max_bytes)])
 
 
 async def _run_op(store: Store, wakeups: BoxWakeups, tenant_id: str, box_id: str, kind: str,
