@@ -7,8 +7,8 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from box_harness import BoxHostProc
 
-from conftest import BoxHostProc
 from minimill.boxes.client import BoxError, Boxes
 
 # Every test of this module runs against SQLite and PostgreSQL stores.

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 from api_harness import ApiEnv
+from box_harness import BoxHostProc
 
-from conftest import BoxHostProc
 from minimill.boxes.client import BoxError, Boxes, ExecResult
 
 

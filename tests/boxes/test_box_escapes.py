@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 from api_harness import ApiEnv
+from box_harness import BoxHostProc
 
-from conftest import BoxHostProc
 from minimill.boxes.client import Box, BoxError, Boxes
 
 SECRET = "s3cret-of-box-a"
