@@ -296,7 +296,7 @@ def worker(
     capacity: int = typer.Option(256, help="Most requests in flight."),
     boxes: int = typer.Option(0, min=0, help="Boxes (sandboxes) this site holds at once."),
     box_dir: Path | None = typer.Option(None, help="Where box workspaces live (default: "
-                                        "under the system temp directory)."),
+                                        "under the system temp directory); emptied at start."),
     box_snapshot_interval_s: float = typer.Option(
         30.0, min=0.1, help="Snapshot a changed box at most this often (what losing this "
         "site may cost a box)."),

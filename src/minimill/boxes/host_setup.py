@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import stat
 import tempfile
 from dataclasses import dataclass
@@ -29,13 +30,39 @@ class BoxHostStartError(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class BoxOptions:
     slots: int = 0  # boxes this site holds at once; 0: it offers none
-    box_dir: Path | None = None  # where workspaces live (default: under the system temp dir)
+    # Where workspaces live (default: under the system temp dir, one directory per process);
+    # whatever is in it when the host starts is removed.
+    box_dir: Path | None = None
     insecure_no_sandbox: bool = False
     snapshot_interval_s: float = 30.0
 
 
 def default_box_dir(site: str) -> Path:
-    return Path(tempfile.gettempdir()) / f"minimill-boxes-{os.geteuid()}" / site
+    """A directory of this process's own (two hosts of one site name may share a machine)."""
+    return Path(tempfile.gettempdir()) / f"minimill-boxes-{os.geteuid()}" / f"{site}-{os.getpid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale(root: Path, default: bool) -> None:
+    """Workspaces a dead host left behind (their boxes come back from snapshots): everything
+    in an operator's --box-dir, and default directories of processes that are gone."""
+    if not default:
+        for child in root.iterdir():
+            shutil.rmtree(child, ignore_errors=True)
+        return
+    for sibling in root.parent.iterdir():
+        pid = sibling.name.rsplit("-", 1)[-1]
+        if sibling != root and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(sibling, ignore_errors=True)
 
 
 def _check_reachable(path: Path) -> None:
@@ -61,6 +88,7 @@ def open_box_host(server: str, token: str, site: str, options: BoxOptions) -> Bo
             raise BoxHostStartError(f"cannot offer boxes: {exc}") from None
     root = options.box_dir or default_box_dir(site)
     root.mkdir(parents=True, exist_ok=True)
+    remove_stale(root, default=options.box_dir is None)
     if os.geteuid() == 0:
         root.chmod(0o711)  # others may pass through to a workspace, never list them
         _check_reachable(root)
