@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 MODEL  ?= smollm2-135m
 
-.PHONY: serve test lint install install-test postgres-bin clean
+.PHONY: serve test lint install install-test postgres-bin bwrap-bin clean
 
 # The CPU build of torch 2.13.0 is installed first and pinned: a bare `torch` requirement
 # would otherwise pull a multi-GB CUDA build.
@@ -35,11 +35,18 @@ postgres-bin:
 	  $$SUDO apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq postgresql >/dev/null; }
 
+# bubblewrap isolates boxes (sandboxes); prlimit (util-linux) sets their limits.
+bwrap-bin:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq bubblewrap >/dev/null; }
+
 lint: install-test
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
 
-test: install-test postgres-bin
+test: install-test postgres-bin bwrap-bin
 	$(BIN)/minimill pull $(MODEL)
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy

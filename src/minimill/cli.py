@@ -13,6 +13,9 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from minimill.agent_cli import agent_app
+from minimill.box_cli import box_app
+
 if TYPE_CHECKING:
     from minimill.control.site_view import SiteStatus
     from minimill.control.store import Store
@@ -30,6 +33,8 @@ outage_app = typer.Typer(help="Planned or forecast outages of a site.", no_args_
 prices_app = typer.Typer(help="The price list: what tenants are billed per model and tier.",
                          no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
+app.add_typer(box_app, name="box")
+app.add_typer(agent_app, name="agent")
 app.add_typer(batch_app, name="batch")
 app.add_typer(bench_app, name="bench")
 app.add_typer(sites_app, name="sites")
@@ -101,12 +106,21 @@ def serve(
     price_per_hour: float = typer.Option(
         0.10, help="What the local site costs in $/hour (cost only; tenants are billed by "
         "`minimill prices`)."),
+    boxes: int = typer.Option(4, min=0, help="Boxes (sandboxes) the local worker holds at "
+                              "once; none where bubblewrap isolation is unavailable."),
+    insecure_no_sandbox: bool = typer.Option(
+        False, "--insecure-no-sandbox", help="Let the local worker run boxes without "
+        "bubblewrap isolation where it is unavailable."),
+    agents: int = typer.Option(8, min=0, envvar="MINIMILL_LOCAL_AGENTS",
+                               help="Durable agents (harnesses) the local worker runs at "
+                               "once."),
 ) -> None:
     """Serve the OpenAI-compatible API (control plane) plus one local worker process."""
     from minimill.api.serve import run_serve
 
     run_serve(host=host, port=port, db=db, model=model, dtype=dtype, kv_dtype=kv_dtype,
-              local_worker=local_worker, price_per_hour=price_per_hour)
+              local_worker=local_worker, price_per_hour=price_per_hour, boxes=boxes,
+              insecure_no_sandbox=insecure_no_sandbox, agents=agents)
 
 
 @keys_app.command("create")
@@ -289,6 +303,22 @@ def bench_ingest(
         typer.echo(f"{key:>32}: {value}")
 
 
+@bench_app.command("agents")
+def bench_agents(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    model: str = typer.Option(DEFAULT_MODEL, help="Model to serve."),
+    dtype: str = typer.Option("auto", help="Engine dtype: " + DTYPE_HELP),
+    docs: int = typer.Option(1000, min=100, help="Documents in the generated corpus."),
+    docs_per_subagent: int = typer.Option(10, min=1, help="Documents each subagent reads."),
+) -> None:
+    """The deep-research example: subagents, tokens, batching, tok/s vs the engine alone,
+    and the same with the runner killed twice."""
+    from minimill.bench.agents_bench import run_agents_bench
+
+    run_agents_bench(model=model, dtype=dtype, json_out=json_out, docs=docs,
+                     docs_per_subagent=docs_per_subagent)
+
+
 @app.command()
 def worker(
     server: str = typer.Option(..., help="Control plane URL, e.g. http://host:8000."),
@@ -299,17 +329,34 @@ def worker(
         "cost only, never what tenants are billed)."),
     chip: str | None = typer.Option(
         None, help="Chip name, for the registry (default: as the site was registered)."),
-    engine: str = typer.Option("builtin", help="'builtin' or an OpenAI-compatible base URL."),
+    engine: str = typer.Option("builtin", help="'builtin', an OpenAI-compatible base URL, or "
+                               "'none' (a box host serving no tokens)."),
     model: str = typer.Option(DEFAULT_MODEL, help="Model to serve."),
     dtype: str = typer.Option("auto", help="Builtin engine dtype: " + DTYPE_HELP),
     kv_dtype: str = typer.Option("auto", help=KV_DTYPE_HELP, callback=_kv_dtype),
     capacity: int = typer.Option(256, help="Most requests in flight."),
+    boxes: int = typer.Option(0, min=0, help="Boxes (sandboxes) this site holds at once."),
+    box_dir: Path | None = typer.Option(None, help="Where box workspaces live (default: "
+                                        "under the system temp directory); emptied at start."),
+    box_snapshot_interval_s: float = typer.Option(
+        30.0, min=0.1, help="Snapshot a changed box at most this often (what losing this "
+        "site may cost a box)."),
+    insecure_no_sandbox: bool = typer.Option(
+        False, "--insecure-no-sandbox", help="Run boxes without bubblewrap isolation where "
+        "it is unavailable (their commands then see this host's files)."),
+    agents: int = typer.Option(0, min=0, help="Durable agents (harnesses) this site runs at "
+                               "once."),
 ) -> None:
     """Join a fleet: pull work from the control plane under leases and run it."""
+    from minimill.boxes.host_setup import BoxOptions
     from minimill.fleet.worker import run_worker
 
     run_worker(server=server, site=site, token=token, price_per_hour=price_per_hour, chip=chip,
-               engine=engine, model=model, dtype=dtype, kv_dtype=kv_dtype, capacity=capacity)
+               engine=engine, model=model, dtype=dtype, kv_dtype=kv_dtype, capacity=capacity,
+               boxes=BoxOptions(slots=boxes, box_dir=box_dir,
+                                insecure_no_sandbox=insecure_no_sandbox,
+                                snapshot_interval_s=box_snapshot_interval_s),
+               agents=agents)
 
 
 @sites_app.command("create")

@@ -32,6 +32,8 @@ FAST_ENV = {
     "MINIMILL_JANITOR_INTERVAL_S": "0.2",
     "MINIMILL_WORKER_DRAIN_S": "5",
     "MINIMILL_LOG_LEVEL": "INFO",
+    # Agents run on the runners a test starts, never on a serve's local worker.
+    "MINIMILL_LOCAL_AGENTS": "0",
 }
 
 

@@ -28,7 +28,11 @@ from minimill.api import errors
 from minimill.api.limits import BodyLimitMiddleware
 from minimill.api.progress import ProgressWatcher
 from minimill.api.routes import (
+    agent_fleet,
+    agents,
     batches,
+    box_fleet,
+    boxes,
     chat,
     completions,
     files,
@@ -54,7 +58,8 @@ async def _janitor(store: Store, config: ControlConfig, interval_s: float) -> No
     while True:
         try:
             report = await anyio.to_thread.run_sync(tick, store, time.time(), config, False)
-            if report.reaped_leases or report.expired_batches:
+            if (report.reaped_leases or report.expired_batches or report.reaped_boxes
+                    or report.reaped_agents):
                 log.info("janitor: %s", report)
         except Exception:  # the store may be briefly unreachable; try again next tick
             log.exception("janitor tick failed")
@@ -118,8 +123,8 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
 
     app = FastAPI(title="minimill", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible token factory: chat, completions, responses, "
-                              "files, batches, webhooks; plus the fleet protocol for worker "
-                              "sites.")
+                              "files, batches, webhooks, boxes, agents; plus the fleet "
+                              "protocol for worker sites.")
     app.state.store = the_store
     app.state.config = config
     app.state.settings = settings
@@ -130,7 +135,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
                        max_file_bytes=settings.max_file_bytes,
                        max_fleet_body_bytes=settings.max_fleet_body_bytes)
     for module in (models, chat, completions, responses, files, batches, webhook_endpoints,
-                   fleet):
+                   boxes, agents, fleet, box_fleet, agent_fleet):
         app.include_router(module.router)
     operator_routers = (sites.router, prices.router, keys.router)
     for router in operator_routers:

@@ -70,8 +70,11 @@ async def serve_realtime(request: Request, kind: Kind, body: ChatBody | Completi
                          store: Store, tenant: Tenant, config: ControlConfig,
                          watcher: ProgressWatcher) -> Response | dict[str, Any]:
     prepared = prepare_body(kind, body, config.served_models)
+    # A call retried with the same Idempotency-Key waits for the first one's request; such a
+    # request outlives a client that goes away (its retry will come for it).
+    idempotency_key = (request.headers.get("idempotency-key") or "")[:500] or None
     request_id = await anyio.to_thread.run_sync(submit, store, tenant.id, prepared,
-                                                time.time(), config)
+                                                time.time(), config, idempotency_key)
     watch = watcher.watch(request_id)
     handed_over = False
     record: RequestRecord | None = await anyio.to_thread.run_sync(get_request, store,
@@ -104,7 +107,7 @@ async def serve_realtime(request: Request, kind: Kind, body: ChatBody | Completi
     finally:
         if not handed_over:
             watcher.unwatch(watch)
-            if record is None or not record.terminal:
+            if (record is None or not record.terminal) and idempotency_key is None:
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(cancel_request, store, request_id,
                                                    time.time(), "the client went away")

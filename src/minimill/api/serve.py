@@ -114,9 +114,26 @@ async def _serve(server: _Server, sock: socket.socket,
             await asyncio.gather(worker_task, return_exceptions=True)
 
 
+def _local_boxes(boxes: int, insecure_no_sandbox: bool) -> int:
+    """Boxes the local worker offers: none, with a warning, where isolation is unavailable
+    (tokens are served all the same)."""
+    if boxes <= 0 or insecure_no_sandbox:
+        return max(boxes, 0)
+    from minimill.boxes.sandbox import IsolationUnavailable, check_isolation
+
+    try:
+        check_isolation()
+    except IsolationUnavailable as exc:
+        log.warning("the local worker offers no boxes: %s", exc)
+        return 0
+    return boxes
+
+
 def run_serve(*, host: str, port: int, db: str | None, model: str, dtype: str,
-              local_worker: bool, price_per_hour: float, kv_dtype: str = "auto") -> None:
-    """Serve the OpenAI-compatible API on host:port, plus one local worker serving `model`."""
+              local_worker: bool, price_per_hour: float, kv_dtype: str = "auto",
+              boxes: int = 4, insecure_no_sandbox: bool = False, agents: int = 8) -> None:
+    """Serve the OpenAI-compatible API on host:port, plus one local worker serving `model`,
+    holding up to `boxes` boxes and running up to `agents` durable agents."""
     logging.basicConfig(level=os.environ.get("MINIMILL_LOG_LEVEL", "INFO"),
                         format="%(asctime)s serve %(levelname)s %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per call is noise
@@ -150,7 +167,10 @@ def run_serve(*, host: str, port: int, db: str | None, model: str, dtype: str,
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                     timeout_graceful_shutdown=5))
     command = worker_command(_loopback_url(host, port), model, dtype, price_per_hour, chip,
-                             kv_dtype)
+                             kv_dtype=kv_dtype,
+                             boxes=_local_boxes(boxes, insecure_no_sandbox) if local_worker
+                             else 0, insecure_no_sandbox=insecure_no_sandbox,
+                             agents=agents if local_worker else 0)
     supervisor = WorkerSupervisor(command, token) if local_worker else None
     log.info("control plane on http://%s:%d/v1 (store %s)%s", host, port, store.url,
              ", starting the local worker" if local_worker else "")

@@ -95,7 +95,7 @@ class LocalFleet:
     """A serve (optionally without its local worker) plus extra workers, on a temp home."""
 
     def __init__(self, model: str, dtype: str, *, local_worker: bool = True,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, serve_args: tuple[str, ...] = ()) -> None:
         from minimill.models.registry import KNOWN_MODELS, pull_model
 
         self.model, self.dtype = model, dtype
@@ -107,7 +107,7 @@ class LocalFleet:
         self.port = free_port()
         self.env = {**os.environ, "MINIMILL_HOME": str(self.home), **(env or {})}
         args = [sys.executable, "-m", "minimill.cli", "serve", "--port", str(self.port),
-                "--model", model, "--dtype", dtype]
+                "--model", model, "--dtype", dtype, *serve_args]
         if not local_worker:
             args.append("--no-local-worker")
         self.local_worker = local_worker
@@ -143,11 +143,11 @@ class LocalFleet:
         finally:
             store.close()
 
-    def worker(self, site: str, token: str) -> LocalProcess:
+    def worker(self, site: str, token: str, *extra_args: str) -> LocalProcess:
         """A `minimill worker` process for `site` (started, not yet ready)."""
         args = [sys.executable, "-m", "minimill.cli", "worker", "--server",
                 f"http://127.0.0.1:{self.port}", "--site", site, "--model", self.model,
-                "--dtype", self.dtype]
+                "--dtype", self.dtype, *extra_args]
         proc = LocalProcess(args, {**self.env, "MINIMILL_SITE_TOKEN": token},
                             self.home / f"worker-{site}.log")
         self.workers[site] = proc

@@ -115,6 +115,38 @@ class FileWriter:
         _remove(self.store, self.id)
 
 
+def _rechunk(parts: Iterable[bytes], max_bytes: int | None) -> Iterator[bytes]:
+    """Fixed-size chunks of the concatenated parts; raises once the total exceeds max_bytes."""
+    buf, total = bytearray(), 0
+    for part in parts:
+        total += len(part)
+        if max_bytes is not None and total > max_bytes:
+            raise PayloadTooLargeError(f"file is larger than the limit of {max_bytes} bytes",
+                                       param="file", code="file_too_large")
+        buf += part
+        while len(buf) >= CHUNK_BYTES:
+            yield bytes(buf[:CHUNK_BYTES])
+            del buf[:CHUNK_BYTES]
+    if buf:
+        yield bytes(buf)
+
+
+def insert_chunks(conn: Connection, blob_id: str, parts: Iterable[bytes],
+                  max_bytes: int | None = None) -> int:
+    """Store content under `blob_id` in chunks inside the caller's transaction (box
+    snapshots); returns its size."""
+    size = 0
+    for seq, chunk in enumerate(_rechunk(parts, max_bytes)):
+        conn.execute(insert(file_chunks).values(file_id=blob_id, seq=seq, data=chunk))
+        size += len(chunk)
+    return size
+
+
+def iter_chunks(store: Store, blob_id: str) -> Iterator[bytes]:
+    """Content stored under `blob_id`, one chunk per query (a large one is never read whole)."""
+    return chunks_from(store, blob_id)
+
+
 def create_file(store: Store, tenant_id: str, purpose: str, filename: str,
                 parts: Iterable[bytes], max_bytes: int | None = None,
                 expires_after_s: float | None = None) -> FileRecord:

@@ -1,6 +1,7 @@
-"""The janitor's work: short steps one tick at a time (reap expired leases, expire overdue
-requests and batches, delete expired files and those whose writer or deleter died), and the
-long batch jobs (read new batches' input files, write finished batches' output files).
+"""The janitor's work: short steps one tick at a time (reap expired leases of requests, boxes
+and agents, expire overdue requests and batches, delete expired files and those whose writer or
+deleter died), and the long batch jobs (read new batches' input files, write finished batches'
+output files).
 
 Every step is a conditional UPDATE or a claimed ingest or finalization, so any number of
 control-plane processes may run them at the same time. The API runs `tick` every fraction of
@@ -15,7 +16,7 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 
-from minimill.control import files
+from minimill.control import agents, box_hosts, files
 from minimill.control.batch_finalize import expire_due, finalize, finishable
 from minimill.control.batch_load import ingest_pending
 from minimill.control.config import ControlConfig
@@ -32,6 +33,8 @@ class TickReport:
     expired_batches: int
     finalized_batches: int
     deleted_files: int
+    reaped_boxes: int = 0
+    reaped_agents: int = 0
 
 
 def tick(store: Store, now: float, config: ControlConfig,
@@ -43,9 +46,12 @@ def tick(store: Store, now: float, config: ControlConfig,
     expired_batches = expire_due(store, now)
     finalized = finalize_ready(store, now, config) if finalize_batches else 0
     deleted = files.sweep(store, now, config.file_writing_ttl_s)
+    reaped_boxes = box_hosts.reap_expired(store, now)
+    reaped_agents = agents.reap_expired(store, now)
     return TickReport(reaped_leases=reaped, expired_requests=expired,
                       expired_batches=expired_batches, finalized_batches=finalized,
-                      deleted_files=deleted)
+                      deleted_files=deleted, reaped_boxes=reaped_boxes,
+                      reaped_agents=reaped_agents)
 
 
 def finalize_ready(store: Store, now: float, config: ControlConfig) -> int:

@@ -67,11 +67,18 @@ def row_values(tenant_id: str, prepared: PreparedBody, now: float, deadline: flo
 
 
 def submit(store: Store, tenant_id: str, prepared: PreparedBody, now: float,
-           config: ControlConfig) -> str:
-    """Queue a realtime (or flex) request; returns its id."""
+           config: ControlConfig, idempotency_key: str | None = None) -> str:
+    """Queue a realtime (or flex) request; returns its id. With an idempotency key the
+    tenant used before, the id of that earlier request (nothing new is queued)."""
     values = row_values(tenant_id, prepared, now, now + config.realtime_timeout_s,
-                        prepared.tier)
+                        prepared.tier, idempotency_key=idempotency_key)
     with store.write() as conn:
+        if idempotency_key is not None:
+            earlier = conn.execute(select(requests.c.id).where(
+                requests.c.tenant_id == tenant_id,
+                requests.c.idempotency_key == idempotency_key)).scalar()
+            if earlier is not None:
+                return str(earlier)
         conn.execute(insert(requests).values(**values))
     return str(values["id"])
 

@@ -71,6 +71,8 @@ api_keys = Table(
     Column("tenant_id", String(40), nullable=False, index=True),
     Column("key_hash", String(64), nullable=False, unique=True),
     Column("created_at", Double, nullable=False),
+    # Set for the key a runner gets with an agent's lease: it dies with that lease.
+    Column("agent_id", String(40), index=True),
 )
 
 # Operator keys reach the fleet (sites, outages, prices, keys); they belong to no tenant.
@@ -203,7 +205,11 @@ requests = Table(
     # The conversation a request belongs to (a response chain's root id, or the client's
     # prompt_cache_key): what KV cache reuse and placement may group by. None: no session.
     Column("session_key", String(200)),
+    # The client's Idempotency-Key (realtime calls): a retry with it waits for this request
+    # instead of queueing another (a durable agent's new runner, say).
+    Column("idempotency_key", String(500)),
     Index("ix_requests_queue", "status", "tier", "deadline", "seq"),
+    Index("ix_requests_idempotency", "tenant_id", "idempotency_key"),
     Index("ix_requests_batch", "batch_id", "status"),
     # One row per input line, whatever happens to an ingest (output is written in this order).
     Index("ux_requests_batch_line", "batch_id", "line_no", unique=True),
@@ -317,4 +323,108 @@ webhook_deliveries = Table(
     Column("created_at", Double, nullable=False),
     Column("delivered_at", Double),
     Index("ix_webhook_deliveries_due", "status", "next_attempt_at"),
+)
+
+# Boxes (sandboxes): a tenant's workspace that a box host (a site) holds under a lease with a
+# fencing epoch, as requests are; a lapsed lease sends it back to `pending`, to come back on
+# another host from `snapshot_id` (else `image_id`).
+boxes = Table(
+    "boxes", metadata,
+    Column("id", String(40), primary_key=True),
+    Column("tenant_id", String(40), nullable=False),
+    Column("status", String(20), nullable=False),  # control/boxes.BoxStatus
+    Column("epoch", Integer, nullable=False, default=0),
+    Column("site_id", String(40)),
+    Column("lease_expires_at", Double),
+    Column("image_id", String(40)),  # the archive it was created from (an image or snapshot)
+    Column("snapshot_id", String(40)),  # its latest snapshot
+    Column("network", Boolean, nullable=False, default=False),
+    Column("limits", JSON, nullable=False),
+    Column("metadata", JSON),
+    Column("created_at", Double, nullable=False),
+    Column("leased_at", Double),
+    Column("restarts", Integer, nullable=False, default=0),  # leases after the first
+    Index("ix_boxes_tenant_created", "tenant_id", "created_at"),
+    Index("ix_boxes_status", "status", "lease_expires_at"),
+    Index("ix_boxes_site", "site_id", "status"),
+)
+
+# Operations on a box (exec, file reads and writes, snapshot, pause), run by its host in order.
+box_ops = Table(
+    "box_ops", metadata,
+    Column("seq", SeqType, primary_key=True, autoincrement=True),
+    Column("id", String(40), nullable=False, unique=True),
+    Column("box_id", String(40), nullable=False),
+    Column("tenant_id", String(40), nullable=False),
+    Column("kind", String(20), nullable=False),
+    Column("args", JSON, nullable=False),
+    Column("status", String(20), nullable=False),  # control/boxes.OpStatus
+    Column("epoch", Integer),  # the box's epoch when its host took it
+    Column("result", JSON),
+    Column("error", JSON),
+    Column("created_at", Double, nullable=False),
+    Column("started_at", Double),
+    Column("finished_at", Double),
+    # The caller's Idempotency-Key: a retried call (a durable agent's new runner) gets the
+    # first call's operation, never a second run. Such rows are kept after they finish.
+    Column("idempotency_key", String(500)),
+    Index("ix_box_ops_box", "box_id", "status", "seq"),
+    Index("ix_box_ops_idempotency", "tenant_id", "idempotency_key"),
+)
+
+# Workspace archives: tenants' images, and snapshots of boxes. Content lives in file_chunks
+# under the snapshot's id.
+box_snapshots = Table(
+    "box_snapshots", metadata,
+    Column("id", String(40), primary_key=True),
+    Column("tenant_id", String(40), nullable=False),
+    Column("box_id", String(40), index=True),  # None for an image
+    Column("kind", String(20), nullable=False),  # image | manual | auto
+    Column("bytes", BigInteger, nullable=False),
+    Column("created_at", Double, nullable=False),
+)
+
+# Durable agents: a tenant's harness (its code and task), run by runners (sites) under leases
+# with fencing epochs; a lapsed lease sends it back to `queued`, and the next runner replays
+# its journal.
+agents = Table(
+    "agents", metadata,
+    Column("id", String(40), primary_key=True),
+    Column("tenant_id", String(40), nullable=False),
+    Column("status", String(20), nullable=False),  # control/agents.AgentStatus
+    Column("code", Text, nullable=False),
+    Column("filename", String(500), nullable=False),
+    Column("task", JSON),
+    Column("model", String(200), nullable=False),
+    Column("budget_tokens", BigInteger),
+    # The image (an archive id) the agent's box starts from; None: an empty box.
+    Column("box_image", String(40)),
+    Column("epoch", Integer, nullable=False, default=0),
+    Column("site_id", String(40)),
+    Column("lease_expires_at", Double),
+    # Not leased before this time (ctx.sleep_until).
+    Column("wake_at", Double),
+    Column("result", JSON),
+    Column("error", JSON),
+    Column("restarts", Integer, nullable=False, default=0),
+    # Effects a runner tried to journal a second time (must stay 0: none was redone).
+    Column("repeated_effects", Integer, nullable=False, default=0),
+    # Effects runners answered from the journal instead of running them again.
+    Column("replayed_effects", Integer, nullable=False, default=0),
+    Column("created_at", Double, nullable=False),
+    Column("finished_at", Double),
+    Index("ix_agents_tenant_created", "tenant_id", "created_at"),
+    Index("ix_agents_queue", "status", "wake_at"),
+)
+
+# Every effect of an agent (model call, exec, file write, subagent result, log line, sleep),
+# keyed by its deterministic place in the harness's run.
+agent_journal = Table(
+    "agent_journal", metadata,
+    Column("agent_id", String(40), primary_key=True),
+    Column("key", String(400), primary_key=True),
+    Column("kind", String(20), nullable=False),
+    Column("value", JSON),
+    Column("epoch", Integer, nullable=False),
+    Column("created_at", Double, nullable=False),
 )

@@ -66,6 +66,7 @@ class StreamFrontend:
         self._streams: dict[str, _Stream] = {}  # every request not yet finished
         self._closed = False
         self._tok_s = 0.0
+        self.step_counts = (0, 0)  # (steps, sequences stepped) of the step loop so far
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -210,6 +211,7 @@ class AsyncEngine(StreamFrontend):
                 continue
             step_into(core, out)
             self._tok_s = core.recent_output_tok_s()
+            self.step_counts = (core.num_steps, core.num_step_seqs)
             self.deliver(out)
 
 

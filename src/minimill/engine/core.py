@@ -45,6 +45,9 @@ class EngineCore:
         self.vocab_size = loaded.config.vocab_size
         self._pending: list[TokenDelta] = []  # finished at admission (resumed past max_tokens)
         self._recent: deque[tuple[float, int]] = deque()  # (time, output tokens) per step
+        # Steps that ran the model, and the sequences they ran: their ratio is the mean batch.
+        self.num_steps = 0
+        self.num_step_seqs = 0
 
     @property
     def has_unfinished(self) -> bool:
@@ -125,6 +128,8 @@ class EngineCore:
             for entry in scheduled.scheduled:
                 self._fail(entry.seq.request_id, exc, result)
             return result
+        self.num_steps += 1
+        self.num_step_seqs += len(scheduled.scheduled)
         updated = self.scheduler.update_from_output(scheduled, model_output)
         for seq in updated:
             try:

@@ -148,6 +148,10 @@ class BuiltinEngineAdapter:
         value = self._engine.recent_output_tok_s()
         return float(value) if value else None
 
+    def step_counts(self) -> tuple[int, int]:
+        """(engine steps, sequences those steps ran) so far: their ratio is the mean batch."""
+        return self._engine.step_counts
+
     async def close(self) -> None:
         # close() joins the engine thread: keep the event loop free meanwhile.
         await asyncio.to_thread(self._engine.close)

@@ -338,8 +338,10 @@ class Worker:
         """Log the token counter often, so that a benchmark can count work a kill -9 lost."""
         while True:
             await asyncio.sleep(every_s)
-            log.info("stats generated_tokens=%d held=%d", self.tally.generated_tokens,
-                     len(self.held))
+            counts = getattr(self.adapter, "step_counts", None)
+            steps, step_seqs = counts() if counts is not None else (0, 0)
+            log.info("stats generated_tokens=%d held=%d steps=%d step_seqs=%d",
+                     self.tally.generated_tokens, len(self.held), steps, step_seqs)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def stop(self) -> None:

@@ -19,6 +19,9 @@ import sys
 import time
 from types import FrameType
 
+from minimill.agents.runner import AgentRunner, RunnerClient
+from minimill.boxes.host import BoxHost
+from minimill.boxes.host_setup import BoxHostStartError, BoxOptions, open_box_host
 from minimill.fleet.client import ControlPlaneClient, SiteAuthError
 from minimill.fleet.engines import EngineStartError, open_engine
 from minimill.fleet.loops import Worker
@@ -27,6 +30,7 @@ from minimill.lifetime import STOP_SIGNALS, die_with_parent, stop_reason
 from minimill.protocol import MAX_CHIP_CHARS
 
 log = logging.getLogger("minimill.worker")
+NO_ENGINE = "none"  # --engine none: a box host that serves no tokens
 
 
 class StoppedWhileStarting(BaseException):
@@ -41,9 +45,22 @@ def _stop_while_starting(signum: int, _frame: FrameType | None) -> None:
     raise StoppedWhileStarting(stop_reason(signum))
 
 
-def _stop(worker: Worker, signum: int) -> None:
+def _stop(worker: Worker, signum: int, box_host: BoxHost | None = None,
+          runner: AgentRunner | None = None) -> None:
     log.info("%s: stopping", stop_reason(signum))
     worker.stop()
+    _stop_sidelines(box_host, runner)
+
+
+def _stop_sidelines(box_host: BoxHost | None, runner: AgentRunner | None,
+                    signum: int | None = None) -> None:
+    """Stop what a worker runs beside the engine: its box host and its agent runner."""
+    if signum is not None:
+        log.info("%s: stopping", stop_reason(signum))
+    if box_host is not None:
+        box_host.stop()
+    if runner is not None:
+        runner.stop()
 
 
 async def _log_first_lease(worker: Worker, clock: StartClock) -> None:
@@ -53,9 +70,42 @@ async def _log_first_lease(worker: Worker, clock: StartClock) -> None:
     log.info("%s", clock.summary("first lease"))
 
 
+async def _run_runner(runner: AgentRunner | None) -> None:
+    if runner is None:
+        return
+    try:
+        await runner.run()
+    finally:
+        await runner.client.close()
+        log.info("agent runner stopped: %s", runner.stats)
+
+
+async def _run_box_host(host: BoxHost | None) -> None:
+    if host is None:
+        return
+    try:
+        await host.run()
+    finally:
+        await host.client.close()
+        log.info("box host stopped: %s", host.stats)
+
+
 async def _amain(*, server: str, site: str, token: str, engine: str, model: str, dtype: str,
                  kv_dtype: str, capacity: int, price_per_hour: float | None, chip: str | None,
-                 clock: StartClock) -> None:
+                 clock: StartClock, boxes: BoxOptions, agents: int = 0) -> None:
+    # Boxes first: a host that cannot isolate them says so before a long model load.
+    box_host = open_box_host(server, token, site, boxes) if boxes.slots > 0 else None
+    runner = AgentRunner(RunnerClient(server, token), agents) if agents > 0 else None
+    loop = asyncio.get_running_loop()
+    if engine == NO_ENGINE:
+        if box_host is None and runner is None:
+            raise SystemExit("--engine none serves no tokens: give it --boxes N or --agents N")
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, _stop_sidelines, box_host, runner, sig)
+        log.info("worker for site %r ready: no engine, %d boxes, %d agents, control plane %s",
+                 site, boxes.slots, agents, server)
+        await asyncio.gather(_run_box_host(box_host), _run_runner(runner))
+        return
     adapter = await open_engine(engine, model=model, dtype=dtype, kv_dtype=kv_dtype,
                                 capacity=capacity, clock=clock)
     client = ControlPlaneClient(server, token)
@@ -64,16 +114,18 @@ async def _amain(*, server: str, site: str, token: str, engine: str, model: str,
                     drain_timeout_s=float(os.environ.get("MINIMILL_WORKER_DRAIN_S", "10")),
                     stats_every_s=float(os.environ.get("MINIMILL_WORKER_STATS_S", "0")),
                     price_per_hour=price_per_hour, chip=chip)
-    loop = asyncio.get_running_loop()
     for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, _stop, worker, sig)
-    log.info("worker for site %r ready: engine %s, models %s, capacity %d, control plane %s",
-             site, engine, adapter.models, effective, server)
+        loop.add_signal_handler(sig, _stop, worker, sig, box_host, runner)
+    log.info("worker for site %r ready: engine %s, models %s, capacity %d, boxes %d, "
+             "control plane %s", site, engine, adapter.models, effective, boxes.slots, server)
     timing = asyncio.create_task(_log_first_lease(worker, clock))
+    sidelines = asyncio.gather(_run_box_host(box_host), _run_runner(runner))
     try:
         await worker.run()
     finally:
         timing.cancel()
+        _stop_sidelines(box_host, runner)
+        await asyncio.gather(sidelines, return_exceptions=True)
         await client.close()
         await adapter.close()
         log.info("worker stopped: %s, generated_tokens %d", worker.stats,
@@ -95,13 +147,15 @@ def _check_declared(price_per_hour: float | None, chip: str | None) -> str | Non
 
 def run_worker(*, server: str, site: str, token: str, price_per_hour: float | None,
                chip: str | None, engine: str, model: str, dtype: str, capacity: int,
-               kv_dtype: str = "auto") -> None:
+               kv_dtype: str = "auto", boxes: BoxOptions | None = None,
+               agents: int = 0) -> None:
     """Join the fleet at `server` as `site` and serve until SIGTERM/SIGINT.
 
     The worker declares `price_per_hour` and `chip` with every lease call: they replace what
     the site was registered with (`minimill sites create`), and metering and placement use
     them. None keeps the registered values. It also reports its measured tokens/s with every
-    lease and heartbeat call.
+    lease and heartbeat call. With `boxes.slots` > 0 it is a box host too (boxes/host.py),
+    with `agents` > 0 an agent runner (agents/runner.py); engine "none" serves no tokens.
     """
     logging.basicConfig(level=os.environ.get("MINIMILL_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s worker[{site}] %(levelname)s %(message)s",
@@ -119,9 +173,9 @@ def run_worker(*, server: str, site: str, token: str, price_per_hour: float | No
     try:
         asyncio.run(_amain(server=server, site=site, token=token, engine=engine, model=model,
                            dtype=dtype, kv_dtype=kv_dtype, capacity=capacity,
-                           price_per_hour=price_per_hour,
-                           chip=chip, clock=clock))
-    except (EngineStartError, SiteAuthError) as exc:
+                           price_per_hour=price_per_hour, chip=chip, clock=clock,
+                           boxes=boxes or BoxOptions(), agents=agents))
+    except (EngineStartError, SiteAuthError, BoxHostStartError) as exc:
         log.error("%s", exc)
         raise SystemExit(2) from None
     except StoppedWhileStarting as exc:

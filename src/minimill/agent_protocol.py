@@ -1,0 +1,79 @@
+"""Wire messages between a runner (agents/runner.py) and the control plane for durable agents
+(api/routes/agent_fleet.py serves, control/agents.py decides).
+
+A runner pulls agents as workers pull requests: `/poll` extends the leases of the agents it
+runs and grants new ones, each with a bumped epoch, the harness code, the task, the journal so
+far, and a fresh API key of the agent's tenant that lives as long as the lease (the harness's
+model calls and boxes go through the public API with it). Journal appends, suspensions and
+completions carry the epoch: a runner whose lease lapsed is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+AGENT_FLEET_PREFIX = "/v1/fleet/agents"
+
+
+class HeldAgent(BaseModel):
+    agent_id: str
+    epoch: int
+
+
+class AgentPollRequest(BaseModel):
+    capacity: int = Field(ge=0, le=4096)
+    held: list[HeldAgent] = Field(default_factory=list, max_length=4096)
+    wait_s: float = Field(0.0, ge=0.0, le=10.0)
+
+
+class JournalEntry(BaseModel):
+    key: str = Field(max_length=400)
+    kind: str = Field(max_length=20)
+    value: Any = None
+
+
+class AgentLease(BaseModel):
+    agent_id: str
+    epoch: int
+    code: str
+    filename: str
+    task: Any = None
+    model: str
+    budget_tokens: int | None = None
+    box_image: str | None = None
+    api_key: str
+    journal: list[JournalEntry] = Field(default_factory=list)
+
+
+class AgentPollResponse(BaseModel):
+    lease_ttl_s: float
+    leases: list[AgentLease] = Field(default_factory=list)
+    extended: dict[str, float] = Field(default_factory=dict)
+    revoked: list[str] = Field(default_factory=list)
+
+
+class JournalAppend(BaseModel):
+    epoch: int
+    entries: list[JournalEntry] = Field(max_length=1024)
+    # Effects answered from the journal since the last append (counted for the operator).
+    replayed: int = Field(0, ge=0)
+
+
+class JournalAppended(BaseModel):
+    # Keys already journaled (another run did the effect first): counted as repeated.
+    duplicates: list[str]
+
+
+class AgentFinish(BaseModel):
+    epoch: int
+    outcome: Literal["succeeded", "failed", "sleeping"]
+    result: Any = None
+    error: dict[str, Any] | None = None
+    # For "sleeping": not leased again before this time.
+    wake_at: float | None = None
+
+
+class AgentFinished(BaseModel):
+    accepted: bool

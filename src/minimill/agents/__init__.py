@@ -1,0 +1,9 @@
+"""Durable agents: a tenant's harness (`async def main(ctx, task)` in a Python file) run by
+runners under leases, every effect journaled in the store so that a runner's loss costs no
+effect twice.
+
+- `runtime.py`: the `ctx` a harness gets (chat, box, map, budget, log, sleep_until) and the
+  journal it replays.
+- `runner.py`: the runner loop a worker runs (`minimill worker --agents N`).
+- `client.py`: start, follow and cancel agents over `/v1/agents`.
+"""

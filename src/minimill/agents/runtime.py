@@ -1,0 +1,234 @@
+"""The `ctx` of a harness, and the journal behind it.
+
+Every effect has a key naming its place in the run: the context's prefix (the root's is "",
+subagent i of the m-th `map` of a context is "<prefix>m<m>.<i>/") plus the effect's kind and
+its count in that context. A harness that awaits its effects in order (concurrency only
+through `ctx.map`) gives every effect the same key on every run, so a runner that takes the
+agent over answers the effects already journaled from the journal and runs only the rest.
+An effect is journaled before its result is used: what a harness saw, a replay sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from minimill.agent_protocol import JournalEntry
+
+T = TypeVar("T")
+DEFAULT_MAX_TOKENS = 256
+
+
+class BudgetExceeded(RuntimeError):
+    """The agent spent its token budget; ctx.chat refuses further calls."""
+
+
+class Suspend(BaseException):
+    """Raised by ctx.sleep_until: the runner parks the agent until `wake_at`."""
+
+    def __init__(self, wake_at: float) -> None:
+        super().__init__(wake_at)
+        self.wake_at = wake_at
+
+
+@dataclass
+class Budget:
+    """Tokens (prompt + completion) the agent may spend, and what it spent, replays included."""
+
+    limit_tokens: int | None = None
+    spent_tokens: int = 0
+    spent_usd: float = 0.0
+
+    @property
+    def remaining_tokens(self) -> int | None:
+        if self.limit_tokens is None:
+            return None
+        return max(self.limit_tokens - self.spent_tokens, 0)
+
+    def charge(self, usage: dict[str, Any]) -> None:
+        self.spent_tokens += int(usage.get("total_tokens") or 0)
+        self.spent_usd += float(usage.get("cost_usd") or 0.0)
+
+    @classmethod
+    def from_journal(cls, limit_tokens: int | None, entries: list[JournalEntry]) -> Budget:
+        """What the agent spent in its earlier runs: the usage of every journaled call."""
+        budget = cls(limit_tokens=limit_tokens)
+        for entry in entries:
+            if entry.kind == "chat" and isinstance(entry.value, dict):
+                budget.charge(entry.value.get("usage") or {})
+        return budget
+
+
+class Effects:
+    """What a run does to the world; the runner supplies it (runner.py). Each call performs
+    the effect and returns a JSON-able value."""
+
+    async def chat(self, body: dict[str, Any], key: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def box_create(self) -> str:
+        raise NotImplementedError
+
+    async def box_call(self, box_id: str, op: str, args: dict[str, Any], key: str) -> Any:
+        """`key`: the effect's journal key, so that the call can be made idempotent."""
+        raise NotImplementedError
+
+    async def journal(self, entry: JournalEntry) -> None:
+        raise NotImplementedError
+
+
+@dataclass
+class Run:
+    """One run of an agent on one runner: the journal so far and the effects."""
+
+    effects: Effects
+    journal: dict[str, Any]
+    model: str
+    budget: Budget
+    replayed: int = 0
+    performed: int = 0
+    box_id: str | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class Ctx:
+    def __init__(self, run: Run, prefix: str = "") -> None:
+        self._run = run
+        self._prefix = prefix
+        self._counts: dict[str, int] = {}
+        self.box = AgentBox(self)
+
+    @property
+    def budget(self) -> Budget:
+        return self._run.budget
+
+    def _key(self, kind: str) -> str:
+        n = self._counts.get(kind, 0)
+        self._counts[kind] = n + 1
+        return f"{self._prefix}{kind}{n}"
+
+    async def effect(self, kind: str, perform: Callable[[str], Awaitable[Any]]) -> Any:
+        """Run `perform(key)` once in the agent's life: a journaled effect is answered from
+        the journal."""
+        key = self._key(kind)
+        run = self._run
+        if key in run.journal:
+            run.replayed += 1
+            return run.journal[key]
+        value = await perform(key)
+        await run.effects.journal(JournalEntry(key=key, kind=kind, value=value))
+        run.journal[key] = value
+        run.performed += 1
+        return value
+
+    async def chat(self, messages: str | list[dict[str, Any]], *, max_tokens: int =
+                   DEFAULT_MAX_TOKENS, model: str | None = None, temperature: float = 0.0,
+                   realtime: bool = False, **extra: Any) -> str:
+        """A chat completion through the token factory (background tier unless `realtime`);
+        returns the text. Usage is charged to ctx.budget."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        budget = self._run.budget
+        if budget.remaining_tokens == 0:
+            raise BudgetExceeded(f"the agent spent its budget of {budget.limit_tokens} tokens")
+        body = {"model": model or self._run.model, "messages": messages,
+                "max_tokens": max_tokens, "temperature": temperature, **extra}
+        if not realtime:
+            body["service_tier"] = "flex"
+
+        async def perform(key: str) -> dict[str, Any]:
+            done = await self._run.effects.chat(body, key)
+            budget.charge(done.get("usage") or {})  # a replayed call was charged already
+            return done
+
+        answer = await self.effect("chat", perform)
+        return str(answer.get("text") or "")
+
+    async def map(self, subagent: Callable[[Ctx, Any], Awaitable[T]], items: Sequence[Any],
+                  concurrency: int = 8) -> list[T]:
+        """Run `subagent(sub_ctx, item)` for every item, at most `concurrency` at once; a
+        finished subagent's result is journaled and never run again."""
+        m = self._counts.get("map", 0)
+        self._counts["map"] = m + 1
+        limit = asyncio.Semaphore(max(concurrency, 1))
+        run = self._run
+
+        async def one(i: int, item: Any) -> Any:
+            key = f"{self._prefix}m{m}.{i}"
+            if key in run.journal:
+                run.replayed += 1
+                return run.journal[key]
+            async with limit:
+                value = await subagent(Ctx(run, f"{key}/"), item)
+            await run.effects.journal(JournalEntry(key=key, kind="subagent", value=value))
+            run.journal[key] = value
+            run.performed += 1
+            return value
+
+        return list(await asyncio.gather(*(one(i, item) for i, item in enumerate(items))))
+
+    async def log(self, message: str) -> None:
+        """Record progress (minimill agent logs ID)."""
+        async def perform(_key: str) -> str:
+            return str(message)
+
+        await self.effect("log", perform)
+
+    async def sleep_until(self, when: float) -> None:
+        """Wait until Unix time `when` holding nothing: the agent leaves its runner and is
+        taken up again (on any runner) when the time comes."""
+        async def perform(_key: str) -> float:
+            return float(when)
+
+        target = await self.effect("sleep", perform)
+        if time.time() < target:
+            raise Suspend(target)
+
+
+class AgentBox:
+    """The agent's box (one per agent, shared by its subagents), created on first use; every
+    exec and file write is a journaled effect."""
+
+    def __init__(self, ctx: Ctx) -> None:
+        self._ctx = ctx
+
+    async def _box_id(self) -> str:
+        run = self._ctx._run
+        async with run.lock:
+            if run.box_id is None:
+                root = Ctx(run, "")  # the box belongs to the agent, whoever uses it first
+                run.box_id = str(await root.effect(
+                    "box", lambda _key: run.effects.box_create()))
+        return run.box_id
+
+    async def exec(self, command: str | list[str], *, stdin: str = "",
+                   timeout_s: float | None = None) -> dict[str, Any]:
+        """Run a command in the box: {exit_code, stdout, stderr, ...}."""
+        box_id = await self._box_id()
+        args = {"command": command, "stdin": stdin, "timeout_s": timeout_s}
+        result: dict[str, Any] = await self._ctx.effect(
+            "exec", lambda key: self._ctx._run.effects.box_call(box_id, "exec", args, key))
+        return result
+
+    async def write(self, path: str, content: str) -> None:
+        box_id = await self._box_id()
+        await self._ctx.effect("write", lambda key: self._ctx._run.effects.box_call(
+            box_id, "write", {"path": path, "content": content}, key))
+
+    async def read(self, path: str) -> str:
+        box_id = await self._box_id()
+        return str(await self._ctx.effect("read", lambda key: self._ctx._run.effects.box_call(
+            box_id, "read", {"path": path}, key)))
+
+
+def load_main(code: str, filename: str) -> Callable[[Ctx, Any], Awaitable[Any]]:
+    """The harness's `main` from its source."""
+    namespace: dict[str, Any] = {"__name__": "minimill_harness", "__file__": filename}
+    exec(compile(code, filename, "exec"), namespace)
+    main = namespace.get("main")
+    if not callable(main):
+        raise ValueError(f"{filename} defines no `async def main(ctx, task)`")
+    return main

@@ -1,0 +1,123 @@
+"""Wire schemas of `/v1/boxes` (separate from the store's rows and the host protocol)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from minimill.box_protocol import BoxLimits
+from minimill.control.box_records import BoxRecord, SnapshotRecord
+
+MAX_INLINE_BYTES = 16 * 1024 * 1024
+
+
+class BoxCreate(BaseModel):
+    image: str | None = Field(None, description="An image id (POST /v1/boxes/images) to "
+                              "start from.")
+    snapshot: str | None = Field(None, description="A snapshot id to restore into the new box.")
+    network: bool = Field(False, description="Let the box reach the network (off by default).")
+    limits: BoxLimits = BoxLimits()
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> BoxCreate:
+        if self.image is not None and self.snapshot is not None:
+            raise ValueError("give either image or snapshot, not both")
+        return self
+
+
+class BoxObject(BaseModel):
+    id: str
+    object: Literal["box"] = "box"
+    status: str
+    created_at: int
+    network: bool
+    limits: BoxLimits
+    # The image or snapshot it was created from, and its latest snapshot.
+    source: str | None
+    latest_snapshot: str | None
+    # Times it came back on another host (its host was lost, or it was resumed).
+    restarts: int
+    metadata: dict[str, Any] | None
+
+    @classmethod
+    def of(cls, record: BoxRecord) -> BoxObject:
+        return cls(id=record.id, status=record.status.value, created_at=int(record.created_at),
+                   network=record.network, limits=BoxLimits.model_validate(record.limits),
+                   source=record.image_id, latest_snapshot=record.snapshot_id,
+                   restarts=record.restarts, metadata=record.metadata)
+
+
+class BoxList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BoxObject]
+
+
+class BoxDeleted(BaseModel):
+    id: str
+    object: Literal["box.deleted"] = "box.deleted"
+    deleted: bool = True
+
+
+class SnapshotObject(BaseModel):
+    id: str
+    object: Literal["box.snapshot"] = "box.snapshot"
+    box_id: str | None
+    kind: str
+    bytes: int
+    created_at: int
+
+    @classmethod
+    def of(cls, record: SnapshotRecord) -> SnapshotObject:
+        return cls(id=record.id, box_id=record.box_id, kind=record.kind.value,
+                   bytes=record.bytes, created_at=int(record.created_at))
+
+
+class SnapshotList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[SnapshotObject]
+
+
+class ExecCreate(BaseModel):
+    command: list[str] | str = Field(description="argv, or a string run by /bin/sh -c.")
+    stdin: str = Field("", max_length=MAX_INLINE_BYTES)
+    env: dict[str, str] = Field(default_factory=dict, max_length=256)
+    timeout_s: float | None = Field(None, gt=0, le=7 * 24 * 3600,
+                                    description="Wall clock; default: the box's limit.")
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> ExecCreate:
+        if not self.command or (isinstance(self.command, list) and not self.command[0]):
+            raise ValueError("command must not be empty")
+        return self
+
+
+class ExecResult(BaseModel):
+    object: Literal["box.exec"] = "box.exec"
+    exit_code: int
+    stdout: str
+    stderr: str
+    duration_s: float
+    timed_out: bool
+    # "timeout" | "disk_quota_exceeded" when a limit ended or spoiled the exec.
+    error: str | None = None
+    output_truncated: bool = False
+
+
+class FileWritten(BaseModel):
+    object: Literal["box.file"] = "box.file"
+    path: str
+    bytes: int
+
+
+class FileEntry(BaseModel):
+    name: str
+    type: str  # file | dir | symlink | other
+    bytes: int
+
+
+class FileListing(BaseModel):
+    object: Literal["list"] = "list"
+    path: str
+    data: list[FileEntry]

@@ -1,0 +1,41 @@
+"""Process-local wake-ups for boxes: a host's long poll wakes when this process queues work,
+and a tenant's wait wakes when this process accepts a result. Other processes notice through
+the store within one poll interval: nothing depends on these but latency."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from fastapi import Request
+
+POLL_INTERVAL_S = 0.2
+
+
+class Wakeup:
+    """Wakes every current waiter at once; later waiters wait for the next notify."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, timeout_s: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._event.wait(), timeout_s)
+
+
+class BoxWakeups:
+    def __init__(self) -> None:
+        self.work = Wakeup()  # a box or an operation is waiting for a host
+        self.results = Wakeup()  # a host's result was accepted
+
+
+def box_wakeups(request: Request) -> BoxWakeups:
+    app_state = request.app.state
+    if not hasattr(app_state, "box_wakeups"):
+        app_state.box_wakeups = BoxWakeups()
+    wakeups: BoxWakeups = app_state.box_wakeups
+    return wakeups

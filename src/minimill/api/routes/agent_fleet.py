@@ -1,0 +1,51 @@
+"""The runner protocol's server side (agent_protocol.py): poll, journal appends, finish."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+import anyio
+from fastapi import APIRouter, Depends
+
+from minimill.agent_protocol import (
+    AGENT_FLEET_PREFIX,
+    AgentFinish,
+    AgentFinished,
+    AgentPollRequest,
+    AgentPollResponse,
+    JournalAppend,
+    JournalAppended,
+)
+from minimill.api.box_wakeup import POLL_INTERVAL_S, BoxWakeups, box_wakeups
+from minimill.api.deps import ConfigDep, SiteDep, StoreDep
+from minimill.api.errors import error_responses
+from minimill.control import agents
+
+router = APIRouter(prefix=AGENT_FLEET_PREFIX, tags=["fleet"],
+                   responses=error_responses(400, 401))
+WakeupsDep = Annotated[BoxWakeups, Depends(box_wakeups)]
+
+
+@router.post("/poll", response_model=AgentPollResponse)
+async def poll(ask: AgentPollRequest, store: StoreDep, site: SiteDep, config: ConfigDep,
+               wakeups: WakeupsDep) -> AgentPollResponse:
+    deadline = time.monotonic() + min(ask.wait_s, config.lease_ttl_s / 3)
+    while True:
+        answer = await anyio.to_thread.run_sync(agents.poll, store, site, ask, time.time(),
+                                                config)
+        if answer.leases or answer.revoked or time.monotonic() >= deadline:
+            return answer
+        await wakeups.work.wait(min(POLL_INTERVAL_S, max(deadline - time.monotonic(), 0)))
+
+
+@router.post("/{agent_id}/journal", response_model=JournalAppended,
+             responses=error_responses(409))
+def append(agent_id: str, ask: JournalAppend, store: StoreDep,
+           site: SiteDep) -> JournalAppended:
+    return agents.append(store, site, agent_id, ask, time.time())
+
+
+@router.post("/{agent_id}/finish", response_model=AgentFinished)
+def finish(agent_id: str, done: AgentFinish, store: StoreDep, site: SiteDep) -> AgentFinished:
+    return AgentFinished(accepted=agents.finish(store, site, agent_id, done, time.time()))

@@ -1,0 +1,83 @@
+"""The box host protocol's server side (box_protocol.py): poll, results, snapshots, release.
+
+Authenticated with a site token, as the worker protocol is. A poll with nothing to hand out is
+held open up to its `wait_s`, waking when this process queues box work.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+import anyio
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import StreamingResponse
+
+from minimill.api.box_wakeup import POLL_INTERVAL_S, BoxWakeups, box_wakeups
+from minimill.api.deps import ConfigDep, SiteDep, StoreDep
+from minimill.api.errors import error_responses
+from minimill.api.routes.boxes import body_chunks
+from minimill.box_protocol import (
+    BOX_FLEET_PREFIX,
+    BoxPollRequest,
+    BoxPollResponse,
+    BoxReleaseRequest,
+    BoxReleaseResponse,
+    BoxResultsRequest,
+    BoxResultsResponse,
+    SnapshotStored,
+)
+from minimill.control import box_hosts
+from minimill.control.box_records import SnapshotKind
+
+router = APIRouter(prefix=BOX_FLEET_PREFIX, tags=["fleet"], responses=error_responses(400, 401))
+WakeupsDep = Annotated[BoxWakeups, Depends(box_wakeups)]
+
+
+@router.post("/poll", response_model=BoxPollResponse)
+async def poll(ask: BoxPollRequest, store: StoreDep, site: SiteDep, config: ConfigDep,
+               wakeups: WakeupsDep) -> BoxPollResponse:
+    deadline = time.monotonic() + min(ask.wait_s, config.lease_ttl_s / 3)
+    while True:
+        answer = await anyio.to_thread.run_sync(box_hosts.poll, store, site, ask, time.time(),
+                                                config)
+        if answer.leases or answer.ops or answer.revoked or time.monotonic() >= deadline:
+            return answer
+        await wakeups.work.wait(min(POLL_INTERVAL_S, max(deadline - time.monotonic(), 0)))
+
+
+@router.post("/results", response_model=BoxResultsResponse)
+async def results(done: BoxResultsRequest, store: StoreDep, site: SiteDep,
+                  wakeups: WakeupsDep) -> BoxResultsResponse:
+    answer = await anyio.to_thread.run_sync(box_hosts.complete_ops, store, site, done,
+                                            time.time())
+    wakeups.results.notify()
+    return answer
+
+
+@router.post("/{box_id}/snapshots", response_model=SnapshotStored,
+             responses=error_responses(409, 413))
+async def store_snapshot(box_id: str, request: Request, store: StoreDep, site: SiteDep,
+                         config: ConfigDep, epoch: Annotated[int, Query(ge=0)],
+                         kind: Annotated[str, Query(pattern="^(manual|auto)$")] = "auto",
+                         ) -> SnapshotStored:
+    """The body is the workspace archive; accepted only at the box's current epoch."""
+    data = b"".join([c async for c in body_chunks(request, config.max_file_bytes)])
+    return await anyio.to_thread.run_sync(
+        box_hosts.store_snapshot, store, site, box_id, epoch, SnapshotKind(kind), [data],
+        config.max_file_bytes)
+
+
+@router.get("/{box_id}/snapshots/{snapshot_id}", responses=error_responses(404))
+def snapshot_content(box_id: str, snapshot_id: str, store: StoreDep,
+                     site: SiteDep) -> StreamingResponse:
+    chunks = box_hosts.snapshot_content(store, site, box_id, snapshot_id)
+    return StreamingResponse(chunks, media_type="application/octet-stream")
+
+
+@router.post("/release", response_model=BoxReleaseResponse)
+async def release(ask: BoxReleaseRequest, store: StoreDep, site: SiteDep,
+                  wakeups: WakeupsDep) -> BoxReleaseResponse:
+    answer = await anyio.to_thread.run_sync(box_hosts.release, store, site, ask)
+    wakeups.work.notify()
+    return answer

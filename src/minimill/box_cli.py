@@ -1,0 +1,133 @@
+"""`minimill box ...`: boxes from the command line, over the SDK (boxes/client.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from minimill.boxes.client import BoxError, Boxes
+
+box_app = typer.Typer(help="Boxes: sandboxes without a lifetime limit (exec, files, "
+                      "snapshots).", no_args_is_help=True)
+BaseUrl = typer.Option("http://127.0.0.1:8000/v1", envvar=["MINIMILL_BASE_URL",
+                       "OPENAI_BASE_URL"], help="API base URL.")
+ApiKey = typer.Option(..., envvar=["MINIMILL_API_KEY", "OPENAI_API_KEY"], help="API key.")
+
+
+@contextmanager
+def _boxes(base_url: str, api_key: str) -> Iterator[Boxes]:
+    try:
+        with Boxes(base_url, api_key) as boxes:
+            yield boxes
+    except BoxError as exc:
+        typer.echo(f"error: {exc.message} ({exc.code})", err=True)
+        raise typer.Exit(1) from None
+    except OSError as exc:  # unreachable server, missing image
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
+def _show(data: dict[str, Any]) -> None:
+    typer.echo(json.dumps(data, indent=2))
+
+
+@box_app.command("create")
+def create(image: Path | None = typer.Option(None, help="A directory or archive to start "
+                                             "from."),
+           snapshot: str | None = typer.Option(None, help="A snapshot to restore."),
+           network: bool = typer.Option(False, help="Let the box reach the network."),
+           disk_mb: int = typer.Option(1024, help="Workspace quota, MiB."),
+           timeout_s: float = typer.Option(60.0, help="Default wall clock per exec."),
+           base_url: str = BaseUrl, api_key: str = ApiKey) -> None:
+    """Create a box; prints it (its id is what the other commands take)."""
+    with _boxes(base_url, api_key) as boxes:
+        box = boxes.create(image, snapshot=snapshot, network=network,
+                           limits={"disk_mb": disk_mb, "timeout_s": timeout_s})
+        _show(box.data)
+
+
+@box_app.command("list")
+def list_boxes(base_url: str = BaseUrl, api_key: str = ApiKey) -> None:
+    """The tenant's boxes, one per line: id, status, latest snapshot."""
+    with _boxes(base_url, api_key) as boxes:
+        for box in boxes.list():
+            typer.echo(f"{box.id}\t{box.status}\t{box.data.get('latest_snapshot') or '-'}")
+
+
+@box_app.command("exec", context_settings={"allow_interspersed_args": False})
+def exec_(box_id: str = typer.Argument(..., help="The box."),
+          command: list[str] = typer.Argument(..., help="The command and its arguments."),
+          timeout_s: float | None = typer.Option(None, help="Wall clock for this exec."),
+          stdin: bool = typer.Option(False, "--stdin", help="Send this program's stdin."),
+          base_url: str = BaseUrl, api_key: str = ApiKey) -> None:
+    """Run a command in the box; its output and exit code become this command's."""
+    with _boxes(base_url, api_key) as boxes:
+        result = boxes.get(box_id).exec(command, timeout_s=timeout_s,
+                                        stdin=sys.stdin.read() if stdin else "")
+    sys.stdout.write(result.stdout)
+    sys.stderr.write(result.stderr)
+    if result.error:
+        typer.echo(f"error: {result.error}", err=True)
+    raise typer.Exit(result.exit_code)
+
+
+def _one(verb: Callable[[Boxes], Any], base_url: str, api_key: str) -> Any:
+    with _boxes(base_url, api_key) as boxes:
+        return verb(boxes)
+
+
+@box_app.command("write")
+def write(box_id: str, path: str = typer.Argument(..., help="Path in the workspace."),
+          source: Path | None = typer.Option(None, "--from", help="Local file (default: "
+                                             "stdin)."),
+          base_url: str = BaseUrl, api_key: str = ApiKey) -> None:
+    """Write a file of the box from a local file or stdin."""
+    data = source.read_bytes() if source else sys.stdin.buffer.read()
+    size = _one(lambda b: b.get(box_id).write(path, data), base_url, api_key)
+    typer.echo(f"wrote {size} bytes to {path}")
+
+
+@box_app.command("read")
+def read(box_id: str, path: str = typer.Argument(..., help="Path in the workspace."),
+         base_url: str = BaseUrl, api_key: str = ApiKey) -> None:
+    """Print a file of the box."""
+    sys.stdout.buffer.write(_one(lambda b: b.get(box_id).read(path), base_url, api_key))
+
+
+@box_app.command("ls")
+def ls(box_id: str, path: str = typer.Argument(".", help="Directory in the workspace."),
+       base_url: str = BaseUrl, api_key: str = ApiKey) -> None:
+    """List a directory of the box: type, size, name."""
+    for entry in _one(lambda b: b.get(box_id).list_files(path), base_url, api_key):
+        typer.echo(f"{entry['type']:<8}{entry['bytes']:>12}  {entry['name']}")
+
+
+@box_app.command("snapshot")
+def snapshot(box_id: str, base_url: str = BaseUrl, api_key: str = ApiKey) -> None:
+    """Snapshot the box now; prints the snapshot id (restore: create --snapshot ID)."""
+    typer.echo(_one(lambda b: b.get(box_id).snapshot(), base_url, api_key))
+
+
+@box_app.command("pause")
+def pause(box_id: str, base_url: str = BaseUrl, api_key: str = ApiKey) -> None:
+    """Snapshot the box and take it off its host until resumed."""
+    _show(_one(lambda b: b.get(box_id).pause().data, base_url, api_key))
+
+
+@box_app.command("resume")
+def resume(box_id: str, base_url: str = BaseUrl, api_key: str = ApiKey) -> None:
+    """Bring a paused box back (on any host, from its snapshot)."""
+    _show(_one(lambda b: b.get(box_id).resume().data, base_url, api_key))
+
+
+@box_app.command("rm")
+def rm(box_id: str, base_url: str = BaseUrl, api_key: str = ApiKey) -> None:
+    """Delete the box (its manual snapshots stay restorable)."""
+    _one(lambda b: b.get(box_id).delete(), base_url, api_key)
+    typer.echo(f"deleted {box_id}")

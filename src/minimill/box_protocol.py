@@ -1,0 +1,111 @@
+"""Wire messages between a box host (boxes/host.py) and the control plane (api/routes/
+box_fleet.py serves, control/box_hosts.py decides).
+
+A box host pulls, as a worker does: one long-polling call (`/poll`) extends the leases of the
+boxes it holds, grants it new boxes for its free slots (each with a bumped fencing epoch and
+the snapshot to start from) and hands it the operations queued for its boxes. Results,
+snapshots and releases carry the box's epoch: a host whose lease lapsed (its box came back
+elsewhere) is refused. Routes are under `/v1/fleet/boxes`, authenticated with the site token.
+Times are Unix seconds from the control plane's clock.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+BOX_FLEET_PREFIX = "/v1/fleet/boxes"
+# What a host may be asked to do with a box, in the order a tenant asked.
+OpKind = Literal["exec", "write", "read", "list", "snapshot", "pause"]
+
+
+class BoxLimits(BaseModel):
+    """Per-exec limits of a box; each exec may lower its own timeout."""
+
+    cpu_s: int = Field(default=60, ge=1, le=7 * 24 * 3600, description="CPU seconds per exec.")
+    memory_mb: int = Field(default=1024, ge=16, le=1024 * 1024,
+                           description="Address space per process, MiB.")
+    max_processes: int = Field(default=64, ge=1, le=4096,
+                               description="Processes and threads at once, per exec.")
+    disk_mb: int = Field(default=1024, ge=1, le=1024 * 1024, description="Workspace quota, MiB.")
+    timeout_s: float = Field(default=60.0, gt=0, le=7 * 24 * 3600,
+                             description="Default wall clock per exec, seconds.")
+
+
+class HeldBox(BaseModel):
+    box_id: str
+    epoch: int
+
+
+class BoxPollRequest(BaseModel):
+    capacity: int = Field(ge=0, le=4096, description="How many more boxes this host can take.")
+    held: list[HeldBox] = Field(default_factory=list, max_length=4096)
+    # Seconds the control plane may hold the call open while there is nothing to hand out.
+    wait_s: float = Field(0.0, ge=0.0, le=10.0)
+
+
+class BoxLease(BaseModel):
+    box_id: str
+    epoch: int
+    # The archive to start the workspace from (latest snapshot, else the image); None: empty.
+    snapshot_id: str | None = None
+    network: bool = False
+    limits: BoxLimits = BoxLimits()
+
+
+class BoxOp(BaseModel):
+    op_id: str
+    box_id: str
+    epoch: int
+    kind: OpKind
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class BoxPollResponse(BaseModel):
+    lease_ttl_s: float
+    leases: list[BoxLease] = Field(default_factory=list)
+    # box_id -> new expiry, for boxes still held at the sent epoch.
+    extended: dict[str, float] = Field(default_factory=dict)
+    # Boxes the host no longer holds (deleted, paused, expired, taken over): drop them.
+    revoked: list[str] = Field(default_factory=list)
+    ops: list[BoxOp] = Field(default_factory=list)
+
+
+class BoxOpError(BaseModel):
+    code: str
+    message: str
+
+
+class BoxOpResult(BaseModel):
+    op_id: str
+    box_id: str
+    epoch: int
+    result: dict[str, Any] | None = None
+    error: BoxOpError | None = None
+
+
+class BoxResultsRequest(BaseModel):
+    results: list[BoxOpResult] = Field(max_length=1024)
+
+
+class BoxResultsResponse(BaseModel):
+    accepted: list[str]
+    # Not this host's at that epoch any more: the result is dropped.
+    rejected: list[str]
+
+
+class BoxReleaseRequest(BaseModel):
+    """Boxes the host gives back (it is stopping): they come back elsewhere from their latest
+    snapshot at once."""
+
+    boxes: list[HeldBox] = Field(max_length=4096)
+
+
+class BoxReleaseResponse(BaseModel):
+    released: list[str]
+
+
+class SnapshotStored(BaseModel):
+    snapshot_id: str
+    bytes: int

@@ -1,0 +1,188 @@
+"""The Python SDK for boxes: `Boxes(base_url, api_key)` over `/v1/boxes`.
+
+    from minimill.boxes.client import Boxes
+    boxes = Boxes("http://127.0.0.1:8000/v1", api_key)
+    box = boxes.create(image="./project")        # a directory, a .tar/.tar.gz, or nothing
+    box.write("hello.py", "print('hi')")
+    print(box.exec("python3 hello.py").stdout)   # hi
+    snap = box.snapshot()
+    twin = boxes.create(snapshot=snap)           # a new box with the same files
+
+Errors are raised as `BoxError` carrying the OpenAI-style error object's message, code and
+HTTP status. An exec that ran is never an error: look at `exit_code`, `timed_out`, `error`.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class BoxError(RuntimeError):
+    def __init__(self, status: int, message: str, code: str | None) -> None:
+        super().__init__(f"{message} (HTTP {status}, {code})")
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class ExecResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+    duration_s: float
+    timed_out: bool
+    error: str | None
+    output_truncated: bool
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and self.error is None
+
+
+def _archive(image: str | os.PathLike[str]) -> bytes:
+    """A directory becomes a gzipped tar of its contents; an archive file is sent as it is."""
+    path = Path(image)
+    if path.is_file():
+        return path.read_bytes()
+    if not path.is_dir():
+        raise FileNotFoundError(f"image {path} is neither a directory nor an archive")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for child in sorted(path.iterdir()):
+            tar.add(child, arcname=child.name)
+    return buf.getvalue()
+
+
+class Boxes:
+    def __init__(self, base_url: str | None = None, api_key: str | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        base_url = base_url or os.environ.get("OPENAI_BASE_URL", "http://127.0.0.1:8000/v1")
+        api_key = api_key or os.environ.get("OPENAI_API_KEY", "")
+        self._http = httpx.Client(base_url=base_url.rstrip("/"),
+                                  headers={"Authorization": f"Bearer {api_key}"},
+                                  timeout=httpx.Timeout(timeout_s))
+
+    def request(self, method: str, path: str, prefix: str = "/boxes",
+                **kwargs: Any) -> httpx.Response:
+        resp = self._http.request(method, prefix + path, **kwargs)
+        if resp.status_code >= 400:
+            try:
+                error = resp.json()["error"]
+                message, code = str(error.get("message")), error.get("code")
+            except (ValueError, KeyError, TypeError):
+                message, code = resp.text[:500], None
+            raise BoxError(resp.status_code, message, code)
+        return resp
+
+    def upload_image(self, image: str | os.PathLike[str]) -> str:
+        """Upload a directory or archive; returns the image id to create boxes from."""
+        resp = self.request("POST", "/images", content=_archive(image),
+                            headers={"Content-Type": "application/octet-stream"})
+        return str(resp.json()["id"])
+
+    def create(self, image: str | os.PathLike[str] | None = None, *,
+               image_id: str | None = None, snapshot: str | None = None,
+               network: bool = False,
+               limits: dict[str, Any] | None = None,
+               metadata: dict[str, str] | None = None) -> Box:
+        """A new box: from a directory or archive (`image`), an uploaded image (`image_id`),
+        a snapshot (restore), or empty."""
+        if image is not None:
+            image_id = self.upload_image(image)
+        body: dict[str, Any] = {"image": image_id, "snapshot": snapshot, "network": network,
+                                "metadata": metadata}
+        if limits:
+            body["limits"] = limits
+        return Box(self, self.request("POST", "", json=body).json())
+
+    def get(self, box_id: str) -> Box:
+        return Box(self, self.request("GET", f"/{box_id}").json())
+
+    def list(self) -> list[Box]:
+        return [Box(self, b) for b in self.request("GET", "").json()["data"]]
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Boxes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Box:
+    def __init__(self, boxes: Boxes, data: dict[str, Any]) -> None:
+        self._boxes = boxes
+        self.data = data
+
+    @property
+    def id(self) -> str:
+        return str(self.data["id"])
+
+    @property
+    def status(self) -> str:
+        return str(self.data["status"])
+
+    def refresh(self) -> Box:
+        self.data = self._boxes.request("GET", f"/{self.id}").json()
+        return self
+
+    def exec(self, command: str | list[str], *, stdin: str = "",
+             env: dict[str, str] | None = None, timeout_s: float | None = None) -> ExecResult:
+        """Run `command` (argv, or a string for /bin/sh -c) and wait for it."""
+        body = {"command": command, "stdin": stdin, "env": env or {}, "timeout_s": timeout_s}
+        data = self._boxes.request("POST", f"/{self.id}/exec", json=body).json()
+        return ExecResult(exit_code=data["exit_code"], stdout=data["stdout"],
+                          stderr=data["stderr"], duration_s=data["duration_s"],
+                          timed_out=data["timed_out"], error=data.get("error"),
+                          output_truncated=data.get("output_truncated", False))
+
+    def write(self, path: str, content: str | bytes) -> int:
+        data = content.encode() if isinstance(content, str) else content
+        resp = self._boxes.request("PUT", f"/{self.id}/files", params={"path": path},
+                                   content=data,
+                                   headers={"Content-Type": "application/octet-stream"})
+        return int(resp.json()["bytes"])
+
+    def read(self, path: str) -> bytes:
+        return self._boxes.request("GET", f"/{self.id}/files/content",
+                                   params={"path": path}).content
+
+    def read_text(self, path: str) -> str:
+        return self.read(path).decode()
+
+    def list_files(self, path: str = ".") -> list[dict[str, Any]]:
+        entries: list[dict[str, Any]] = self._boxes.request(
+            "GET", f"/{self.id}/files", params={"path": path}).json()["data"]
+        return entries
+
+    def snapshot(self) -> str:
+        """Archive the workspace now; returns the snapshot id (restore: Boxes.create(snapshot=))."""
+        return str(self._boxes.request("POST", f"/{self.id}/snapshots").json()["id"])
+
+    def snapshots(self) -> list[dict[str, Any]]:
+        data: list[dict[str, Any]] = self._boxes.request(
+            "GET", f"/{self.id}/snapshots").json()["data"]
+        return data
+
+    def pause(self) -> Box:
+        self.data = self._boxes.request("POST", f"/{self.id}/pause").json()
+        return self
+
+    def resume(self) -> Box:
+        self.data = self._boxes.request("POST", f"/{self.id}/resume").json()
+        return self
+
+    def delete(self) -> None:
+        self._boxes.request("DELETE", f"/{self.id}")

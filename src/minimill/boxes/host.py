@@ -1,0 +1,292 @@
+"""The box host: a site's loop that pulls boxes and their operations from the control plane.
+
+One long poll at a time extends the leases of the boxes held, takes new boxes for free slots
+and brings their queued operations. Each held box has a task that first builds its workspace
+(from its latest snapshot, else its image, else empty), then runs its operations as they
+come, up to CONCURRENT_OPS_PER_BOX at once, each in a thread (sandbox.py), and posts each
+result with the box's epoch. A box whose workspace changed is snapshotted every
+`snapshot_interval_s` while it has work, and once it goes idle, so that a host lost with it
+costs at most that much of its files.
+
+`stop()`: no new boxes; running operations finish (up to `drain_timeout_s`), changed boxes
+are snapshotted, and every box is released so it comes back elsewhere at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import anyio
+
+from minimill.box_protocol import (
+    BoxLease,
+    BoxOp,
+    BoxOpError,
+    BoxOpResult,
+    BoxPollRequest,
+    BoxReleaseRequest,
+    BoxResultsRequest,
+    HeldBox,
+)
+from minimill.boxes import sandbox, workspace
+from minimill.boxes.host_client import BoxHostClient, NotHeld
+from minimill.boxes.ops import MUTATING, OpError, Workspace, run_op
+from minimill.fleet.client import Backoff, ControlPlaneUnavailable, sleep_backoff
+
+log = logging.getLogger("minimill.boxes")
+POLL_WAIT_S = 2.0
+# Execs and file operations of one box run side by side (a harness's subagents share a box);
+# snapshots and pauses wait for them and run alone.
+CONCURRENT_OPS_PER_BOX = 16
+EXCLUSIVE_OPS = frozenset({"snapshot", "pause"})
+T = TypeVar("T")
+
+
+@dataclass
+class HostedBox:
+    lease: BoxLease
+    ws: Workspace
+    queue: asyncio.Queue[BoxOp] = field(default_factory=asyncio.Queue)
+    task: asyncio.Task[None] | None = None
+    dirty: bool = False
+    in_flight: int = 0  # operations running now
+    ops: set[asyncio.Task[None]] = field(default_factory=set)
+    last_snapshot_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def busy(self) -> bool:
+        return self.in_flight > 0
+
+    @property
+    def box_id(self) -> str:
+        return self.lease.box_id
+
+    @property
+    def epoch(self) -> int:
+        return self.lease.epoch
+
+
+class BoxHost:
+    def __init__(self, client: BoxHostClient, root: Path, slots: int, *,
+                 insecure: bool = False, snapshot_interval_s: float = 30.0,
+                 drain_timeout_s: float = 10.0) -> None:
+        self.client = client
+        self.root = root
+        self.slots = slots
+        self.insecure = insecure
+        self.snapshot_interval_s = snapshot_interval_s
+        self.drain_timeout_s = drain_timeout_s
+        self.boxes: dict[str, HostedBox] = {}
+        self.stopping = asyncio.Event()
+        self.stats = {"boxes": 0, "ops": 0, "snapshots": 0, "revoked": 0}
+
+    # ---- the poll loop ----------------------------------------------------------------------
+    async def run(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        backoff = Backoff()
+        while not self.stopping.is_set():
+            ask = BoxPollRequest(
+                capacity=max(0, self.slots - len(self.boxes)),
+                held=[HeldBox(box_id=b.box_id, epoch=b.epoch) for b in self.boxes.values()],
+                wait_s=POLL_WAIT_S)
+            try:
+                answer = await self.client.poll(ask)
+            except ControlPlaneUnavailable as exc:
+                await sleep_backoff(backoff, "box poll", exc)
+                continue
+            backoff.reset()
+            for box_id in answer.revoked:
+                self._drop(box_id, "revoked (deleted, paused or taken over)")
+            for lease in answer.leases:
+                self._take(lease)
+            for op in answer.ops:
+                box = self.boxes.get(op.box_id)
+                if box is not None and box.epoch == op.epoch:
+                    box.queue.put_nowait(op)
+        await self._drain()
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def _take(self, lease: BoxLease) -> None:
+        old = self.boxes.get(lease.box_id)
+        if old is not None:
+            self._drop(lease.box_id, "re-leased at a newer epoch")
+        ws = Workspace(path=self.root / lease.box_id, limits=lease.limits,
+                       network=lease.network, insecure=self.insecure)
+        box = HostedBox(lease=lease, ws=ws)
+        self.boxes[lease.box_id] = box
+        self.stats["boxes"] += 1
+        box.task = asyncio.create_task(self._box_main(box), name=f"box-{lease.box_id}")
+        log.info("box %s (epoch %d) taken, starting from %s", lease.box_id, lease.epoch,
+                 lease.snapshot_id or "an empty workspace")
+
+    def _drop(self, box_id: str, why: str) -> None:
+        box = self.boxes.pop(box_id, None)
+        if box is None:
+            return
+        self.stats["revoked"] += 1
+        log.info("box %s %s: dropping its workspace", box_id, why)
+        box.ws.cancel.set()
+        if box.task is not None:
+            box.task.cancel()
+        asyncio.get_running_loop().run_in_executor(None, _remove, box.ws.path)
+
+    # ---- one box ----------------------------------------------------------------------------
+    async def _box_main(self, box: HostedBox) -> None:
+        try:
+            await self._build(box)
+        except (NotHeld, asyncio.CancelledError):
+            return
+        except Exception as exc:  # a broken archive: the box cannot run here or anywhere
+            log.exception("box %s: cannot build its workspace", box.box_id)
+            await self._fail_queued(box, "invalid_archive", f"cannot build the workspace: {exc}")
+            return
+        limit = asyncio.Semaphore(CONCURRENT_OPS_PER_BOX)
+        try:
+            while True:
+                # While changes may be pending, look again every interval.
+                timeout = self.snapshot_interval_s if box.dirty or box.busy else None
+                try:
+                    op = await asyncio.wait_for(box.queue.get(), timeout)
+                except TimeoutError:
+                    if box.dirty and not box.busy:
+                        await self._snapshot(box, "auto")  # idle with changes
+                    continue
+                if op.kind in EXCLUSIVE_OPS:
+                    await self._settle(box)
+                    box.in_flight += 1
+                    await self._run(box, op)
+                else:
+                    await limit.acquire()
+                    box.in_flight += 1  # busy from now on, not from when the task starts
+                    task = asyncio.create_task(self._run(box, op))
+                    task.add_done_callback(lambda _t: limit.release())
+                    box.ops.add(task)
+                    task.add_done_callback(box.ops.discard)
+                due = time.monotonic() - box.last_snapshot_at >= self.snapshot_interval_s
+                if box.dirty and due:
+                    await self._settle(box)
+                    await self._snapshot(box, "auto")
+        finally:
+            for task in list(box.ops):
+                task.cancel()
+
+    async def _settle(self, box: HostedBox) -> None:
+        """Wait for the box's running operations (a snapshot sees their effects whole)."""
+        if box.ops:
+            await asyncio.gather(*list(box.ops), return_exceptions=True)
+
+    async def _build(self, box: HostedBox) -> None:
+        path = box.ws.path
+        await anyio.to_thread.run_sync(_remove, path)
+        archive = b""
+        if box.lease.snapshot_id:
+            archive = await _retrying(lambda: self.client.download_snapshot(
+                box.box_id, box.lease.snapshot_id or ""), "snapshot download")
+        owner = sandbox.box_uid() if sandbox._runs_as_root() else None
+
+        def build() -> None:
+            path.mkdir(parents=True, exist_ok=True)
+            path.chmod(0o700)
+            if archive:
+                workspace.unpack(archive, path, owner)
+            elif owner is not None:
+                workspace.chown_tree(path, owner)
+
+        await anyio.to_thread.run_sync(build)
+
+    async def _run(self, box: HostedBox, op: BoxOp) -> None:
+        """Run one operation; the caller counted it in `box.in_flight` already."""
+        result: dict[str, object] | None = None
+        error: BoxOpError | None = None
+        try:
+            if op.kind in ("snapshot", "pause"):
+                stored = await self._snapshot(box, "manual" if op.kind == "snapshot" else "auto")
+                result = {"snapshot_id": stored}
+            else:
+                result = await anyio.to_thread.run_sync(run_op, box.ws, op.kind, op.args)
+                box.dirty = box.dirty or op.kind in MUTATING
+        except OpError as exc:
+            error = BoxOpError(code=exc.code, message=exc.message)
+            box.dirty = box.dirty or op.kind in MUTATING
+        except NotHeld:
+            return
+        finally:
+            box.in_flight -= 1
+        self.stats["ops"] += 1
+        await self._post(BoxOpResult(op_id=op.op_id, box_id=op.box_id, epoch=op.epoch,
+                                     result=result, error=error))
+
+    async def _snapshot(self, box: HostedBox, kind: str) -> str:
+        archive = await anyio.to_thread.run_sync(workspace.pack, box.ws.path)
+        stored = await _retrying(lambda: self.client.upload_snapshot(
+            box.box_id, box.epoch, kind, archive), "snapshot upload")
+        box.dirty = False
+        box.last_snapshot_at = time.monotonic()
+        self.stats["snapshots"] += 1
+        return stored.snapshot_id
+
+    async def _post(self, item: BoxOpResult) -> None:
+        answer = await _retrying(lambda: self.client.results(
+            BoxResultsRequest(results=[item])), "box result")
+        if answer.rejected:
+            log.info("result of %s on box %s rejected: the box is not this host's any more",
+                     item.op_id, item.box_id)
+
+    async def _fail_queued(self, box: HostedBox, code: str, message: str) -> None:
+        while True:
+            op = await box.queue.get()
+            await self._post(BoxOpResult(op_id=op.op_id, box_id=op.box_id, epoch=op.epoch,
+                                         error=BoxOpError(code=code, message=message)))
+
+    # ---- stopping ---------------------------------------------------------------------------
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.drain_timeout_s
+        while any(b.busy for b in self.boxes.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        boxes = list(self.boxes.values())
+        # What still runs is stopped: its result says so (box_host_lost), so that no next host
+        # runs it a second time.
+        for box in boxes:
+            box.ws.cancel.set()
+        deadline = time.monotonic() + 5.0
+        while any(b.busy for b in boxes) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for box in boxes:
+            if box.task is not None:
+                box.task.cancel()
+        for box in boxes:
+            if box.dirty and not box.busy:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._snapshot(box, "auto"), 30)
+        if boxes:
+            with contextlib.suppress(Exception):
+                await self.client.release(BoxReleaseRequest(
+                    boxes=[HeldBox(box_id=b.box_id, epoch=b.epoch) for b in boxes]))
+            log.info("released %d boxes", len(boxes))
+        for box in boxes:
+            await anyio.to_thread.run_sync(_remove, box.ws.path)
+        self.boxes.clear()
+
+
+async def _retrying(call: Callable[[], Awaitable[T]], what: str) -> T:
+    """Call until the control plane answers; NotHeld and SiteAuthError go to the caller."""
+    backoff = Backoff()
+    while True:
+        try:
+            return await call()
+        except ControlPlaneUnavailable as exc:
+            await sleep_backoff(backoff, what, exc)
+
+
+def _remove(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

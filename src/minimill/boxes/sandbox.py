@@ -1,0 +1,264 @@
+"""One exec in a box: bubblewrap isolation plus per-exec limits.
+
+The box sees a read-only system (/usr and the few /etc files programs need), its workspace at
+/workspace (writable), a small private /tmp, a fresh /proc of its own PID namespace, and no
+network unless the box asked for it. Nothing else of the host is mounted: not the store, not
+MINIMILL_HOME, not the worker's environment (the sandbox starts from an empty one).
+
+Limits per exec: CPU seconds, address space, process count (RLIMIT_NPROC; counted per user
+namespace, so per exec), the largest file it may write (what is left of the disk quota), and
+a wall clock after which the whole process tree dies with bubblewrap's PID namespace. A host
+running as root runs boxes as an unprivileged uid: the kernel does not count processes of
+root against RLIMIT_NPROC, and a box must own nothing of the host's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# What a box sees of the host's /etc: enough for the dynamic linker, users and certificates.
+_ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "passwd", "group", "nsswitch.conf",
+              "hosts", "resolv.conf", "ssl", "ca-certificates", "alternatives", "localtime")
+# The uid a root host runs boxes as (nobody); the box sees itself as SANDBOX_UID inside.
+UNPRIVILEGED_UID = 65534
+SANDBOX_UID = 1000
+WORKSPACE_MOUNT = "/workspace"
+TMP_BYTES = 64 * 1024 * 1024
+# A box's output beyond this is cut (its process keeps running; the rest is discarded).
+MAX_OUTPUT_BYTES = 1024 * 1024
+DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
+SETUP_RETRIES = 3
+log = logging.getLogger("minimill.boxes")
+
+
+class IsolationUnavailable(RuntimeError):
+    """bubblewrap is missing or cannot create namespaces here; the message says what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Per-exec limits of a box (the box's settings; an exec may only lower its timeout)."""
+
+    cpu_s: int = 60  # CPU seconds per exec
+    memory_mb: int = 1024  # address space per process
+    max_processes: int = 64  # processes and threads at once
+    disk_mb: int = 1024  # the workspace's quota
+    timeout_s: float = 60.0  # wall clock per exec
+
+
+@dataclass(frozen=True, slots=True)
+class ExecResult:
+    exit_code: int  # 128 + signal number when killed by a signal, as a shell reports it
+    stdout: bytes
+    stderr: bytes
+    duration_s: float
+    timed_out: bool = False
+    # Set when a limit ended or spoiled the exec: "timeout" | "disk_quota_exceeded"; or
+    # "cancelled" when its host stopped it.
+    error: str | None = None
+    output_truncated: bool = False
+
+
+def bwrap_path() -> str | None:
+    return shutil.which("bwrap")
+
+
+def _runs_as_root() -> bool:
+    return os.geteuid() == 0
+
+
+def box_uid() -> int:
+    """The host uid a box's processes and files belong to."""
+    return UNPRIVILEGED_UID if _runs_as_root() else os.geteuid()
+
+
+def _bwrap_args(workspace: Path, network: bool) -> list[str]:
+    bwrap = bwrap_path()
+    if bwrap is None:
+        raise IsolationUnavailable("bubblewrap (bwrap) is not installed")
+    args = [bwrap, "--unshare-all", "--die-with-parent", "--new-session",
+            "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "box",
+            "--ro-bind", "/usr", "/usr", "--proc", "/proc", "--dev", "/dev",
+            "--size", str(TMP_BYTES), "--tmpfs", "/tmp",
+            "--bind", str(workspace), WORKSPACE_MOUNT, "--chdir", WORKSPACE_MOUNT,
+            "--clearenv"]
+    if network:
+        args.append("--share-net")
+    # Merged-/usr systems have /bin -> usr/bin; others have real directories.
+    for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        path = Path("/") / top
+        if path.is_symlink():
+            args += ["--symlink", os.readlink(path), f"/{top}"]
+        elif path.is_dir():
+            args += ["--ro-bind", str(path), f"/{top}"]
+    for name in _ETC_FILES:
+        path = Path("/etc") / name
+        if path.exists():
+            args += ["--ro-bind", str(path), str(path)]
+    # The root bubblewrap builds its mount points in is read-only too: a box writes only to
+    # /workspace and /tmp.
+    return [*args, "--remount-ro", "/", "--"]
+
+
+def _prlimit_args(limits: Limits, fsize_bytes: int) -> list[str]:
+    memory = limits.memory_mb * 1024 * 1024
+    # RLIMIT_FSIZE of 0 means "no file may grow", which is what a full quota wants.
+    return ["prlimit", f"--cpu={limits.cpu_s}", f"--as={memory}",
+            f"--nproc={limits.max_processes}", f"--fsize={max(fsize_bytes, 0)}", "--core=0",
+            "--"]
+
+
+def check_isolation() -> None:
+    """Raise IsolationUnavailable unless an exec in a sandbox works on this host."""
+    if bwrap_path() is None:
+        raise IsolationUnavailable(
+            "bubblewrap (bwrap) is not installed: install the Debian package 'bubblewrap' "
+            "(apt-get install bubblewrap), or pass --insecure-no-sandbox to run boxes "
+            "without isolation")
+    probe = Path(os.environ.get("TMPDIR", "/tmp")) / f"minimill-box-probe-{os.getpid()}"
+    probe.mkdir(exist_ok=True)
+    try:
+        if _runs_as_root():
+            os.chown(probe, box_uid(), box_uid())
+        result = run_exec(probe, ["/bin/sh", "-c", "echo ok > probe && cat probe"],
+                          limits=Limits(timeout_s=30.0))
+    except (OSError, IsolationUnavailable) as exc:
+        raise IsolationUnavailable(f"bubblewrap cannot start a sandbox here ({exc})") from exc
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+    if result.exit_code != 0 or result.stdout.strip() != b"ok":
+        detail = result.stderr.decode(errors="replace").strip()[:300]
+        raise IsolationUnavailable(
+            f"bubblewrap cannot create namespaces here ({detail or result.exit_code}): user "
+            "namespaces may be disabled (sysctl kernel.unprivileged_userns_clone=1, "
+            "user.max_user_namespaces > 0); or pass --insecure-no-sandbox")
+
+
+class _Capped:
+    """Reads a pipe to the end, keeping at most MAX_OUTPUT_BYTES (a box may print forever)."""
+
+    def __init__(self, pipe: object) -> None:
+        self.data = bytearray()
+        self.truncated = False
+        self._thread = threading.Thread(target=self._read, args=(pipe,), daemon=True)
+        self._thread.start()
+
+    def _read(self, pipe: object) -> None:
+        read = pipe.read  # type: ignore[attr-defined]
+        while chunk := read(65536):
+            room = MAX_OUTPUT_BYTES - len(self.data)
+            if room > 0:
+                self.data += chunk[:room]
+            if len(chunk) > room:
+                self.truncated = True
+
+    def join(self, timeout: float) -> bytes:
+        self._thread.join(timeout)
+        return bytes(self.data)
+
+
+def _feed(pipe: object, data: bytes) -> None:
+    try:
+        pipe.write(data)  # type: ignore[attr-defined]
+    except (BrokenPipeError, OSError):
+        pass  # the command did not read all of its stdin: that is its business
+    finally:
+        try:
+            pipe.close()  # type: ignore[attr-defined]
+        except OSError:
+            pass
+
+
+def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    # bwrap leads its own session; its PID namespace's init dies with it, and every process
+    # of the box with that.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _setup_failed(result: ExecResult) -> bool:
+    """bubblewrap itself failed before the command ran (it says so on stderr, exit 1): under
+    heavy load creating namespaces can fail for a moment."""
+    return (result.exit_code == 1 and not result.stdout and result.error is None
+            and result.stderr.startswith(b"bwrap: "))
+
+
+def run_exec(workspace: Path, command: list[str], **kwargs: Any) -> ExecResult:
+    """`_run_exec_once`, tried again a few times when bubblewrap could not set up."""
+    result = _run_exec_once(workspace, command, **kwargs)
+    for attempt in range(SETUP_RETRIES):
+        if kwargs.get("insecure") or not _setup_failed(result):
+            break
+        log.warning("bubblewrap could not set up (%s); trying again",
+                    result.stderr.decode(errors="replace").strip()[:200])
+        time.sleep(0.1 * 2**attempt)
+        result = _run_exec_once(workspace, command, **kwargs)
+    return result
+
+
+def _run_exec_once(workspace: Path, command: list[str], *, stdin: bytes = b"",
+             env: Mapping[str, str] | None = None, limits: Limits = Limits(),
+             network: bool = False, insecure: bool = False, disk_free_bytes: int | None = None,
+             over_quota: Callable[[], bool] | None = None,
+             cancel: threading.Event | None = None) -> ExecResult:
+    """Run `command` in the box whose workspace is `workspace` and wait for it.
+
+    `disk_free_bytes` caps the size of any file the exec writes; `over_quota`, polled while
+    it runs, kills it once the workspace holds more than its quota; setting `cancel` kills it
+    (its host lost the box). `insecure` runs it without
+    bubblewrap (namespaces), with the same limits: only where the operator opted out.
+    """
+    fsize = disk_free_bytes if disk_free_bytes is not None else limits.disk_mb * 1024 * 1024
+    box_env = {"PATH": DEFAULT_PATH, "HOME": WORKSPACE_MOUNT, "LANG": "C.UTF-8",
+               **(env or {})}
+    if insecure:
+        box_env["HOME"] = str(workspace)
+        argv = [*_prlimit_args(limits, fsize), *command]
+    else:
+        env_args = [a for k, v in box_env.items() for a in ("--setenv", k, v)]
+        bwrap = _bwrap_args(workspace, network)
+        argv = [*_prlimit_args(limits, fsize), *bwrap[:-1], *env_args, "--", *command]
+    root = _runs_as_root()
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        cwd=workspace, env=box_env if insecure else {"PATH": DEFAULT_PATH},
+        start_new_session=True, close_fds=True,
+        user=box_uid() if root else None, group=box_uid() if root else None,
+        extra_groups=[] if root else None)
+    out, err = _Capped(proc.stdout), _Capped(proc.stderr)
+    threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True).start()
+    deadline = started + limits.timeout_s
+    error: str | None = None
+    while proc.poll() is None:
+        if cancel is not None and cancel.is_set():
+            error = "cancelled"
+        elif time.monotonic() >= deadline:
+            error = "timeout"
+        elif over_quota is not None and over_quota():
+            error = "disk_quota_exceeded"
+        if error is not None:
+            _kill_tree(proc)
+            break
+        try:
+            proc.wait(timeout=0.1)
+        except subprocess.TimeoutExpired:
+            pass
+    code = proc.wait()
+    _kill_tree(proc)  # anything it left behind in its session
+    stdout, stderr = out.join(5.0), err.join(5.0)
+    return ExecResult(exit_code=128 - code if code < 0 else code, stdout=stdout, stderr=stderr,
+                      duration_s=time.monotonic() - started, timed_out=error == "timeout",
+                      error=error, output_truncated=out.truncated or err.truncated)

@@ -1,0 +1,223 @@
+"""Boxes, the host's side (box_protocol.py): leases with fencing, operations, snapshots.
+
+- `poll`: extend the leases of the boxes a host still holds at their epochs (the rest are
+  revoked), grant it pending boxes for its free slots (epoch bumped, `restarts` counted after
+  the first), and hand it the queued operations of the boxes it holds, marked running at the
+  box's epoch.
+- `complete_ops`: a result counts only from the box's host at the box's current epoch; a
+  successful pause sends the box to `paused`, off its host.
+- `store_snapshot`: an archive from the host at the box's epoch becomes its latest snapshot
+  (automatic ones replace the previous automatic one).
+- `reap_expired`: a box whose lease lapsed goes back to `pending` (to come back elsewhere from
+  its latest snapshot); what its host was running fails with `box_host_lost`.
+
+Every transition is a conditional UPDATE on status and epoch, as for requests (leases.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from sqlalchemy import Connection, case, select, tuple_, update
+
+from minimill.box_protocol import (
+    BoxLease,
+    BoxLimits,
+    BoxOp,
+    BoxPollRequest,
+    BoxPollResponse,
+    BoxReleaseRequest,
+    BoxReleaseResponse,
+    BoxResultsRequest,
+    BoxResultsResponse,
+    SnapshotStored,
+)
+from minimill.control import files
+from minimill.control.box_records import BoxStatus, OpStatus, SnapshotKind
+from minimill.control.boxes import drop_archives, store_archive
+from minimill.control.config import ControlConfig
+from minimill.control.errors import ConflictError, NotFoundError
+from minimill.control.records import Site
+from minimill.control.store import Store, retry_conflicts
+from minimill.control.tables import box_ops, box_snapshots, boxes
+
+MAX_OPS_PER_POLL = 256
+_RUNNING = BoxStatus.RUNNING.value
+_PENDING = BoxStatus.PENDING.value
+HOST_LOST = ("box_host_lost", "the box's host was lost while this ran; the box comes back on "
+             "another host from its latest snapshot")
+
+
+def _held_at_epoch(conn: Connection, site: Site, pairs: list[tuple[str, int]]) -> set[str]:
+    if not pairs:
+        return set()
+    rows = conn.execute(select(boxes.c.id).where(
+        boxes.c.site_id == site.id, boxes.c.status == _RUNNING,
+        tuple_(boxes.c.id, boxes.c.epoch).in_(pairs))).scalars().all()
+    return set(rows)
+
+
+@retry_conflicts
+def poll(store: Store, site: Site, ask: BoxPollRequest, now: float,
+         config: ControlConfig) -> BoxPollResponse:
+    expires_at = now + config.lease_ttl_s
+    pairs = [(h.box_id, h.epoch) for h in ask.held]
+    with store.write() as conn:
+        extended: set[str] = set()
+        for start in range(0, len(pairs), 500):
+            extended.update(conn.execute(
+                update(boxes).where(boxes.c.site_id == site.id, boxes.c.status == _RUNNING,
+                                    tuple_(boxes.c.id, boxes.c.epoch).in_(
+                                        pairs[start:start + 500]))
+                .values(lease_expires_at=expires_at).returning(boxes.c.id)).scalars().all())
+        leases = _grant(conn, site, ask.capacity, now, expires_at) if ask.capacity else []
+        epochs = {h.box_id: h.epoch for h in ask.held if h.box_id in extended}
+        epochs.update({lease.box_id: lease.epoch for lease in leases})
+        ops = _take_ops(conn, epochs, now)
+    return BoxPollResponse(
+        lease_ttl_s=config.lease_ttl_s, leases=leases, ops=ops,
+        extended={box_id: expires_at for box_id in extended},
+        revoked=[h.box_id for h in ask.held if h.box_id not in extended])
+
+
+def _grant(conn: Connection, site: Site, capacity: int, now: float,
+           expires_at: float) -> list[BoxLease]:
+    picked = conn.execute(
+        select(boxes.c.id).where(boxes.c.status == _PENDING)
+        .order_by(boxes.c.created_at).limit(capacity)
+        .with_for_update(skip_locked=True)).scalars().all()
+    if not picked:
+        return []
+    rows = conn.execute(
+        update(boxes).where(boxes.c.id.in_(picked), boxes.c.status == _PENDING)
+        .values(status=_RUNNING, epoch=boxes.c.epoch + 1, site_id=site.id,
+                lease_expires_at=expires_at, leased_at=now,
+                restarts=boxes.c.restarts + case((boxes.c.epoch > 0, 1), else_=0))
+        .returning(boxes.c.id, boxes.c.epoch, boxes.c.snapshot_id, boxes.c.image_id,
+                   boxes.c.network, boxes.c.limits)).all()
+    return [BoxLease(box_id=r.id, epoch=r.epoch, snapshot_id=r.snapshot_id or r.image_id,
+                     network=bool(r.network), limits=BoxLimits.model_validate(r.limits or {}))
+            for r in rows]
+
+
+def _take_ops(conn: Connection, epochs: dict[str, int], now: float) -> list[BoxOp]:
+    if not epochs:
+        return []
+    rows = conn.execute(
+        select(box_ops.c.id, box_ops.c.box_id, box_ops.c.kind, box_ops.c.args)
+        .where(box_ops.c.box_id.in_(list(epochs)), box_ops.c.status == OpStatus.QUEUED.value)
+        .order_by(box_ops.c.seq).limit(MAX_OPS_PER_POLL)
+        .with_for_update(skip_locked=True)).all()
+    taken: list[BoxOp] = []
+    for r in rows:
+        hit = conn.execute(update(box_ops).where(box_ops.c.id == r.id,
+                                                 box_ops.c.status == OpStatus.QUEUED.value)
+                           .values(status=OpStatus.RUNNING.value, epoch=epochs[r.box_id],
+                                   started_at=now)).rowcount
+        if hit:
+            taken.append(BoxOp(op_id=r.id, box_id=r.box_id, epoch=epochs[r.box_id],
+                               kind=r.kind, args=r.args or {}))
+    return taken
+
+
+@retry_conflicts
+def complete_ops(store: Store, site: Site, done: BoxResultsRequest,
+                 now: float) -> BoxResultsResponse:
+    accepted: list[str] = []
+    rejected: list[str] = []
+    with store.write() as conn:
+        held = _held_at_epoch(conn, site, [(r.box_id, r.epoch) for r in done.results])
+        for item in done.results:
+            values: dict[str, Any] = {"finished_at": now}
+            if item.error is not None:
+                values.update(status=OpStatus.FAILED.value, error=item.error.model_dump())
+            else:
+                values.update(status=OpStatus.SUCCEEDED.value, result=item.result or {})
+            hit = item.box_id in held and conn.execute(
+                update(box_ops).where(box_ops.c.id == item.op_id,
+                                      box_ops.c.box_id == item.box_id,
+                                      box_ops.c.epoch == item.epoch,
+                                      box_ops.c.status == OpStatus.RUNNING.value)
+                .values(**values).returning(box_ops.c.kind)).scalar()
+            if not hit:
+                rejected.append(item.op_id)
+                continue
+            accepted.append(item.op_id)
+            if hit == "pause" and item.error is None:
+                conn.execute(update(boxes).where(boxes.c.id == item.box_id,
+                                                 boxes.c.epoch == item.epoch,
+                                                 boxes.c.status == _RUNNING)
+                             .values(status=BoxStatus.PAUSED.value, site_id=None,
+                                     lease_expires_at=None))
+    return BoxResultsResponse(accepted=accepted, rejected=rejected)
+
+
+@retry_conflicts
+def store_snapshot(store: Store, site: Site, box_id: str, epoch: int, kind: SnapshotKind,
+                   parts: Iterable[bytes], max_bytes: int) -> SnapshotStored:
+    with store.write() as conn:
+        row = conn.execute(select(boxes.c.tenant_id, boxes.c.snapshot_id).where(
+            boxes.c.id == box_id, boxes.c.epoch == epoch, boxes.c.site_id == site.id,
+            boxes.c.status == _RUNNING).with_for_update()).first()
+        if row is None:
+            raise ConflictError(f"box {box_id} is not this host's at epoch {epoch}",
+                                code="stale_epoch")
+        record = store_archive(conn, row.tenant_id, box_id, kind, parts, max_bytes)
+        conn.execute(update(boxes).where(boxes.c.id == box_id)
+                     .values(snapshot_id=record.id))
+        previous = conn.execute(select(box_snapshots.c.id).where(
+            box_snapshots.c.box_id == box_id, box_snapshots.c.kind == SnapshotKind.AUTO.value,
+            box_snapshots.c.id != record.id)).scalars().all()
+        drop_archives(conn, list(previous))
+    return SnapshotStored(snapshot_id=record.id, bytes=record.bytes)
+
+
+def snapshot_content(store: Store, site: Site, box_id: str, snapshot_id: str) -> Iterator[bytes]:
+    """An archive a host may read: the start of a box it holds."""
+    with store.read() as conn:
+        box = conn.execute(select(boxes.c.snapshot_id, boxes.c.image_id).where(
+            boxes.c.id == box_id, boxes.c.site_id == site.id,
+            boxes.c.status == _RUNNING)).first()
+    if box is None or snapshot_id not in (box.snapshot_id, box.image_id):
+        raise NotFoundError(f"No such snapshot for a box of this host: {snapshot_id}")
+    return files.iter_chunks(store, snapshot_id)
+
+
+@retry_conflicts
+def release(store: Store, site: Site, ask: BoxReleaseRequest) -> BoxReleaseResponse:
+    with store.write() as conn:
+        released: list[str] = []
+        for h in ask.boxes:
+            hit = conn.execute(update(boxes).where(
+                boxes.c.id == h.box_id, boxes.c.epoch == h.epoch, boxes.c.site_id == site.id,
+                boxes.c.status == _RUNNING)
+                .values(status=_PENDING, site_id=None, lease_expires_at=None)).rowcount
+            if hit:
+                released.append(h.box_id)
+                _requeue_running(conn, h.box_id)
+    return BoxReleaseResponse(released=released)
+
+
+def _requeue_running(conn: Connection, box_id: str) -> None:
+    # Handed back before it ran them: the next host runs them from the start.
+    conn.execute(update(box_ops).where(box_ops.c.box_id == box_id,
+                                       box_ops.c.status == OpStatus.RUNNING.value)
+                 .values(status=OpStatus.QUEUED.value, epoch=None, started_at=None))
+
+
+@retry_conflicts
+def reap_expired(store: Store, now: float) -> int:
+    """Boxes whose host stopped heartbeating go back to pending; returns how many."""
+    with store.write() as conn:
+        lost = conn.execute(
+            update(boxes).where(boxes.c.status == _RUNNING, boxes.c.lease_expires_at < now)
+            .values(status=_PENDING, site_id=None, lease_expires_at=None)
+            .returning(boxes.c.id)).scalars().all()
+        for box_id in lost:
+            code, message = HOST_LOST
+            conn.execute(update(box_ops).where(box_ops.c.box_id == box_id,
+                                               box_ops.c.status == OpStatus.RUNNING.value)
+                         .values(status=OpStatus.FAILED.value, finished_at=now,
+                                 error={"code": code, "message": message}))
+    return len(lost)

@@ -1,0 +1,83 @@
+"""Statuses and typed records of boxes, their operations and their snapshots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+
+class BoxStatus(StrEnum):
+    PENDING = "pending"  # waiting for a host (new, resumed, or its host was lost)
+    RUNNING = "running"  # a host holds it at the row's current epoch
+    PAUSED = "paused"  # snapshotted and on no host; resume sends it back to pending
+    DELETED = "deleted"  # gone; its operations fail, its host drops its workspace
+
+
+class OpStatus(StrEnum):
+    QUEUED = "queued"  # waiting for the box's host
+    RUNNING = "running"  # its host took it at `epoch`
+    SUCCEEDED = "succeeded"  # `result` is set
+    FAILED = "failed"  # `error` is set (a limit, a bad path, a lost host, a deleted box)
+
+
+TERMINAL_OP_STATUSES = (OpStatus.SUCCEEDED, OpStatus.FAILED)
+
+
+class SnapshotKind(StrEnum):
+    IMAGE = "image"  # uploaded by a tenant to create boxes from
+    MANUAL = "manual"  # asked for by the tenant; kept until the box is deleted
+    AUTO = "auto"  # taken by the host after changes; only the latest is kept
+
+
+@dataclass(frozen=True, slots=True)
+class BoxRecord:
+    id: str
+    tenant_id: str
+    status: BoxStatus
+    epoch: int
+    image_id: str | None
+    snapshot_id: str | None
+    network: bool
+    limits: dict[str, Any]
+    metadata: dict[str, Any] | None
+    created_at: float
+    restarts: int
+
+
+@dataclass(frozen=True, slots=True)
+class OpRecord:
+    id: str
+    box_id: str
+    kind: str
+    status: OpStatus
+    result: dict[str, Any] | None
+    error: dict[str, Any] | None
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotRecord:
+    id: str
+    tenant_id: str
+    box_id: str | None
+    kind: SnapshotKind
+    bytes: int
+    created_at: float
+
+
+def box_record(row: Any) -> BoxRecord:
+    return BoxRecord(id=row.id, tenant_id=row.tenant_id, status=BoxStatus(row.status),
+                     epoch=row.epoch, image_id=row.image_id, snapshot_id=row.snapshot_id,
+                     network=bool(row.network), limits=dict(row.limits or {}),
+                     metadata=row.metadata, created_at=row.created_at, restarts=row.restarts)
+
+
+def op_record(row: Any) -> OpRecord:
+    return OpRecord(id=row.id, box_id=row.box_id, kind=row.kind, status=OpStatus(row.status),
+                    result=row.result, error=row.error)
+
+
+def snapshot_record(row: Any) -> SnapshotRecord:
+    return SnapshotRecord(id=row.id, tenant_id=row.tenant_id, box_id=row.box_id,
+                          kind=SnapshotKind(row.kind), bytes=row.bytes,
+                          created_at=row.created_at)

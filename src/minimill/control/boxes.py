@@ -1,0 +1,243 @@
+"""Boxes, the tenant's side: create (from an image or a snapshot), list, get, delete, pause,
+resume, and operations (exec, files, snapshot) queued for the box's host.
+
+An operation is a `box_ops` row: queued here, taken by the host that holds the box (with the
+box's epoch), finished by that host's result (box_hosts.py). A caller waits for the result by
+watching the row. Paths are checked here too, so that an escape is refused before any host
+sees it (the host checks again, against what is really on its disk).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy import Connection, delete, insert, select, update
+
+from minimill.control import files
+from minimill.control.box_records import (
+    TERMINAL_OP_STATUSES,
+    BoxRecord,
+    BoxStatus,
+    OpRecord,
+    OpStatus,
+    SnapshotKind,
+    SnapshotRecord,
+    box_record,
+    op_record,
+    snapshot_record,
+)
+from minimill.control.errors import ConflictError, InvalidRequestError, NotFoundError
+from minimill.control.records import new_id
+from minimill.control.store import Store, retry_conflicts
+from minimill.control.tables import box_ops, box_snapshots, boxes, file_chunks
+
+_LIVE = (BoxStatus.PENDING.value, BoxStatus.RUNNING.value)
+_OPEN_OPS = (OpStatus.QUEUED.value, OpStatus.RUNNING.value)
+
+
+def _not_found(box_id: str) -> NotFoundError:
+    return NotFoundError(f"No such box: {box_id}", param="box_id", code="box_not_found")
+
+
+def check_path(path: str) -> str:
+    """Refuse paths that leave the workspace before any host sees them."""
+    if not path or len(path) > 4096 or "\x00" in path:
+        raise InvalidRequestError("path must have 1 to 4096 characters, none of them NUL",
+                                  param="path", code="invalid_path")
+    if ".." in path.split("/"):
+        raise InvalidRequestError(f"path {path!r} contains '..': paths stay inside the "
+                                  "workspace", param="path", code="path_escape")
+    return path
+
+
+def store_archive(conn: Connection, tenant_id: str, box_id: str | None, kind: SnapshotKind,
+                  parts: Iterable[bytes], max_bytes: int) -> SnapshotRecord:
+    """Insert an archive (image or snapshot) inside the caller's transaction."""
+    snapshot_id = new_id("snap_")
+    size = files.insert_chunks(conn, snapshot_id, parts, max_bytes)
+    now = time.time()
+    conn.execute(insert(box_snapshots).values(id=snapshot_id, tenant_id=tenant_id,
+                                              box_id=box_id, kind=kind.value, bytes=size,
+                                              created_at=now))
+    return SnapshotRecord(id=snapshot_id, tenant_id=tenant_id, box_id=box_id, kind=kind,
+                          bytes=size, created_at=now)
+
+
+def create_image(store: Store, tenant_id: str, parts: Iterable[bytes],
+                 max_bytes: int) -> SnapshotRecord:
+    """A tenant's archive (tar, optionally gzipped) to create boxes from."""
+    with store.write() as conn:
+        return store_archive(conn, tenant_id, None, SnapshotKind.IMAGE, parts, max_bytes)
+
+
+def get_snapshot(store: Store, tenant_id: str, snapshot_id: str) -> SnapshotRecord:
+    with store.read() as conn:
+        row = conn.execute(select(box_snapshots).where(
+            box_snapshots.c.id == snapshot_id, box_snapshots.c.tenant_id == tenant_id)).first()
+    if row is None:
+        raise NotFoundError(f"No such image or snapshot: {snapshot_id}", param="snapshot",
+                            code="snapshot_not_found")
+    return snapshot_record(row)
+
+
+def list_snapshots(store: Store, tenant_id: str, box_id: str) -> list[SnapshotRecord]:
+    get_box(store, tenant_id, box_id)
+    with store.read() as conn:
+        rows = conn.execute(select(box_snapshots).where(
+            box_snapshots.c.tenant_id == tenant_id, box_snapshots.c.box_id == box_id)
+            .order_by(box_snapshots.c.created_at)).all()
+    return [snapshot_record(r) for r in rows]
+
+
+def create_box(store: Store, tenant_id: str, *, source_id: str | None, network: bool,
+               limits: dict[str, Any], metadata: dict[str, Any] | None) -> BoxRecord:
+    """A new box, pending a host; `source_id` is an image or a snapshot of the tenant's."""
+    if source_id is not None:
+        get_snapshot(store, tenant_id, source_id)
+    box_id = new_id("box_")
+    with store.write() as conn:
+        conn.execute(insert(boxes).values(
+            id=box_id, tenant_id=tenant_id, status=BoxStatus.PENDING.value, epoch=0,
+            image_id=source_id, network=network, limits=limits, metadata=metadata,
+            created_at=time.time(), restarts=0))
+    return get_box(store, tenant_id, box_id)
+
+
+def get_box(store: Store, tenant_id: str, box_id: str) -> BoxRecord:
+    with store.read() as conn:
+        row = conn.execute(select(boxes).where(
+            boxes.c.id == box_id, boxes.c.tenant_id == tenant_id,
+            boxes.c.status != BoxStatus.DELETED.value)).first()
+    if row is None:
+        raise _not_found(box_id)
+    return box_record(row)
+
+
+def list_boxes(store: Store, tenant_id: str, limit: int = 1000) -> list[BoxRecord]:
+    with store.read() as conn:
+        rows = conn.execute(select(boxes).where(
+            boxes.c.tenant_id == tenant_id, boxes.c.status != BoxStatus.DELETED.value)
+            .order_by(boxes.c.created_at.desc()).limit(limit)).all()
+    return [box_record(r) for r in rows]
+
+
+def _fail_open_ops(conn: Connection, box_id: str, code: str, message: str,
+                   statuses: tuple[str, ...] = _OPEN_OPS) -> int:
+    return int(conn.execute(
+        update(box_ops).where(box_ops.c.box_id == box_id, box_ops.c.status.in_(statuses))
+        .values(status=OpStatus.FAILED.value, finished_at=time.time(),
+                error={"code": code, "message": message})).rowcount)
+
+
+@retry_conflicts
+def delete_box(store: Store, tenant_id: str, box_id: str) -> None:
+    """Gone at once: its host drops the workspace at its next poll; automatic snapshots go,
+    manual ones stay restorable."""
+    with store.write() as conn:
+        hit = conn.execute(update(boxes).where(
+            boxes.c.id == box_id, boxes.c.tenant_id == tenant_id,
+            boxes.c.status != BoxStatus.DELETED.value)
+            .values(status=BoxStatus.DELETED.value, site_id=None, lease_expires_at=None,
+                    epoch=boxes.c.epoch + 1)).rowcount
+        if not hit:
+            raise _not_found(box_id)
+        _fail_open_ops(conn, box_id, "box_deleted", "the box was deleted")
+        autos = conn.execute(select(box_snapshots.c.id).where(
+            box_snapshots.c.box_id == box_id,
+            box_snapshots.c.kind == SnapshotKind.AUTO.value)).scalars().all()
+        drop_archives(conn, list(autos))
+
+
+def drop_archives(conn: Connection, snapshot_ids: list[str]) -> None:
+    if snapshot_ids:
+        conn.execute(delete(box_snapshots).where(box_snapshots.c.id.in_(snapshot_ids)))
+        conn.execute(delete(file_chunks).where(file_chunks.c.file_id.in_(snapshot_ids)))
+
+
+@retry_conflicts
+def submit_op(store: Store, tenant_id: str, box_id: str, kind: str,
+              args: dict[str, Any], idempotency_key: str | None = None) -> str:
+    """Queue an operation for the box's host; returns its id. With an idempotency key that
+    named an operation of this box before, that operation's id (it is not run again)."""
+    op_id = new_id("bop_")
+    with store.write() as conn:
+        if idempotency_key is not None:
+            earlier = conn.execute(select(box_ops.c.id, box_ops.c.error).where(
+                box_ops.c.tenant_id == tenant_id, box_ops.c.box_id == box_id,
+                box_ops.c.idempotency_key == idempotency_key)).first()
+            if earlier is not None and (earlier.error or {}).get("code") != "box_host_lost":
+                return str(earlier.id)
+            if earlier is not None:  # it never finished: the box came back without it
+                conn.execute(update(box_ops).where(box_ops.c.id == earlier.id)
+                             .values(idempotency_key=None))
+        status = conn.execute(select(boxes.c.status).where(
+            boxes.c.id == box_id, boxes.c.tenant_id == tenant_id)).scalar()
+        if status is None or status == BoxStatus.DELETED.value:
+            raise _not_found(box_id)
+        if status == BoxStatus.PAUSED.value:
+            raise ConflictError(f"box {box_id} is paused: resume it first",
+                                code="box_paused")
+        conn.execute(insert(box_ops).values(id=op_id, box_id=box_id, tenant_id=tenant_id,
+                                            kind=kind, args=args, status=OpStatus.QUEUED.value,
+                                            created_at=time.time(),
+                                            idempotency_key=idempotency_key))
+    return op_id
+
+
+def get_op(store: Store, op_id: str) -> OpRecord:
+    with store.read() as conn:
+        row = conn.execute(select(box_ops).where(box_ops.c.id == op_id)).first()
+    if row is None:
+        raise NotFoundError(f"No such operation: {op_id}")
+    return op_record(row)
+
+
+def finish_wait(store: Store, op_id: str) -> OpRecord:
+    """After its caller stopped waiting: a finished operation's row goes (its caller has
+    its result); an unfinished one is cancelled if no host took it yet."""
+    with store.write() as conn:
+        row = conn.execute(select(box_ops).where(box_ops.c.id == op_id)).first()
+        if row is None:
+            raise NotFoundError(f"No such operation: {op_id}")
+        record = op_record(row)
+        if record.status in TERMINAL_OP_STATUSES:
+            if row.idempotency_key is None:
+                conn.execute(delete(box_ops).where(box_ops.c.id == op_id))
+        elif record.status == OpStatus.QUEUED and row.idempotency_key is None:
+            conn.execute(update(box_ops).where(box_ops.c.id == op_id,
+                                               box_ops.c.status == OpStatus.QUEUED.value)
+                         .values(status=OpStatus.FAILED.value, finished_at=time.time(),
+                                 error={"code": "timeout",
+                                        "message": "no host took the operation in time"}))
+    return record
+
+
+@retry_conflicts
+def pause_now_if_hostless(store: Store, tenant_id: str, box_id: str) -> bool:
+    """Pause a box that no host holds (its files are its latest snapshot already)."""
+    with store.write() as conn:
+        hit = conn.execute(update(boxes).where(
+            boxes.c.id == box_id, boxes.c.tenant_id == tenant_id,
+            boxes.c.status == BoxStatus.PENDING.value)
+            .values(status=BoxStatus.PAUSED.value)).rowcount
+    return bool(hit)
+
+
+@retry_conflicts
+def resume_box(store: Store, tenant_id: str, box_id: str) -> BoxRecord:
+    with store.write() as conn:
+        status = conn.execute(select(boxes.c.status).where(
+            boxes.c.id == box_id, boxes.c.tenant_id == tenant_id)).scalar()
+        if status is None or status == BoxStatus.DELETED.value:
+            raise _not_found(box_id)
+        if status == BoxStatus.PAUSED.value:
+            conn.execute(update(boxes).where(boxes.c.id == box_id,
+                                             boxes.c.status == BoxStatus.PAUSED.value)
+                         .values(status=BoxStatus.PENDING.value))
+    return get_box(store, tenant_id, box_id)
+
+
+def is_live(record: BoxRecord) -> bool:
+    return record.status.value in _LIVE

@@ -1,0 +1,61 @@
+"""`minimill box ...` against a real control plane and box host, and a host that refuses
+to offer boxes it cannot isolate."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from api_harness import ApiEnv
+from box_harness import BoxHostProc
+
+from minimill.control.sites import create_site
+
+
+def _box(env: ApiEnv, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "minimill.cli", "box", *args], input=stdin,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "MINIMILL_BASE_URL": env.v1,
+                               "MINIMILL_API_KEY": env.key})
+
+
+def test_box_cli(box_env: ApiEnv, box_host: BoxHostProc, tmp_path: Path) -> None:
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "greet.sh").write_text("echo hello from $1\n")
+    created = _box(box_env, "create", "--image", str(tmp_path / "img"))
+    assert created.returncode == 0, created.stderr
+    box_id = next(line.split('"')[3] for line in created.stdout.splitlines()
+                  if line.strip().startswith('"id"'))
+
+    ran = _box(box_env, "exec", box_id, "sh", "greet.sh", "cli")
+    assert (ran.returncode, ran.stdout) == (0, "hello from cli\n")
+    failed = _box(box_env, "exec", box_id, "sh", "-c", "echo oops >&2; exit 7")
+    assert (failed.returncode, failed.stderr) == (7, "oops\n")
+
+    assert _box(box_env, "write", box_id, "in/data.txt", stdin="piped").returncode == 0
+    assert _box(box_env, "read", box_id, "in/data.txt").stdout == "piped"
+    assert "data.txt" in _box(box_env, "ls", box_id, "in").stdout
+    snap = _box(box_env, "snapshot", box_id).stdout.strip()
+    assert snap.startswith("snap_")
+    assert box_id in _box(box_env, "list").stdout
+
+    escape = _box(box_env, "read", box_id, "../etc/passwd")
+    assert escape.returncode == 1 and "path_escape" in escape.stderr
+    assert _box(box_env, "rm", box_id).returncode == 0
+    gone = _box(box_env, "exec", box_id, "true")
+    assert gone.returncode == 1 and "box_not_found" in gone.stderr
+
+
+def test_host_refuses_boxes_without_isolation(box_env: ApiEnv, tmp_path: Path) -> None:
+    token = create_site(box_env.store, "no-bwrap-site", 0.1, "cpu")
+    # No bubblewrap on its PATH: it must refuse, saying what to install or how to opt out.
+    proc = subprocess.run(
+        [sys.executable, "-m", "minimill.cli", "worker", "--server", box_env.base_url,
+         "--site", "no-bwrap-site", "--engine", "none", "--boxes", "2",
+         "--box-dir", str(tmp_path / "boxes")],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PATH": str(tmp_path), "MINIMILL_SITE_TOKEN": token})
+    assert proc.returncode == 2
+    assert "bubblewrap" in proc.stderr and "--insecure-no-sandbox" in proc.stderr
