@@ -13,7 +13,8 @@ from sqlalchemy import select
 from minimill.control.errors import NotFoundError
 from minimill.control.leases import complete, heartbeat, lease, reap_expired
 from minimill.control.release import release
-from minimill.control.sites import add_outage, list_outages, list_sites, remove_outage
+from minimill.control.site_view import list_sites
+from minimill.control.sites import add_outage, list_outages, remove_outage
 from minimill.control.store import Store
 from minimill.control.tables import requests
 from minimill.protocol import (
