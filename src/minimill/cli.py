@@ -27,6 +27,7 @@ batch_app = typer.Typer(help="Submit and follow Batch API jobs.", no_args_is_hel
 bench_app = typer.Typer(help="Benchmarks that print JSON figures.", no_args_is_help=True)
 sites_app = typer.Typer(help="Sites of the fleet (mini mills).", no_args_is_help=True)
 outage_app = typer.Typer(help="Planned or forecast outages of a site.", no_args_is_help=True)
+site_price_app = typer.Typer(help="A site's price schedule (hourly $/h).", no_args_is_help=True)
 prices_app = typer.Typer(help="The price list: what tenants are billed per model and tier.",
                          no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
@@ -38,6 +39,7 @@ webhooks_app = typer.Typer(help="Webhook endpoints: where response and batch eve
 app.add_typer(prices_app, name="prices")
 app.add_typer(webhooks_app, name="webhooks")
 sites_app.add_typer(outage_app, name="outage")
+sites_app.add_typer(site_price_app, name="price")
 
 DEFAULT_MODEL = "smollm2-135m"
 DTYPE_HELP = ("auto (bfloat16 where the chip computes it natively: GPUs, CPUs with AVX-512 BF16 "
@@ -328,6 +330,39 @@ def outage_add(
     with _store(db) as store:
         outage_id = add_outage(store, site, parse_time(start, "from"), parse_time(end, "to"))
     typer.echo(f"outage {outage_id} of {site} from {start} to {end} recorded")
+
+
+@site_price_app.command("set")
+def site_price_set(
+    site: str = typer.Argument(..., help="Site name."),
+    schedule: Path | None = typer.Option(
+        None, "--schedule", help="JSON or YAML file: a list of hourly $/h from the start of "
+        "today (UTC), repeating, or {start_at, hourly_usd, repeat}."),
+    clear: bool = typer.Option(False, "--clear", help="Back to the flat price_per_hour."),
+    db: str | None = DbOption,
+) -> None:
+    """Make a site's price follow an hourly schedule; background work with a deadline is
+    placed into its cheapest hours that still meet it (realtime is never deferred)."""
+    import time
+
+    import yaml
+
+    from minimill.control.price_schedule import parse, utc_day_start
+    from minimill.control.sites import set_price_schedule
+
+    if clear == (schedule is not None):
+        raise typer.BadParameter("give --schedule FILE or --clear")
+    parsed = None
+    if schedule is not None:
+        try:
+            parsed = parse(yaml.safe_load(schedule.read_text()), utc_day_start(time.time()))
+        except (OSError, ValueError, yaml.YAMLError) as e:
+            raise typer.BadParameter(f"{schedule}: {e}") from e
+    with _store(db) as store:
+        set_price_schedule(store, site, parsed)
+    typer.echo(f"{site}: flat price" if parsed is None else
+               f"{site}: {len(parsed.hourly_usd)} hourly prices from {_moment(parsed.start_at)}"
+               f"{', repeating' if parsed.repeat else ''}")
 
 
 TierOption = typer.Option("realtime", "--tier", help="realtime or background (default: "

@@ -20,6 +20,7 @@ from sqlalchemy.exc import IntegrityError
 from minimill.control import metering
 from minimill.control.errors import ConflictError, InvalidRequestError, NotFoundError
 from minimill.control.keys import hash_secret
+from minimill.control.price_schedule import PriceSchedule
 from minimill.control.records import Site, new_id
 from minimill.control.store import Store
 from minimill.control.tables import outages, sites
@@ -208,3 +209,15 @@ def remove_outage(store: Store, outage_id: int, site_name: str | None = None) ->
         conn.execute(delete(outages).where(outages.c.id == outage_id))
     return OutageRecord(id=int(row.id), site=row.name, start_at=row.start_at,
                         end_at=row.end_at, created_at=row.created_at)
+
+
+def set_price_schedule(store: Store, site_name: str,
+                       schedule: PriceSchedule | None) -> PriceSchedule | None:
+    """Make a site's price follow `schedule` (None: its flat price_per_hour again). Placement
+    ranks the site at its price now and defers background work to its cheaper hours."""
+    with store.write() as conn:
+        hit = conn.execute(update(sites).where(sites.c.name == site_name).values(
+            price_schedule=None if schedule is None else schedule.to_json())).rowcount
+    if not hit:
+        raise NotFoundError(f"no site named {site_name!r}", param="site")
+    return schedule
