@@ -46,6 +46,7 @@ and `defer_background` picks the cheap windows.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from minimill.control import ranking, site_health
@@ -201,11 +202,11 @@ def background_key(site: SiteState, now: float,
     return (site_health.effective_usd_per_mtok(site, now, policy), site.site_id)
 
 
-def deadline_risk(due: dict[float, int], tokens_per_s: float, now: float,
+def deadline_risk(due: Mapping[float, float], tokens_per_s: float, now: float,
                   policy: PlacementPolicy = DEFAULT_POLICY) -> float | None:
     """The latest deadline whose work (`due`: tokens due by each deadline) cannot be finished
     in time at `tokens_per_s`, with the safety factor (None: every deadline is safe)."""
-    at_risk, total = None, 0
+    at_risk, total = None, 0.0
     for deadline in sorted(due):
         total += due[deadline]
         needed_s = total / tokens_per_s if tokens_per_s > 0 else math.inf
