@@ -289,6 +289,49 @@ def sim(
 
 
 @app.command()
+def cost(
+    usd_per_hour: float = typer.Option(..., "--usd-per-hour", help="What the chip (or site) "
+                                       "costs per hour, in US dollars."),
+    tokens_per_s: float | None = typer.Option(None, "--tokens-per-s",
+                                              help="Its measured output tokens/s."),
+    bench: Path | None = typer.Option(None, "--bench", help="Read tokens/s from a "
+                                      "`minimill bench engine --json` output file."),
+    uptime: float = typer.Option(1.0, help="Fraction of paid hours it is up and busy."),
+    reference: list[str] = typer.Option([], "--reference", help="A price to compare with, "
+                                        "NAME=USD_PER_MTOK (repeatable)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """$ per million and per trillion output tokens from a chip's $/hour and measured
+    tokens/s, beside reference prices."""
+    from rich.console import Console
+
+    from minimill.sim.cost import CostError, bench_tokens_per_s, parse_reference
+    from minimill.sim.cost import cost as cost_model
+
+    err = Console(stderr=True)
+    try:
+        if (tokens_per_s is None) == (bench is None):
+            raise CostError("give --tokens-per-s or --bench (one of them)")
+        rate, source = tokens_per_s or 0.0, "given"
+        if bench is not None:
+            rate, source = bench_tokens_per_s(bench), str(bench)
+        report = cost_model(usd_per_hour, rate, source, uptime,
+                            [parse_reference(r) for r in reference])
+    except CostError as e:
+        err.print(f"[red]error:[/red] {e}")
+        raise SystemExit(2) from e
+    if json_out:
+        typer.echo(json.dumps(report.to_json()))
+        return
+    typer.echo(f"${report.usd_per_hour:g}/h at {report.tokens_per_s:,.1f} tok/s "
+               f"({report.tokens_per_s_source}), {report.uptime:.1%} up:")
+    typer.echo(f"  ${report.usd_per_mtok:.6f} per million tokens, "
+               f"${report.usd_per_ttok:,.2f} per trillion")
+    for ref in report.references:
+        typer.echo(f"  {ref.name}: ${ref.usd_per_mtok:g}/Mtok, {ref.ratio:g}x ours")
+
+
+@app.command()
 def worker(
     server: str = typer.Option(..., help="Control plane URL, e.g. http://host:8000."),
     site: str = typer.Option(..., help="This site's name."),
