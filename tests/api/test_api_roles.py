@@ -57,6 +57,7 @@ ROUTES = {
     ("POST", "/v1/prices"): "operator",
     ("DELETE", "/v1/prices"): "operator",
     ("POST", "/v1/keys"): "operator",
+    ("GET", "/metrics"): "operator",
     ("GET", "/openapi.json"): "public",
     ("GET", "/docs"): "public",
     ("GET", "/docs/oauth2-redirect"): "public",

@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
 from minimill import __version__
-from minimill.api import errors
+from minimill.api import errors, metrics
 from minimill.api.limits import UploadLimitMiddleware
 from minimill.api.progress import ProgressWatcher
 from minimill.api.routes import (
@@ -36,6 +36,7 @@ from minimill.api.routes import (
     sites,
     webhook_endpoints,
 )
+from minimill.api.routes import metrics as metrics_route
 from minimill.api.settings import Settings
 from minimill.api.webhook_sender import run_webhook_sender
 from minimill.control.config import ControlConfig
@@ -94,10 +95,11 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     app.state.watcher = watcher
     errors.install(app)
     app.add_middleware(UploadLimitMiddleware, max_file_bytes=settings.max_file_bytes)
+    app.state.metrics = metrics.install(app, the_store)
     for module in (models, chat, completions, responses, files, batches, webhook_endpoints,
                    fleet):
         app.include_router(module.router)
-    operator_routers = (sites.router, prices.router, keys.router)
+    operator_routers = (sites.router, prices.router, keys.router, metrics_route.router)
     for router in operator_routers:
         app.include_router(router)
     # A wrong method on these answers 404 too (errors.py), as an unknown URL would.
