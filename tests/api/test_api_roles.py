@@ -58,6 +58,8 @@ ROUTES = {
     ("DELETE", "/v1/prices"): "operator",
     ("POST", "/v1/keys"): "operator",
     ("GET", "/metrics"): "operator",
+    ("GET", "/dashboard"): "operator",
+    ("GET", "/dashboard/data"): "operator",
     ("GET", "/openapi.json"): "public",
     ("GET", "/docs"): "public",
     ("GET", "/docs/oauth2-redirect"): "public",

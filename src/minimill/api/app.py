@@ -27,6 +27,7 @@ from minimill.api.routes import (
     batches,
     chat,
     completions,
+    dashboard,
     files,
     fleet,
     keys,
@@ -99,7 +100,8 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     for module in (models, chat, completions, responses, files, batches, webhook_endpoints,
                    fleet):
         app.include_router(module.router)
-    operator_routers = (sites.router, prices.router, keys.router, metrics_route.router)
+    operator_routers = (sites.router, prices.router, keys.router, metrics_route.router,
+                        dashboard.router)
     for router in operator_routers:
         app.include_router(router)
     # A wrong method on these answers 404 too (errors.py), as an unknown URL would.

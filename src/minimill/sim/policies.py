@@ -21,7 +21,7 @@ import bisect
 import heapq
 from collections import deque
 
-from minimill.control import placement, site_health
+from minimill.control import placement, ranking, site_health
 from minimill.control.placement import Outage, PlacementPolicy, SiteState
 from minimill.sim.fenwick import Fenwick
 from minimill.sim.world import SimSite
@@ -57,10 +57,31 @@ class Policy:
             leases_granted=granted, leases_expired=expired, chip=site.chip,
             price_schedule=site.schedule if self.uses_forecasts else None)
 
+    def _kinds(self, states: list[SiteState]) -> list[int]:
+        """Sites of the same kind (ranking.same_kind: chip and price) are never cheaper than
+        each other: each site's kind is the first site of its kind."""
+        firsts: list[int] = []
+        kind = []
+        for i, s in enumerate(states):
+            for f in firsts:
+                if ranking.same_kind(states[f], s, self.policy):
+                    kind.append(f)
+                    break
+            else:
+                firsts.append(i)
+                kind.append(i)
+        return kind
+
     def rerank(self, states: list[SiteState], now: float) -> None:
         if not self.uses_costs:
             return
-        bg = [placement.background_key(s, now, self.policy) for s in states]
+        own = [placement.background_key(s, now, self.policy) for s in states]
+        kinds = self._kinds(states)
+        best: dict[int, float] = {}
+        for i, k in enumerate(kinds):
+            best[k] = min(best.get(k, own[i][0]), own[i][0])
+        # In background order by kind (the kind's cheapest site), then each site's own key.
+        bg = [(best[kinds[i]], *own[i]) for i in range(len(states))]
         rt = [placement.realtime_key(s, now, self.policy) for s in states]
         bg_order = sorted(range(len(states)), key=bg.__getitem__)
         for rank, i in enumerate(bg_order):

@@ -27,11 +27,13 @@ def _percentile(values: list[float], weights: list[int], q: float) -> float | No
     return round(float(v[order][min(index, len(v) - 1)]), 3)
 
 
-def _up_cost(world: World, until: float) -> float:
-    """What every site costs for its hours up to `until` (billing: up)."""
+def _hours_cost(world: World, until: float, count_down: bool) -> float:
+    """What every site costs for its hours up to `until`: only those it was up (billing: up)
+    or all of them (billing: always), at its flat $/h."""
     total = 0.0
     for site, downs in zip(world.sites, world.downs, strict=True):
-        down = sum(max(min(d.end, until) - d.start, 0.0) for d in downs if d.start < until)
+        down = 0.0 if count_down else sum(max(min(d.end, until) - d.start, 0.0)
+                                          for d in downs if d.start < until)
         total += site.price_per_hour * max(until - down, 0.0) / HOUR_S
     return total
 
@@ -39,7 +41,8 @@ def _up_cost(world: World, until: float) -> float:
 def summarize(scenario: Scenario, world: World, tally: Tally, wall_s: float) -> dict[str, Any]:
     requests = scenario.num_requests
     span = max(tally.last_completion, 1e-9)
-    cost = tally.cost_usd if scenario.billing == "busy" else _up_cost(world, span)
+    cost = (tally.cost_usd if scenario.billing == "busy"
+            else _hours_cost(world, span, count_down=scenario.billing == "always"))
     latency = [x for tier in tally.latency.values() for x in tier]
     weight = [x for tier in tally.weight.values() for x in tier]
     unfinished = requests - tally.completed

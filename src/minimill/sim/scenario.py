@@ -85,7 +85,9 @@ class Scenario:
     checkpoint_interval_s: float = 60.0
     replan_s: float = 1800.0  # how often site health and rankings are refreshed
     arrival_bin_s: float = 10.0  # realtime arrivals are grouped per bin
-    billing: str = "busy"  # busy: a site costs while it holds work; up: while up
+    # busy: a site costs while it holds work (hours bought as needed); up: while it is up
+    # (power and staff only when running); always: every hour (owned capacity).
+    billing: str = "busy"
     policies: tuple[str, ...] = POLICIES
     profiles: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
@@ -185,7 +187,7 @@ def _workload(i: int, data: dict[str, Any]) -> Workload:
     tokens = int(_num(data, "tokens", where, low=1, high=1e7))
     if kind == "batch":
         return Workload(kind, tokens, requests=int(_num(data, "requests", where, low=1,
-                                                        high=1e9)),
+                                                        high=1e13)),
                         arrive_h=_num(data, "arrive_h", where, 0.0, high=1e5),
                         deadline_h=_num(data, "deadline_h", where, 24.0, low=1e-3, high=1e5))
     if kind == "realtime":
@@ -220,8 +222,8 @@ def parse(data: Any, base: Path = Path()) -> Scenario:
     if not set(policies) <= set(POLICIES):
         raise ScenarioError(f"policies must be among {', '.join(POLICIES)}")
     billing = str(data.get("billing", "busy"))
-    if billing not in ("busy", "up"):
-        raise ScenarioError("billing must be busy or up")
+    if billing not in ("busy", "up", "always"):
+        raise ScenarioError("billing must be busy, up or always")
     top = "scenario"
     scenario = Scenario(
         name=str(data.get("name", "scenario")), chips=chips, regions=regions, groups=groups,
