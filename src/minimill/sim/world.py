@@ -64,12 +64,14 @@ def _merge(spans: list[Down]) -> tuple[Down, ...]:
 def build(scenario: Scenario) -> World:
     rng = np.random.default_rng(scenario.seed)
     horizon = scenario.duration_h * HOUR_S
+    # Failures and weather go on while the run drains its work after the arrivals stop.
+    until = (scenario.duration_h + scenario.drain_h) * HOUR_S
     forecasts: dict[str, tuple[Forecast, ...]] = {}
     weather: dict[str, list[Down]] = {}
     for name, region in scenario.regions.items():
         w = region.weather
-        count = rng.poisson(w.outages_per_day * scenario.duration_h / 24.0)
-        starts = np.sort(rng.uniform(0, horizon, count))
+        count = rng.poisson(w.outages_per_day * until / HOUR_S / 24.0)
+        starts = np.sort(rng.uniform(0, until, count))
         lengths = rng.exponential(w.mean_hours * HOUR_S, count)
         weather[name] = [Down(float(s), float(s + n), False) for s, n in zip(starts, lengths,
                                                                              strict=True)]
@@ -79,7 +81,7 @@ def build(scenario: Scenario) -> World:
         # A forecast of accuracy a misses (1 - a) of the outages and raises as many false
         # alarms, of the same length distribution.
         false_count = rng.binomial(count, 1.0 - w.forecast_accuracy) if count else 0
-        for s, n in zip(rng.uniform(0, horizon, false_count),
+        for s, n in zip(rng.uniform(0, until, false_count),
                         rng.exponential(w.mean_hours * HOUR_S, false_count), strict=True):
             told.append(Forecast(max(float(s) - lead, 0.0), float(s), float(s + n), False))
         forecasts[name] = tuple(sorted(told, key=lambda f: f.announced_at))
@@ -105,10 +107,10 @@ def build(scenario: Scenario) -> World:
             if group.uptime < 1.0:
                 # Alternating up and down spells, starting at a random phase of an up spell.
                 t = -rng.exponential(mean_up) * rng.random()
-                while t < horizon:
+                while t < until:
                     t += rng.exponential(mean_up)
                     length = rng.exponential(mean_down)
-                    if t < horizon and t + length > 0:
+                    if t < until and t + length > 0:
                         spans.append(Down(max(t, 0.0), t + length,
                                           bool(rng.random() < group.partition_share)))
                     t += length
