@@ -51,6 +51,8 @@ class Tally:
     tokens_by_hour: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     cost_by_hour: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     site_tokens: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+    # Requests leased, by (site id, tier): where the work went.
+    placed: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
 
 
 class Simulation:
@@ -277,6 +279,7 @@ class Simulation:
             assert record is not None, "a queued piece is always grantable"
             piece.record = record
             pieces.append((piece, record.epoch, piece.remaining))
+            self.tally.placed[(site.site_id, tier.value)] += piece.n
             work += piece.work
             budget -= piece.work
         if not pieces:
