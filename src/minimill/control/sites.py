@@ -21,6 +21,7 @@ from minimill.control import metering
 from minimill.control.errors import ConflictError, InvalidRequestError, NotFoundError
 from minimill.control.keys import hash_secret
 from minimill.control.price_schedule import PriceSchedule
+from minimill.control.price_schedule import parse as parse_schedule
 from minimill.control.records import Site, new_id
 from minimill.control.store import Store
 from minimill.control.tables import outages, sites
@@ -111,7 +112,8 @@ def touch_site(conn: Connection, site_id: str, now: float, up_grace_s: float,
     if busy:
         keep = metering.METER_WINDOW_S / (metering.METER_WINDOW_S + up_gap)
         values.update(busy_s=sites.c.busy_s + up_gap,
-                      cost_usd=sites.c.cost_usd + sites.c.price_per_hour * up_gap / 3600.0,
+                      cost_usd=sites.c.cost_usd + _price_now(conn, site_id, now) * up_gap
+                      / 3600.0,
                       window_busy_s=sites.c.window_busy_s * keep + up_gap,
                       window_tokens=sites.c.window_tokens * keep + accepted_tokens)
     elif accepted_tokens:
@@ -129,6 +131,21 @@ def touch_site(conn: Connection, site_id: str, now: float, up_grace_s: float,
             values["tokens_per_s"] = func.coalesce(old, tokens_per_s)
     values.update(more)
     conn.execute(update(sites).where(sites.c.id == site_id).values(**values))
+
+
+def _price_now(conn: Connection, site_id: str, now: float) -> Any:
+    """The site's $/h now, for the cost of its held time: its price schedule's hour (read
+    here, a literal), else its price_per_hour column."""
+    schedule = conn.execute(select(sites.c.price_schedule)
+                            .where(sites.c.id == site_id)).scalar()
+    if schedule is not None:
+        try:
+            price = parse_schedule(schedule, 0.0).price_at(now)
+        except ValueError:
+            price = None
+        if price is not None:
+            return price
+    return sites.c.price_per_hour
 
 
 def parse_time(text: str, param: str) -> float:
