@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from minimill.sim.run import run
-from minimill.sim.scenario import parse
+from minimill.sim.scenario import ScenarioError, parse
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = ROOT / "examples" / "scenarios"
@@ -118,3 +120,18 @@ def test_scale_10k_sites_1m_requests() -> None:
         assert policy["completed_requests"] == report["requests"]
         assert {"goodput_tok_s", "usd_per_mtok", "p99_completion_s",
                 "deadline_misses"} <= set(policy)
+
+
+def test_chip_rates_come_from_bench_engine_output(tmp_path: Path) -> None:
+    (tmp_path / "bench").mkdir()
+    # Two `bench engine --json` runs (say, a --shape run on two days): their mean counts.
+    (tmp_path / "bench" / "gpu.json").write_text(
+        json.dumps({"output_tok_s": 900.0, "device": "cuda"}) + "\n"
+        + json.dumps({"output_tok_s": 1100.0, "device": "cuda"}) + "\n")
+    data = base(chips={"x": {"bench": "bench/gpu.json", "bench_scale": 2,
+                             "usd_per_hour": 1.0}})
+    scenario = parse(data, tmp_path)
+    assert scenario.chips["x"].tokens_per_s == 2000.0
+    (tmp_path / "bench" / "bad.json").write_text("no json here\n")
+    with pytest.raises(ScenarioError, match="bench engine"):
+        parse(base(chips={"x": {"bench": "bench/bad.json", "usd_per_hour": 1.0}}), tmp_path)

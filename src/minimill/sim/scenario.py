@@ -120,9 +120,12 @@ def _num(data: dict[str, Any], key: str, where: str, default: float | None = Non
 def _bench_tokens_per_s(path: Path) -> float:
     """The output tok/s of a `minimill bench engine --json` file (mean over its runs)."""
     rates = []
-    for line in path.read_text().splitlines():
-        if line.strip().startswith("{"):
-            rates.append(float(json.loads(line)["output_tok_s"]))
+    try:
+        for line in path.read_text().splitlines():
+            if line.strip().startswith("{"):
+                rates.append(float(json.loads(line)["output_tok_s"]))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ScenarioError(f"{path}: not `minimill bench engine --json` output ({e})") from e
     if not rates:
         raise ScenarioError(f"{path}: no `bench engine --json` output in it")
     return sum(rates) / len(rates)
