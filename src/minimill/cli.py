@@ -381,10 +381,10 @@ def sites_list(db: str | None = DbOption,
     if json_out:
         typer.echo(json.dumps([asdict(s) for s in statuses], indent=2))
         return
-    columns = ("site", "status", "chip", "$/hour", "tok/s said", "tok/s measured", "uptime",
+    columns = ("site", "status", "chip", "$/h now", "tok/s said", "tok/s measured", "uptime",
                "cost $/Mtok", "eff $/Mtok", "in flight", "free", "leases", "expired", "stale",
                "wasted tok", "billed $", "cost $", "margin $", "next outage (UTC)")
-    rows = [(s.name, s.status, s.chip, f"{s.price_per_hour:.4f}", _num(s.tokens_per_s, ".1f"),
+    rows = [(s.name, s.status, s.chip, f"{s.price_now:.4f}", _num(s.tokens_per_s, ".1f"),
              _num(s.measured_tokens_per_s, ".1f"), _num(s.uptime, ".1%"),
              _num(s.cost_usd_per_mtok, ".4f"), f"{s.effective_usd_per_mtok:.4f}",
              str(s.in_flight), str(s.free_capacity), str(s.leases_granted),
