@@ -9,18 +9,17 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
-
-import numpy as np
 
 from minimill.control import lease_rules, placement
 from minimill.control.lease_rules import LeaseRecord
 from minimill.control.placement import DEFAULT_POLICY, Outage
 from minimill.control.records import RequestStatus, Tier
+from minimill.sim.arrivals import Arrivals
 from minimill.sim.policies import Policy
 from minimill.sim.scenario import Scenario
+from minimill.sim.tally import Tally
 from minimill.sim.work import Chunk, Piece, WorkQueue, shared_finish_times
 from minimill.sim.world import HOUR_S, World
 
@@ -28,31 +27,6 @@ from minimill.sim.world import HOUR_S, World
 DOWN, UP, EXPIRE, DONE, RELEASE, ANNOUNCE, ARRIVE, TICK = range(8)
 # A lease call shorter than this (before an outage) is not worth making.
 MIN_LEASE_S = 30.0
-
-
-@dataclass
-class Tally:
-    """What one policy's run produced."""
-
-    completed: int = 0
-    goodput_tokens: float = 0.0
-    wasted_tokens: float = 0.0
-    cost_usd: float = 0.0
-    duplicate_completions: int = 0
-    stale_completions: int = 0
-    deadline_misses: int = 0
-    leases: int = 0
-    lease_expiries: int = 0
-    handbacks: int = 0
-    placed_in_announced_outage: int = 0
-    last_completion: float = 0.0
-    latency: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
-    weight: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
-    tokens_by_hour: dict[int, float] = field(default_factory=lambda: defaultdict(float))
-    cost_by_hour: dict[int, float] = field(default_factory=lambda: defaultdict(float))
-    site_tokens: dict[int, float] = field(default_factory=lambda: defaultdict(float))
-    # Requests leased, by (site id, tier): where the work went.
-    placed: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
 
 
 class Simulation:
@@ -76,9 +50,7 @@ class Simulation:
         self.expired = [0] * n
         self.known: dict[str, list[Outage]] = {r: [] for r in world.region_sites}
         self.outstanding = scenario.num_requests
-        self.turns_left: dict[tuple[int, int], int] = {}
-        self.turn_open: dict[tuple[int, int], int] = {}
-        self.rng = np.random.default_rng(scenario.seed + 1)
+        self.arrivals = Arrivals(scenario)
 
     # -- events -----------------------------------------------------------------------------
     def at(self, t: float, kind: int, payload: Any) -> None:
@@ -98,37 +70,8 @@ class Simulation:
         while t <= self.world.horizon_s + self.scenario.drain_h * HOUR_S:
             self.at(t, TICK, None)
             t += step
-        self._arrivals()
-
-    def _arrivals(self) -> None:
-        s = self.scenario
-        for w_i, w in enumerate(s.workloads):
-            start = w.arrive_h * HOUR_S
-            if w.kind == "batch":
-                self.at(start, ARRIVE, Piece(w_i, w.requests, w.tokens, w.tokens,
-                                             Tier.BACKGROUND, start, start + w.deadline_h * HOUR_S))
-            elif w.kind == "realtime":
-                total = round(w.requests_per_s * (w.end_h - w.arrive_h) * HOUR_S)
-                bins = max(1, math.ceil((w.end_h - w.arrive_h) * HOUR_S / s.arrival_bin_s))
-                counts: Any = self.rng.multinomial(total, [1.0 / bins] * bins) if total else []
-                for b, count in enumerate(counts):
-                    if count:
-                        t = start + b * s.arrival_bin_s
-                        self.at(t, ARRIVE, Piece(w_i, int(count), w.tokens, w.tokens,
-                                                 Tier.REALTIME, t, t + s.lease_ttl_s))
-            else:
-                cohorts = math.ceil(w.sessions / w.cohort)
-                for c in range(cohorts):
-                    size = min(w.cohort, w.sessions - c * w.cohort)
-                    self.turns_left[(w_i, c)] = w.turns
-                    t = start + float(self.rng.uniform(0, max(w.think_s, 1.0)))
-                    self.at(t, ARRIVE, self._turn(w_i, c, size, t))
-
-    def _turn(self, w_i: int, cohort: int, size: int, t: float) -> Piece:
-        w = self.scenario.workloads[w_i]
-        self.turn_open[(w_i, cohort)] = size
-        return Piece(w_i, size, w.tokens, w.tokens, Tier.BACKGROUND, t,
-                     t + w.turn_deadline_s, cohort)
+        for t, piece in self.arrivals.initial():
+            self.at(t, ARRIVE, piece)
 
     def run(self) -> Tally:
         self.schedule_world()
@@ -413,17 +356,9 @@ class Simulation:
         t.weight[tier].append(piece.n)
         if piece.tier != Tier.REALTIME and self.now > piece.deadline + 1e-6:
             t.deadline_misses += piece.n
-        if piece.cohort >= 0:
-            key = (piece.workload, piece.cohort)
-            self.turn_open[key] -= piece.n
-            if self.turn_open[key] <= 0:
-                self.turns_left[key] -= 1
-                if self.turns_left[key] > 0:
-                    w = self.scenario.workloads[piece.workload]
-                    size = min(w.cohort, w.sessions - piece.cohort * w.cohort)
-                    t_next = self.now + w.think_s
-                    self.at(t_next, ARRIVE, self._turn(piece.workload, piece.cohort, size,
-                                                       t_next))
+        following = self.arrivals.answered(piece, self.now)
+        if following is not None:
+            self.at(following[0], ARRIVE, following[1])
 
     def in_system(self) -> int:
         """Requests not completed that the run still holds when it stops: queued, leased,
@@ -447,10 +382,4 @@ class Simulation:
                 for piece, _, _ in chunk.pieces:
                     pieces[piece.pid] = piece
         held = sum(p.n for p in pieces.values() if not p.done and p.cohort < 0)
-        agents = sum((left - 1) * self._cohort_size(key) + self.turn_open[key]
-                     for key, left in self.turns_left.items() if left > 0)
-        return held + agents
-
-    def _cohort_size(self, key: tuple[int, int]) -> int:
-        w = self.scenario.workloads[key[0]]
-        return min(w.cohort, w.sessions - key[1] * w.cohort)
+        return held + self.arrivals.pending_agent_requests()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from minimill.sim.engine import Tally
+from minimill.sim.tally import Tally
 
 
 def write_plots(directory: Path, name: str, policies: dict[str, dict[str, Any]],

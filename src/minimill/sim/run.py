@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 
 from minimill.sim import world as world_mod
-from minimill.sim.engine import Simulation, Tally
+from minimill.sim.engine import Simulation
 from minimill.sim.scenario import Scenario
+from minimill.sim.tally import Tally
 from minimill.sim.world import HOUR_S, World
 
 
