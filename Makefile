@@ -4,7 +4,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 MODEL  ?= smollm2-135m
 
-.PHONY: serve test lint install install-test postgres-bin bwrap-bin clean
+.PHONY: serve test lint install install-test postgres-bin bwrap-bin chromium clean \
+	fleet-economics
 
 # The CPU build of torch 2.13.0 is installed first and pinned: a bare `torch` requirement
 # would otherwise pull a multi-GB CUDA build.
@@ -42,15 +43,26 @@ bwrap-bin:
 	  $$SUDO apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq bubblewrap >/dev/null; }
 
+# Debian's chromium, for the dashboard's headless-browser test (driven through Playwright).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
+
 lint: install-test
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
 
-test: install-test postgres-bin bwrap-bin
+test: install-test postgres-bin bwrap-bin chromium
 	$(BIN)/minimill pull $(MODEL)
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
 	$(BIN)/pytest
+
+# The numbers and plots of docs/fleet-economics.md (a few minutes on two cores).
+fleet-economics: install
+	$(BIN)/python -m minimill.sim.economics --out docs/fleet-economics
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

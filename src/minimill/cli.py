@@ -30,6 +30,7 @@ batch_app = typer.Typer(help="Submit and follow Batch API jobs.", no_args_is_hel
 bench_app = typer.Typer(help="Benchmarks that print JSON figures.", no_args_is_help=True)
 sites_app = typer.Typer(help="Sites of the fleet (mini mills).", no_args_is_help=True)
 outage_app = typer.Typer(help="Planned or forecast outages of a site.", no_args_is_help=True)
+site_price_app = typer.Typer(help="A site's price schedule (hourly $/h).", no_args_is_help=True)
 prices_app = typer.Typer(help="The price list: what tenants are billed per model and tier.",
                          no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
@@ -43,6 +44,7 @@ webhooks_app = typer.Typer(help="Webhook endpoints: where response and batch eve
 app.add_typer(prices_app, name="prices")
 app.add_typer(webhooks_app, name="webhooks")
 sites_app.add_typer(outage_app, name="outage")
+sites_app.add_typer(site_price_app, name="price")
 
 DEFAULT_MODEL = "smollm2-135m"
 DTYPE_HELP = ("auto (bfloat16 where the chip computes it natively: GPUs, CPUs with AVX-512 BF16 "
@@ -320,6 +322,86 @@ def bench_agents(
 
 
 @app.command()
+def sim(
+    scenario: Path = typer.Argument(..., exists=True, dir_okay=False,
+                                    help="Scenario file (YAML), e.g. examples/scenarios/*.yaml."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    plots: Path | None = typer.Option(None, "--plots", help="Write PNG plots to this folder."),
+) -> None:
+    """Simulate a fleet under a virtual clock with the control plane's own placement and lease
+    rules, comparing policies (naive, cost, forecast): goodput, $/Mtok, waste, completion
+    times, deadline misses."""
+    from rich.console import Console
+
+    from minimill.sim.run import run
+    from minimill.sim.scenario import ScenarioError, load
+
+    err = Console(stderr=True)
+    try:
+        parsed = load(scenario)
+    except ScenarioError as e:
+        err.print(f"[red]error:[/red] {e}")
+        raise SystemExit(2) from e
+    report = run(parsed, progress=lambda line: err.print(line), plots=plots)
+    if json_out:
+        typer.echo(json.dumps(report))
+        return
+    typer.echo(f"{report['scenario']}: {report['sites']} sites, {report['requests']} requests, "
+               f"{report['wall_seconds']} s; lost {report['lost_requests']}, duplicate "
+               f"completions {report['duplicate_completions']}")
+    columns = ("policy", "goodput tok/s", "$/Mtok", "wasted tok", "p50 s", "p99 s",
+               "deadline misses", "expiries", "handbacks")
+    rows = [(name, str(p["goodput_tok_s"]), str(p["usd_per_mtok"]), str(p["wasted_tokens"]),
+             str(p["p50_completion_s"]), str(p["p99_completion_s"]), str(p["deadline_misses"]),
+             str(p["lease_expiries"]), str(p["handbacks"]))
+            for name, p in report["policies"].items()]
+    _table("minimill sim", columns, rows, left=("policy",))
+
+
+@app.command()
+def cost(
+    usd_per_hour: float = typer.Option(..., "--usd-per-hour", help="What the chip (or site) "
+                                       "costs per hour, in US dollars."),
+    tokens_per_s: float | None = typer.Option(None, "--tokens-per-s",
+                                              help="Its measured output tokens/s."),
+    bench: Path | None = typer.Option(None, "--bench", help="Read tokens/s from a "
+                                      "`minimill bench engine --json` output file."),
+    uptime: float = typer.Option(1.0, help="Fraction of paid hours it is up and busy."),
+    reference: list[str] = typer.Option([], "--reference", help="A price to compare with, "
+                                        "NAME=USD_PER_MTOK (repeatable)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """$ per million and per trillion output tokens from a chip's $/hour and measured
+    tokens/s, beside reference prices."""
+    from rich.console import Console
+
+    from minimill.sim.cost import CostError, bench_tokens_per_s, parse_reference
+    from minimill.sim.cost import cost as cost_model
+
+    err = Console(stderr=True)
+    try:
+        if (tokens_per_s is None) == (bench is None):
+            raise CostError("give --tokens-per-s or --bench (one of them)")
+        rate, source = tokens_per_s or 0.0, "given"
+        if bench is not None:
+            rate, source = bench_tokens_per_s(bench), str(bench)
+        report = cost_model(usd_per_hour, rate, source, uptime,
+                            [parse_reference(r) for r in reference])
+    except CostError as e:
+        err.print(f"[red]error:[/red] {e}")
+        raise SystemExit(2) from e
+    if json_out:
+        typer.echo(json.dumps(report.to_json()))
+        return
+    typer.echo(f"${report.usd_per_hour:g}/h at {report.tokens_per_s:,.1f} tok/s "
+               f"({report.tokens_per_s_source}), {report.uptime:.1%} up:")
+    typer.echo(f"  ${report.usd_per_mtok:.6f} per million tokens, "
+               f"${report.usd_per_ttok:,.2f} per trillion")
+    for ref in report.references:
+        typer.echo(f"  {ref.name}: ${ref.usd_per_mtok:g}/Mtok, {ref.ratio:g}x ours")
+
+
+@app.command()
 def worker(
     server: str = typer.Option(..., help="Control plane URL, e.g. http://host:8000."),
     site: str = typer.Option(..., help="This site's name."),
@@ -387,10 +469,10 @@ def sites_list(db: str | None = DbOption,
     if json_out:
         typer.echo(json.dumps([asdict(s) for s in statuses], indent=2))
         return
-    columns = ("site", "status", "chip", "$/hour", "tok/s said", "tok/s measured", "uptime",
+    columns = ("site", "status", "chip", "$/h now", "tok/s said", "tok/s measured", "uptime",
                "cost $/Mtok", "eff $/Mtok", "in flight", "free", "leases", "expired", "stale",
                "wasted tok", "billed $", "cost $", "margin $", "next outage (UTC)")
-    rows = [(s.name, s.status, s.chip, f"{s.price_per_hour:.4f}", _num(s.tokens_per_s, ".1f"),
+    rows = [(s.name, s.status, s.chip, f"{s.price_now:.4f}", _num(s.tokens_per_s, ".1f"),
              _num(s.measured_tokens_per_s, ".1f"), _num(s.uptime, ".1%"),
              _num(s.cost_usd_per_mtok, ".4f"), f"{s.effective_usd_per_mtok:.4f}",
              str(s.in_flight), str(s.free_capacity), str(s.leases_granted),
@@ -416,6 +498,39 @@ def outage_add(
     with _store(db) as store:
         outage_id = add_outage(store, site, parse_time(start, "from"), parse_time(end, "to"))
     typer.echo(f"outage {outage_id} of {site} from {start} to {end} recorded")
+
+
+@site_price_app.command("set")
+def site_price_set(
+    site: str = typer.Argument(..., help="Site name."),
+    schedule: Path | None = typer.Option(
+        None, "--schedule", help="JSON or YAML file: a list of hourly $/h from the start of "
+        "today (UTC), repeating, or {start_at, hourly_usd, repeat}."),
+    clear: bool = typer.Option(False, "--clear", help="Back to the flat price_per_hour."),
+    db: str | None = DbOption,
+) -> None:
+    """Make a site's price follow an hourly schedule; background work with a deadline is
+    placed into its cheapest hours that still meet it (realtime is never deferred)."""
+    import time
+
+    import yaml
+
+    from minimill.control.price_schedule import parse, utc_day_start
+    from minimill.control.sites import set_price_schedule
+
+    if clear == (schedule is not None):
+        raise typer.BadParameter("give --schedule FILE or --clear")
+    parsed = None
+    if schedule is not None:
+        try:
+            parsed = parse(yaml.safe_load(schedule.read_text()), utc_day_start(time.time()))
+        except (OSError, ValueError, yaml.YAMLError) as e:
+            raise typer.BadParameter(f"{schedule}: {e}") from e
+    with _store(db) as store:
+        set_price_schedule(store, site, parsed)
+    typer.echo(f"{site}: flat price" if parsed is None else
+               f"{site}: {len(parsed.hourly_usd)} hourly prices from {_moment(parsed.start_at)}"
+               f"{', repeating' if parsed.repeat else ''}")
 
 
 TierOption = typer.Option("realtime", "--tier", help="realtime or background (default: "

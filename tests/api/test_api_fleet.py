@@ -250,3 +250,28 @@ def test_a_released_lease_goes_to_the_next_site_with_its_checkpoint(env: ApiEnv,
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
         second.post("/complete", json=done(again["request_id"], again["epoch"], "so far, done"))
     assert wait_for(lambda: client.batches.retrieve(batch_id).status == "completed")
+
+
+def test_operators_set_and_clear_a_site_price_schedule(env: ApiEnv) -> None:
+    name, _ = new_site(env)
+    operator = {"Authorization": f"Bearer {env.operator_key}"}
+    hour = int(time.time() // 3600) % 24
+    hourly = [0.72] * 24
+    hourly[hour] = 0.05  # cheap right now
+    put = httpx.put(f"{env.v1}/sites/{name}/price_schedule", headers=operator,
+                    json={"hourly_usd": hourly})
+    assert put.status_code == 200 and put.json()["hourly_usd"][hour] == 0.05
+    listed = {s["name"]: s for s in httpx.get(env.v1 + "/sites", headers=operator)
+              .json()["data"]}[name]
+    assert listed["price_now"] == 0.05 and listed["price_per_hour"] == 0.72
+    bad = httpx.put(f"{env.v1}/sites/{name}/price_schedule", headers=operator,
+                    json={"hourly_usd": [-1]})
+    assert bad.status_code == 400 and "error" in bad.json()
+    missing = httpx.put(f"{env.v1}/sites/no-such-site/price_schedule", headers=operator,
+                        json={"hourly_usd": [1]})
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "site"
+    assert httpx.delete(f"{env.v1}/sites/{name}/price_schedule",
+                        headers=operator).status_code == 200
+    listed = {s["name"]: s for s in httpx.get(env.v1 + "/sites", headers=operator)
+              .json()["data"]}[name]
+    assert listed["price_now"] == 0.72

@@ -159,3 +159,29 @@ def test_cli_outage_list_and_remove(store_url: str, store: Store) -> None:
                 minimill("sites", "outage", "list", "nowhere", "--db", store_url)):
         assert bad.returncode != 0 and "error:" in bad.stderr
         assert "Traceback" not in bad.stderr
+
+
+def test_cli_site_price_schedule(store_url: str, store: Store, tmp_path: Path) -> None:
+    assert minimill("sites", "create", "mill-p", "--price-per-hour", "0.25",
+                    "--db", store_url).returncode == 0
+    schedule = tmp_path / "solar.yaml"
+    schedule.write_text("start_at: 0\nhourly_usd: [0.5, 0.125]\n")
+    done = minimill("sites", "price", "set", "mill-p", "--schedule", str(schedule),
+                    "--db", store_url)
+    assert done.returncode == 0, done.stderr
+    assert "2 hourly prices" in done.stdout and "repeating" in done.stdout
+    before = int(time.time() // 3600)
+    (row,) = json.loads(minimill("sites", "list", "--json", "--db", store_url).stdout)
+    hours = {before, int(time.time() // 3600)}  # an hour may turn meanwhile
+    assert row["price_now"] in {0.5 if h % 2 == 0 else 0.125 for h in hours}
+    assert row["price_per_hour"] == 0.25
+    schedule.write_text("[1, -2]\n")
+    bad = minimill("sites", "price", "set", "mill-p", "--schedule", str(schedule),
+                   "--db", store_url)
+    assert bad.returncode != 0 and "hourly price" in bad.stderr and "Traceback" not in bad.stderr
+    assert minimill("sites", "price", "set", "mill-p", "--clear",
+                    "--db", store_url).returncode == 0
+    (row,) = json.loads(minimill("sites", "list", "--json", "--db", store_url).stdout)
+    assert row["price_now"] == 0.25
+    missing = minimill("sites", "price", "set", "no-such", "--clear", "--db", store_url)
+    assert missing.returncode != 0 and "no site named" in missing.stderr

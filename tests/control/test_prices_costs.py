@@ -15,11 +15,12 @@ from minimill.control.bodies import ChatBody, prepare_body
 from minimill.control.errors import InvalidRequestError, NotFoundError
 from minimill.control.keys import authenticate, authenticate_operator
 from minimill.control.leases import complete, heartbeat, lease
+from minimill.control.price_schedule import PriceSchedule
 from minimill.control.prices import delete_price, read_price_list, set_price
 from minimill.control.records import Kind, RequestStatus, Site, Tier
 from minimill.control.requests import get_request, submit
 from minimill.control.site_view import list_sites
-from minimill.control.sites import touch_site
+from minimill.control.sites import set_price_schedule, touch_site
 from minimill.control.store import Store
 from minimill.protocol import HeartbeatItem, HeartbeatRequest, LeaseRequest
 
@@ -198,3 +199,20 @@ def test_cli_prices_and_operator_keys(store_url: str, store: Store) -> None:
     neither = minimill("keys", "create", "--db", store_url)
     for answer in (both, neither):
         assert answer.returncode != 0 and "--tenant NAME or --operator" in answer.stderr
+
+
+def test_held_time_costs_the_scheduled_price_of_its_hour(store: Store) -> None:
+    owner = tenant(store)
+    scheduled = site(store, "scheduled", 0.36)
+    # $9/h in the hour that holds T0..T0+10, $0.36 elsewhere.
+    hourly = [0.36] * 24
+    hourly[int(T0 // 3600) % 24] = 9.0
+    set_price_schedule(store, "scheduled", PriceSchedule(0.0, tuple(hourly)))
+    assert int((T0 + 20) // 3600) == int(T0 // 3600)
+    for i in range(2):
+        realtime(store, owner.id, f"scheduled {i}", T0)
+    serve(store, scheduled, LeaseRequest(capacity=2, models=[MODEL], tokens_per_s=2.0), T0,
+          tokens=5)
+    status = {s.name: s for s in list_sites(store, T0 + 20)}["scheduled"]
+    assert status.cost_usd == pytest.approx(9.0 * 10 / 3600)
+    assert status.price_now == 9.0 and status.price_per_hour == 0.36

@@ -24,7 +24,7 @@ from fastapi.routing import APIRoute
 from sqlalchemy.engine import make_url
 
 from minimill import __version__
-from minimill.api import errors
+from minimill.api import errors, metrics
 from minimill.api.limits import BodyLimitMiddleware
 from minimill.api.progress import ProgressWatcher
 from minimill.api.routes import (
@@ -35,6 +35,7 @@ from minimill.api.routes import (
     boxes,
     chat,
     completions,
+    dashboard,
     files,
     fleet,
     keys,
@@ -44,6 +45,7 @@ from minimill.api.routes import (
     sites,
     webhook_endpoints,
 )
+from minimill.api.routes import metrics as metrics_route
 from minimill.api.settings import Settings
 from minimill.api.webhook_sender import run_webhook_sender
 from minimill.control.config import ControlConfig
@@ -134,10 +136,12 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes,
                        max_file_bytes=settings.max_file_bytes,
                        max_fleet_body_bytes=settings.max_fleet_body_bytes)
+    app.state.metrics = metrics.install(app, the_store)
     for module in (models, chat, completions, responses, files, batches, webhook_endpoints,
                    boxes, agents, fleet, box_fleet, agent_fleet):
         app.include_router(module.router)
-    operator_routers = (sites.router, prices.router, keys.router)
+    operator_routers = (sites.router, prices.router, keys.router, metrics_route.router,
+                        dashboard.router)
     for router in operator_routers:
         app.include_router(router)
     # A wrong method on these answers 404 too (errors.py), as an unknown URL would.

@@ -18,6 +18,7 @@ class SiteObject(BaseModel):
     status: str = Field(description="new | online | draining | outage | offline")
     chip: str
     price_per_hour: float = Field(description="What the site costs per hour, in US dollars.")
+    price_now: float = Field(description="$/h now: its price schedule's, else price_per_hour.")
     tokens_per_s: float | None = Field(
         description="Busy output tokens/s as its worker reports it: placement's prior only.")
     measured_tokens_per_s: float | None = Field(
@@ -113,3 +114,23 @@ class KeyCreated(BaseModel):
     key: str = Field(description="Shown once; the store keeps only its hash.")
     tenant: str | None
     operator: bool
+
+
+class PriceScheduleSet(BaseModel):
+    """A site's hourly price schedule."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    hourly_usd: list[float] = Field(min_length=1, max_length=24 * 366,
+                                    description="$/h of each hour from start_at.")
+    start_at: float | None = Field(default=None, description="Unix seconds of the first "
+                                   "hour (default: the start of the current UTC day).")
+    repeat: bool = Field(default=True, description="Start over after the last hour.")
+
+
+class PriceScheduleObject(BaseModel):
+    object: Literal["price_schedule"] = "price_schedule"
+    site: str
+    start_at: float | None
+    hourly_usd: list[float]
+    repeat: bool

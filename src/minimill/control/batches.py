@@ -190,3 +190,12 @@ def cancel_batch(store: Store, tenant_id: str, batch_id: str,
             raise ConflictError(f"Cannot cancel a batch with status {status}.",
                                 param="batch_id")
     return get_batch(store, tenant_id, batch_id)
+
+
+def recent_batches(store: Store, limit: int = 20) -> list[BatchRecord]:
+    """The newest batches of every tenant, with progress: for operators (the dashboard)."""
+    with store.read() as conn:
+        rows = conn.execute(select(batches).order_by(batches.c.created_at.desc(),
+                                                     batches.c.id.desc()).limit(limit)).all()
+        totals = _counts(conn, [r.id for r in rows])
+    return [_record(r, *totals[r.id]) for r in rows]

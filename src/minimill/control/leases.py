@@ -25,12 +25,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any
 
 from sqlalchemy import Connection, case, func, select, tuple_, update
 
-from minimill.control import checkpoints, prices
+from minimill.control import checkpoints, lease_rules, prices
 from minimill.control.config import ControlConfig
+from minimill.control.lease_rules import RejectReason
 from minimill.control.placement import (
     DEFAULT_POLICY,
     Backlog,
@@ -42,7 +43,6 @@ from minimill.control.placement import (
     reserved_slots,
 )
 from minimill.control.records import (
-    TERMINAL_REQUEST_STATUSES,
     Kind,
     RequestStatus,
     Site,
@@ -74,9 +74,12 @@ MAX_CANDIDATES = 4 * MAX_LEASES_PER_CALL
 MAX_MODELS_RECORDED = 64
 # Token counts reported by workers are clamped to what the store's integer columns hold.
 MAX_COUNT = 2**31 - 1
-RejectReason = Literal["stale_epoch", "unknown_request", "already_completed"]
 _QUEUED = RequestStatus.QUEUED.value
 _LEASED = RequestStatus.LEASED.value
+# The state machine's status sets (lease_rules), as column values.
+_GRANTABLE = [s.value for s in lease_rules.GRANTABLE]
+_HELD = [s.value for s in lease_rules.HELD]
+_COMPLETABLE = [s.value for s in lease_rules.COMPLETABLE]
 
 
 def _epoch_ok(epoch: int) -> bool:
@@ -175,7 +178,7 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
         if picked:
             rows = list(conn.execute(
                 update(requests)
-                .where(requests.c.id.in_(picked), requests.c.status == _QUEUED)
+                .where(requests.c.id.in_(picked), requests.c.status.in_(_GRANTABLE))
                 .values(status=_LEASED, epoch=requests.c.epoch + 1, lease_id=lease_id,
                         site_id=site.id, lease_expires_at=expires_at, leased_at=now,
                         attempts=requests.c.attempts + 1, version=requests.c.version + 1,
@@ -216,7 +219,7 @@ def heartbeat(store: Store, site: Site, beat: HeartbeatRequest, now: float,
             part = plausible[start:start + 500]
             held = conn.execute(
                 update(requests)
-                .where(requests.c.site_id == site.id, requests.c.status == _LEASED,
+                .where(requests.c.site_id == site.id, requests.c.status.in_(_HELD),
                        tuple_(requests.c.id, requests.c.epoch).in_(
                            [(i.request_id, i.epoch) for i in part]))
                 .values(lease_expires_at=expires_at)
@@ -270,7 +273,7 @@ def complete(store: Store, site: Site, done: CompleteRequest, now: float,
                 update(requests)
                 .where(requests.c.id == item.request_id, requests.c.epoch == item.epoch,
                        requests.c.site_id == site.id,
-                       requests.c.status.in_([_LEASED, _QUEUED]))
+                       requests.c.status.in_(_COMPLETABLE))
                 .values(**values)).rowcount
             if hit:
                 accepted.append(item.request_id)
@@ -284,10 +287,8 @@ def complete(store: Store, site: Site, done: CompleteRequest, now: float,
             if row is not None and _completed_by(row, item.epoch, site.id):
                 accepted.append(item.request_id)  # a resend after a lost answer
                 continue
-            reason: RejectReason = ("unknown_request" if row is None
-                                    else "already_completed"
-                                    if row.status in TERMINAL_REQUEST_STATUSES
-                                    else "stale_epoch")
+            reason: RejectReason = lease_rules.reject_reason(
+                None if row is None else RequestStatus(row.status))
             rejected.append(RejectedCompletion(request_id=item.request_id, reason=reason))
             # Counted once per (request, epoch): a resend of a refused result is the same work.
             if row is not None and _epoch_ok(item.epoch) and conn.execute(
@@ -336,7 +337,8 @@ def reap_expired(store: Store, now: float) -> int:
     with store.write() as conn:
         rows = conn.execute(
             update(requests)
-            .where(requests.c.status == _LEASED, requests.c.lease_expires_at < now)
+            # lease_rules.is_expired: held, and its expiry passed
+            .where(requests.c.status.in_(_HELD), requests.c.lease_expires_at < now)
             .values(status=_QUEUED, lease_id=None, lease_expires_at=None,
                     version=requests.c.version + 1)
             .returning(requests.c.site_id)).scalars().all()

@@ -30,14 +30,27 @@ the asking site leaves it. Rules:
   Work no equal can take (another model, an outage ahead) it takes anyway.
 - Announced outages also hand work back (handback.py): no site gets work that it would not
   finish `handback_lead_s` before its outage starts, when it gives back all it still holds.
+- Prices that move: a site whose price follows a schedule (price_schedule.py) is ranked at its
+  price now, and leaves background work for a later hour that is cheaper by more than
+  `tolerance` when starting then still meets the work's deadline (`defer_background`: the
+  work's own time, or all the work due by that deadline at the fleet's rate, with the deadline
+  safety factor). Realtime work is never deferred, nor background work whose deadline is at
+  risk.
+
+The simulator (minimill.sim) places aggregated work with the same functions: `realtime_key`
+and `background_key` order sites, `finishes_before_outage` keeps work off sites that would not
+finish it before their announced outages, `deadline_risk` says when dearer sites must help,
+and `defer_background` picks the cheap windows.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from minimill.control import ranking, site_health
+from minimill.control.price_schedule import PriceSchedule
 from minimill.control.records import Tier
 
 
@@ -77,6 +90,15 @@ class SiteState:
     leases_granted: int = 0
     leases_expired: int = 0
     chip: str | None = None  # what it runs on, as registered or declared by its worker
+    price_schedule: PriceSchedule | None = None  # hourly $/h (price_per_hour outside it)
+
+    def price_at(self, now: float) -> float:
+        """$/h at `now`: the schedule's, else the declared price."""
+        if self.price_schedule is not None:
+            scheduled = self.price_schedule.price_at(now)
+            if scheduled is not None:
+                return scheduled
+        return self.price_per_hour
 
     def current_or_next_outage(self, now: float) -> Outage | None:
         upcoming = [o for o in self.outages if o.end_at > now]
@@ -153,12 +175,60 @@ class PlacementPolicy:
 DEFAULT_POLICY = PlacementPolicy()
 
 
+def finishes_before_outage(site: SiteState, now: float, seconds: float,
+                           policy: PlacementPolicy) -> bool:
+    """Would work of `seconds` started now end before the site hands back its work ahead of
+    its next announced outage (and is it up now)?"""
+    outage = site.current_or_next_outage(now)
+    return outage is None or now + seconds <= outage.start_at - policy.handback_lead_s
+
+
 def fits(site: SiteState, candidate: Candidate, now: float, policy: PlacementPolicy) -> bool:
     """Would `site` finish `candidate` before it hands back its work ahead of its next outage
     (and is it up now)?"""
-    outage = site.current_or_next_outage(now)
-    return outage is None or (now + policy.estimated_seconds(candidate)
-                              <= outage.start_at - policy.handback_lead_s)
+    return finishes_before_outage(site, now, policy.estimated_seconds(candidate), policy)
+
+
+def realtime_key(site: SiteState, now: float,
+                 policy: PlacementPolicy = DEFAULT_POLICY) -> tuple[bool, float, str]:
+    """Order of sites for realtime work: reliable first, then fastest."""
+    return (site_health.loss_fraction(site, now, policy) > policy.reliable_max_loss,
+            -site_health.busy_tokens_per_s(site), site.site_id)
+
+
+def background_key(site: SiteState, now: float,
+                   policy: PlacementPolicy = DEFAULT_POLICY) -> tuple[float, str]:
+    """Order of sites for background work: cheapest effective $/Mtok (at its price now)."""
+    return (site_health.effective_usd_per_mtok(site, now, policy), site.site_id)
+
+
+def deadline_risk(due: Mapping[float, float], tokens_per_s: float, now: float,
+                  policy: PlacementPolicy = DEFAULT_POLICY) -> float | None:
+    """The latest deadline whose work (`due`: tokens due by each deadline) cannot be finished
+    in time at `tokens_per_s`, with the safety factor (None: every deadline is safe)."""
+    at_risk, total = None, 0.0
+    for deadline in sorted(due):
+        total += due[deadline]
+        needed_s = total / tokens_per_s if tokens_per_s > 0 else math.inf
+        if now + needed_s * policy.deadline_safety > deadline:
+            at_risk = deadline
+    return at_risk
+
+
+def defer_background(site: SiteState, deadline: float, work_s: float, now: float,
+                     policy: PlacementPolicy = DEFAULT_POLICY) -> bool:
+    """Should the site leave background work due by `deadline`, needing `work_s` seconds, for
+    a cheaper hour of its price schedule? Yes when an hour that starts early enough to meet
+    the deadline (with the safety factor) is cheaper than now by more than `tolerance`."""
+    schedule = site.price_schedule
+    if schedule is None:
+        return False
+    latest_start = deadline - work_s * policy.deadline_safety
+    if latest_start <= now:
+        return False
+    now_price = site.price_at(now)
+    return any(site.price_at(t) * (1 + policy.tolerance) < now_price
+               for t in schedule.hour_starts(now, latest_start))
 
 
 def _peers(snapshot: Snapshot) -> list[SiteState]:
@@ -197,13 +267,7 @@ def deadline_at_risk(snapshot: Snapshot, now: float,
         if b.site_id is None or b.site_id in theirs:
             tokens = b.max_tokens + b.num_unbounded * policy.default_remaining_tokens
             due[b.deadline] = due.get(b.deadline, 0) + tokens
-    at_risk, total = None, 0
-    for deadline in sorted(due):
-        total += due[deadline]
-        needed_s = total / rate if rate > 0 else math.inf
-        if now + needed_s * policy.deadline_safety > deadline:
-            at_risk = deadline
-    return at_risk
+    return deadline_risk(due, rate, now, policy)
 
 
 class Plan:
@@ -230,12 +294,9 @@ def place(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLI
         return []
     peers = [p for p in _peers(snapshot) if site_health.free_slots(p, now, policy) > 0]
     faster = sorted((p for p in peers if ranking.faster(p, me, now, policy)),
-                    key=lambda p: (site_health.loss_fraction(p, now, policy)
-                                   > policy.reliable_max_loss,
-                                   -site_health.busy_tokens_per_s(p), p.site_id))
+                    key=lambda p: realtime_key(p, now, policy))
     cheaper = sorted((p for p in peers if ranking.cheaper(p, me, now, policy)),
-                     key=lambda p: (site_health.effective_usd_per_mtok(p, now, policy),
-                                    p.site_id))
+                     key=lambda p: background_key(p, now, policy))
     equals = sorted((p for p in peers if ranking.equal(p, me, now, policy)),
                     key=lambda p: p.site_id)
     plan = Plan(peers, now, policy)
@@ -243,6 +304,9 @@ def place(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLI
 
     def mine(candidate: Candidate) -> bool:
         return candidate.model in snapshot.models and fits(me, candidate, now, policy)
+
+    def urgent(candidate: Candidate) -> bool:
+        return urgent_until is not None and candidate.deadline <= urgent_until
 
     realtime = sorted((c for c in snapshot.candidates if c.tier == Tier.REALTIME),
                       key=lambda c: c.seq)
@@ -259,8 +323,10 @@ def place(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLI
         else:  # a cheaper peer will run it, realtime before its background
             plan.give(cheaper, candidate)
     shared = [c for c in background  # what cheaper peers leave to this site and its equals
-              if (urgent_until is not None and c.deadline <= urgent_until)
-              or not plan.give(cheaper, c)]
+              if urgent(c) or not plan.give(cheaper, c)]
+    # A cheaper hour ahead that still meets the deadline: leave it queued until then.
+    shared = [c for c in shared if urgent(c) or not defer_background(
+        me, c.deadline, policy.estimated_seconds(c), now, policy)]
     share = fair_share(snapshot, len(picked), equals, len(shared), now, policy)
     taken = 0
     for candidate in shared:

@@ -13,7 +13,7 @@ from typing import Any
 
 from sqlalchemy import Connection, select, update
 
-from minimill.control import checkpoints
+from minimill.control import checkpoints, lease_rules
 from minimill.control.config import ControlConfig
 from minimill.control.handback import handback_due
 from minimill.control.placement import Candidate, PlacementPolicy
@@ -56,7 +56,8 @@ def release(store: Store, site: Site, request: ReleaseRequest, now: float,
                 stored, chunk = checkpoints.replacement(conn, item.request_id, item.checkpoint)
                 values.update(stored)
             hit = conn.execute(
-                update(requests).where(*mine, requests.c.status == _LEASED)
+                update(requests)
+                .where(*mine, requests.c.status.in_([s.value for s in lease_rules.HELD]))
                 .values(status=_QUEUED, lease_id=None, lease_expires_at=None, **values)
             ).rowcount
             if not hit:  # expired meanwhile: still ours if nobody leased it since

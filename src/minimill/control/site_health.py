@@ -98,5 +98,5 @@ def expected_tokens_per_s(site: SiteState, now: float, policy: PlacementPolicy) 
 
 
 def effective_usd_per_mtok(site: SiteState, now: float, policy: PlacementPolicy) -> float:
-    return metering.effective_usd_per_mtok(site.price_per_hour, site.tokens_per_s,
+    return metering.effective_usd_per_mtok(site.price_at(now), site.tokens_per_s,
                                            loss_fraction(site, now, policy))

@@ -14,13 +14,22 @@ from typing import Any
 
 from sqlalchemy import Connection, func, select
 
-from minimill.control import metering, site_health
+from minimill.control import metering, price_schedule, site_health
 from minimill.control.placement import DEFAULT_POLICY, Outage, PlacementPolicy, SiteState
 from minimill.control.records import RequestStatus
 from minimill.control.store import Store
 from minimill.control.tables import outages, requests, sites
 
 _LEASED = RequestStatus.LEASED.value
+
+
+def _schedule(data: Any) -> price_schedule.PriceSchedule | None:
+    if data is None:
+        return None
+    try:
+        return price_schedule.parse(data, 0.0)
+    except ValueError:  # written by set_price_schedule, so only a hand-edited row gets here
+        return None
 
 
 def _state(row: Any, held: int, windows: list[Outage]) -> SiteState:
@@ -32,7 +41,8 @@ def _state(row: Any, held: int, windows: list[Outage]) -> SiteState:
         free_capacity=row.free_capacity, capacity_at=row.capacity_at,
         models=frozenset(str(m) for m in models) if models is not None else None,
         first_seen_at=row.first_seen_at, up_s=row.up_s,
-        leases_granted=row.leases_granted, leases_expired=row.leases_expired, chip=row.chip)
+        leases_granted=row.leases_granted, leases_expired=row.leases_expired, chip=row.chip,
+        price_schedule=_schedule(row.price_schedule))
 
 
 def _load(conn: Connection) -> list[tuple[Any, SiteState]]:
@@ -59,6 +69,7 @@ class SiteStatus:
     status: str  # new | online | draining | outage | offline
     chip: str
     price_per_hour: float  # what the site costs (registered, or declared by its worker)
+    price_now: float  # $/h now: its price schedule's, else price_per_hour
     tokens_per_s: float | None  # busy throughput its worker reports: placement's prior
     measured_tokens_per_s: float | None  # accepted output tokens per held second (metering)
     uptime: float | None  # observed fraction of time up since first contact (site_health)
@@ -105,8 +116,9 @@ def _status(row: Any, state: SiteState, now: float, policy: PlacementPolicy) -> 
     measured = metering.measured_tokens_per_s(row.window_tokens, row.window_busy_s)
     return SiteStatus(
         name=row.name, status=site_status(state, now, policy), chip=row.chip,
-        price_per_hour=row.price_per_hour, tokens_per_s=row.tokens_per_s,
-        measured_tokens_per_s=measured, uptime=site_health.uptime(state, now, policy),
+        price_per_hour=row.price_per_hour, price_now=state.price_at(now),
+        tokens_per_s=row.tokens_per_s, measured_tokens_per_s=measured,
+        uptime=site_health.uptime(state, now, policy),
         usd_per_mtok=metering.usd_per_mtok(row.price_per_hour, row.tokens_per_s),
         expected_loss=site_health.loss_fraction(state, now, policy),
         effective_usd_per_mtok=site_health.effective_usd_per_mtok(state, now, policy),

@@ -20,6 +20,8 @@ from sqlalchemy.exc import IntegrityError
 from minimill.control import metering
 from minimill.control.errors import ConflictError, InvalidRequestError, NotFoundError
 from minimill.control.keys import hash_secret
+from minimill.control.price_schedule import PriceSchedule
+from minimill.control.price_schedule import parse as parse_schedule
 from minimill.control.records import Site, new_id
 from minimill.control.store import Store
 from minimill.control.tables import outages, sites
@@ -110,7 +112,8 @@ def touch_site(conn: Connection, site_id: str, now: float, up_grace_s: float,
     if busy:
         keep = metering.METER_WINDOW_S / (metering.METER_WINDOW_S + up_gap)
         values.update(busy_s=sites.c.busy_s + up_gap,
-                      cost_usd=sites.c.cost_usd + sites.c.price_per_hour * up_gap / 3600.0,
+                      cost_usd=sites.c.cost_usd + _price_now(conn, site_id, now) * up_gap
+                      / 3600.0,
                       window_busy_s=sites.c.window_busy_s * keep + up_gap,
                       window_tokens=sites.c.window_tokens * keep + accepted_tokens)
     elif accepted_tokens:
@@ -128,6 +131,21 @@ def touch_site(conn: Connection, site_id: str, now: float, up_grace_s: float,
             values["tokens_per_s"] = func.coalesce(old, tokens_per_s)
     values.update(more)
     conn.execute(update(sites).where(sites.c.id == site_id).values(**values))
+
+
+def _price_now(conn: Connection, site_id: str, now: float) -> Any:
+    """The site's $/h now, for the cost of its held time: its price schedule's hour (read
+    here, a literal), else its price_per_hour column."""
+    schedule = conn.execute(select(sites.c.price_schedule)
+                            .where(sites.c.id == site_id)).scalar()
+    if schedule is not None:
+        try:
+            price = parse_schedule(schedule, 0.0).price_at(now)
+        except ValueError:
+            price = None
+        if price is not None:
+            return price
+    return sites.c.price_per_hour
 
 
 def parse_time(text: str, param: str) -> float:
@@ -208,3 +226,15 @@ def remove_outage(store: Store, outage_id: int, site_name: str | None = None) ->
         conn.execute(delete(outages).where(outages.c.id == outage_id))
     return OutageRecord(id=int(row.id), site=row.name, start_at=row.start_at,
                         end_at=row.end_at, created_at=row.created_at)
+
+
+def set_price_schedule(store: Store, site_name: str,
+                       schedule: PriceSchedule | None) -> PriceSchedule | None:
+    """Make a site's price follow `schedule` (None: its flat price_per_hour again). Placement
+    ranks the site at its price now and defers background work to its cheaper hours."""
+    with store.write() as conn:
+        hit = conn.execute(update(sites).where(sites.c.name == site_name).values(
+            price_schedule=None if schedule is None else schedule.to_json())).rowcount
+    if not hit:
+        raise NotFoundError(f"no site named {site_name!r}", param="site")
+    return schedule

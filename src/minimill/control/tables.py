@@ -234,6 +234,8 @@ sites = Table(
     Column("token_hash", String(64), nullable=False, unique=True),
     Column("chip", String(100), nullable=False),
     Column("price_per_hour", Double, nullable=False),
+    # Hourly $/h the site's price follows (price_schedule.PriceSchedule.to_json), or null.
+    Column("price_schedule", JSON),
     # Busy output tokens/s as its worker reports it (see sites.touch_site): placement's prior.
     Column("tokens_per_s", Double),
     Column("created_at", Double, nullable=False),

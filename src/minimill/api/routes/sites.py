@@ -10,7 +10,12 @@ from fastapi import APIRouter
 
 from minimill.api.deps import ConfigDep, OperatorDep, StoreDep
 from minimill.api.errors import error_responses
-from minimill.api.operator_schemas import SiteList, SiteObject
+from minimill.api.operator_schemas import (
+    PriceScheduleObject,
+    PriceScheduleSet,
+    SiteList,
+    SiteObject,
+)
 from minimill.api.schemas import (
     OutageCreate,
     OutageCreated,
@@ -18,9 +23,11 @@ from minimill.api.schemas import (
     OutageList,
     OutageObject,
 )
+from minimill.control.errors import InvalidRequestError
 from minimill.control.leases import policy_for
+from minimill.control.price_schedule import parse, utc_day_start
 from minimill.control.site_view import list_sites
-from minimill.control.sites import add_outage, list_outages, remove_outage
+from minimill.control.sites import add_outage, list_outages, remove_outage, set_price_schedule
 
 # Not in the public OpenAPI document: tenants should not learn these routes exist.
 router = APIRouter(prefix="/v1/sites", tags=["operator"], include_in_schema=False,
@@ -55,3 +62,25 @@ def delete_site_outage(site: str, outage_id: int, store: StoreDep,
     """Withdraw one of a site's outages; placement counts on the site again at once."""
     record = remove_outage(store, outage_id, site)
     return OutageDeleted(id=record.id)
+
+
+@router.put("/{site}/price_schedule", response_model=PriceScheduleObject)
+def put_price_schedule(site: str, body: PriceScheduleSet, store: StoreDep,
+                       _operator: OperatorDep) -> PriceScheduleObject:
+    """Make a site's price follow an hourly schedule: placement ranks it at its price now and
+    places background work with a deadline into its cheapest hours that still meet it."""
+    try:
+        schedule = parse(body.model_dump(exclude_none=True), utc_day_start(time.time()))
+    except ValueError as e:
+        raise InvalidRequestError(str(e), param="hourly_usd") from e
+    set_price_schedule(store, site, schedule)
+    return PriceScheduleObject(site=site, start_at=schedule.start_at,
+                               hourly_usd=list(schedule.hourly_usd), repeat=schedule.repeat)
+
+
+@router.delete("/{site}/price_schedule", response_model=PriceScheduleObject)
+def delete_price_schedule(site: str, store: StoreDep,
+                          _operator: OperatorDep) -> PriceScheduleObject:
+    """Back to the site's flat price_per_hour."""
+    set_price_schedule(store, site, None)
+    return PriceScheduleObject(site=site, start_at=None, hourly_usd=[], repeat=False)
