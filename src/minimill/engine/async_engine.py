@@ -211,6 +211,7 @@ class AsyncEngine(StreamFrontend):
             step_into(core, out)
             self._tok_s = core.recent_output_tok_s()
             self.deliver(out)
+        core.close()
 
 
 def apply_command(core: EngineCore, command: AddRequest | str,
