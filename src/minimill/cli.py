@@ -16,6 +16,7 @@ import typer
 if TYPE_CHECKING:
     from minimill.control.site_view import SiteStatus
     from minimill.control.store import Store
+    from minimill.fleet.kv_options import KvOptions
 
 app = typer.Typer(
     help="minimill: a token factory serving open-weight LLMs for background agents.",
@@ -44,6 +45,29 @@ DTYPE_HELP = ("auto (bfloat16 where the chip computes it natively: GPUs, CPUs wi
               "or AMX; else float32), bfloat16, float16 or float32.")
 DbOption = typer.Option(None, "--db", help="Store URL (sqlite:///... or postgresql://...). "
                         "Default: SQLite under MINIMILL_HOME.")
+KvCacheGbOption = typer.Option(None, "--kv-cache-gb", help="Builtin engine: the device KV pool "
+                               "in GiB (default: a share of free memory).")
+KvHostGbOption = typer.Option(0.0, "--kv-host-gb", help="Builtin engine: GiB of host RAM that "
+                              "keep KV blocks evicted from the pool (0: none).")
+KvFlashDirOption = typer.Option(None, "--kv-flash-dir", help="Builtin engine: a directory "
+                                "that keeps evicted KV blocks on flash, across restarts.")
+KvFlashGbOption = typer.Option(8.0, "--kv-flash-gb", help="Builtin engine: most GiB the "
+                               "--kv-flash-dir tier holds (least recently used go first).")
+PrefixCachingOption = typer.Option(True, "--prefix-caching/--no-prefix-caching",
+                                   help="Builtin engine: reuse the KV of prompt prefixes "
+                                   "computed before (the KV tiers need it).")
+
+
+def _kv_options(cache_gb: float | None, host_gb: float, flash_dir: str | None,
+                flash_gb: float, prefix_caching: bool) -> KvOptions:
+    from minimill.fleet.kv_options import KvOptions
+
+    kv = KvOptions(cache_gb, host_gb, flash_dir, flash_gb, prefix_caching)
+    try:
+        kv.check()
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return kv
 
 
 @app.command()
@@ -87,12 +111,18 @@ def serve(
     price_per_hour: float = typer.Option(
         0.10, help="What the local site costs in $/hour (cost only; tenants are billed by "
         "`minimill prices`)."),
+    kv_cache_gb: float | None = KvCacheGbOption,
+    kv_host_gb: float = KvHostGbOption,
+    kv_flash_dir: str | None = KvFlashDirOption,
+    kv_flash_gb: float = KvFlashGbOption,
+    prefix_caching: bool = PrefixCachingOption,
 ) -> None:
     """Serve the OpenAI-compatible API (control plane) plus one local worker process."""
     from minimill.api.serve import run_serve
 
+    kv = _kv_options(kv_cache_gb, kv_host_gb, kv_flash_dir, kv_flash_gb, prefix_caching)
     run_serve(host=host, port=port, db=db, model=model, dtype=dtype,
-              local_worker=local_worker, price_per_hour=price_per_hour)
+              local_worker=local_worker, price_per_hour=price_per_hour, kv=kv)
 
 
 @keys_app.command("create")
@@ -263,12 +293,18 @@ def worker(
     model: str = typer.Option(DEFAULT_MODEL, help="Model to serve."),
     dtype: str = typer.Option("auto", help="Builtin engine dtype: " + DTYPE_HELP),
     capacity: int = typer.Option(256, help="Most requests in flight."),
+    kv_cache_gb: float | None = KvCacheGbOption,
+    kv_host_gb: float = KvHostGbOption,
+    kv_flash_dir: str | None = KvFlashDirOption,
+    kv_flash_gb: float = KvFlashGbOption,
+    prefix_caching: bool = PrefixCachingOption,
 ) -> None:
     """Join a fleet: pull work from the control plane under leases and run it."""
     from minimill.fleet.worker import run_worker
 
+    kv = _kv_options(kv_cache_gb, kv_host_gb, kv_flash_dir, kv_flash_gb, prefix_caching)
     run_worker(server=server, site=site, token=token, price_per_hour=price_per_hour, chip=chip,
-               engine=engine, model=model, dtype=dtype, capacity=capacity)
+               engine=engine, model=model, dtype=dtype, capacity=capacity, kv=kv)
 
 
 @sites_app.command("create")

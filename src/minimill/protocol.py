@@ -128,6 +128,9 @@ class ReleaseResponse(BaseModel):
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
+    # Of the prompt tokens, those whose KV the engine reused (prefix cache, KV tiers) instead
+    # of computing: billed at the cached-input price.
+    cached_tokens: int = Field(default=0, ge=0)
 
 
 class ErrorInfo(BaseModel):

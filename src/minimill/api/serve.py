@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from minimill.api.settings import Settings
+from minimill.fleet.kv_options import KvOptions
 from minimill.fleet.supervisor import LOCAL_SITE, WorkerSupervisor, worker_command
 from minimill.lifetime import STOP_SIGNALS, die_with_parent, stop_reason
 
@@ -115,7 +116,7 @@ async def _serve(server: _Server, sock: socket.socket,
 
 
 def run_serve(*, host: str, port: int, db: str | None, model: str, dtype: str,
-              local_worker: bool, price_per_hour: float) -> None:
+              local_worker: bool, price_per_hour: float, kv: KvOptions | None = None) -> None:
     """Serve the OpenAI-compatible API on host:port, plus one local worker serving `model`."""
     logging.basicConfig(level=os.environ.get("MINIMILL_LOG_LEVEL", "INFO"),
                         format="%(asctime)s serve %(levelname)s %(message)s", stream=sys.stderr)
@@ -149,7 +150,7 @@ def run_serve(*, host: str, port: int, db: str | None, model: str, dtype: str,
     app = create_app(settings, store=store)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                     timeout_graceful_shutdown=5))
-    command = worker_command(_loopback_url(host, port), model, dtype, price_per_hour, chip)
+    command = worker_command(_loopback_url(host, port), model, dtype, price_per_hour, chip, kv)
     supervisor = WorkerSupervisor(command, token) if local_worker else None
     log.info("control plane on http://%s:%d/v1 (store %s)%s", host, port, store.url,
              ", starting the local worker" if local_worker else "")

@@ -92,7 +92,8 @@ def _lines(conn: Connection, batch_id: str) -> tuple[list[bytes], list[bytes]]:
         elif r.status == RequestStatus.SUCCEEDED:
             body = render_response(Kind(r.kind), r.id, r.model, r.created_at, r.tier,
                                    (r.result or {}).get("choices", []),
-                                   usage_dict(r.prompt_tokens, r.completion_tokens, r.billed_usd))
+                                   usage_dict(r.prompt_tokens, r.completion_tokens, r.billed_usd,
+                                              r.cached_tokens or 0))
             output.append(json.dumps(batch_output_line(r.id, r.custom_id, body)).encode())
         else:
             error = r.error or {"code": r.status, "message": f"request {r.status}"}

@@ -256,14 +256,16 @@ def complete(store: Store, site: Site, done: CompleteRequest, now: float,
             billed = 0.0
             if item.outcome == "succeeded":
                 tokens_in = _count(item.usage.prompt_tokens) if item.usage else 0
+                cached = min(_count(item.usage.cached_tokens), tokens_in) if item.usage else 0
                 model, tier = billed_as.get(item.request_id, ("", Tier.REALTIME.value))
                 billed = prices.billed_usd(
                     price_list.lookup(model, tier, config.background_price_factor),
-                    tokens_in, tokens_out)
+                    tokens_in, tokens_out, cached)
                 values.update(
                     status=RequestStatus.SUCCEEDED.value,
                     result={"choices": [c.model_dump(mode="json") for c in item.choices]},
-                    prompt_tokens=tokens_in, completion_tokens=tokens_out, billed_usd=billed)
+                    prompt_tokens=tokens_in, completion_tokens=tokens_out, billed_usd=billed,
+                    cached_tokens=cached)
             else:
                 error = item.error.model_dump() if item.error else {
                     "code": "server_error", "message": "the worker reported a failure"}

@@ -156,6 +156,7 @@ class RequestRecord:
     created_at: float
     finished_at: float | None
     session_key: str | None = None  # the conversation it belongs to (requests.session_key)
+    cached_tokens: int = 0  # of prompt_tokens, those served from the engine's KV cache
 
     @property
     def terminal(self) -> bool:

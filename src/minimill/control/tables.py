@@ -169,6 +169,8 @@ requests = Table(
     Column("error", JSON),
     Column("prompt_tokens", Integer, nullable=False, default=0),
     Column("completion_tokens", Integer, nullable=False, default=0),
+    # Of the prompt tokens, those the engine served from its KV cache (None: none).
+    Column("cached_tokens", Integer),
     # What the tenant is billed for it (the price list at completion; prices.billed_usd).
     Column("billed_usd", Double, nullable=False, default=0.0),
     Column("created_at", Double, nullable=False),

@@ -47,10 +47,10 @@ class BuiltinEngineAdapter:
         self._tokenizer = engine.tokenizer
 
     @classmethod
-    async def start(cls, *, model: str, dtype: str,
-                    clock: StartClock | None = None) -> BuiltinEngineAdapter:
-        """Load `model` (from its warm weights cache when there is one) and start the engine;
-        `clock` marks each phase."""
+    async def start(cls, *, model: str, dtype: str, clock: StartClock | None = None,
+                    options: dict[str, Any] | None = None) -> BuiltinEngineAdapter:
+        """Load `model` (from its warm weights cache when there is one) and start the engine
+        with `options` (EngineConfig fields); `clock` marks each phase."""
         clock = clock or StartClock()
         from minimill.engine.async_engine import AsyncEngine
         from minimill.engine.config import EngineConfig
@@ -64,7 +64,7 @@ class BuiltinEngineAdapter:
             loaded = load_model(model, EngineConfig(dtype=dtype).torch_dtype)
             clock.mark(f"model load ({loaded.extra.get('warm_cache', 'no warm cache')})")
             with stale_kernel_locks_cleared(kernel_cache_dir()):
-                engine = AsyncEngine(loaded, dtype=dtype)
+                engine = AsyncEngine(loaded, dtype=dtype, **(options or {}))
             clock.mark("engine")
         except (ModelError, EngineError, ValueError, OSError) as exc:
             raise EngineStartError(f"cannot start the builtin engine for {model!r}: {exc}") \
@@ -131,7 +131,8 @@ class BuiltinEngineAdapter:
                     new_token_ids=list(delta.new_token_ids), new_text=delta.new_text,
                     num_new_tokens=len(delta.new_token_ids),
                     logprobs=self._logprob_dicts(delta.logprobs) if delta.logprobs else None,
-                    finish_reason=reason, num_prompt_tokens=delta.num_prompt_tokens)
+                    finish_reason=reason, num_prompt_tokens=delta.num_prompt_tokens,
+                    num_cached_tokens=delta.num_cached_tokens)
         except InvalidRequestError as exc:
             raise JobError(error_code(exc), str(exc)) from exc
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+from minimill.fleet.kv_options import KvOptions
 from minimill.lifetime import owned_env
 
 log = logging.getLogger("minimill.serve")
@@ -23,11 +24,12 @@ RESTART_BACKOFF_MAX_S = 30.0
 
 
 def worker_command(server: str, model: str, dtype: str, price_per_hour: float,
-                   chip: str) -> list[str]:
+                   chip: str, kv: KvOptions | None = None) -> list[str]:
     return [sys.executable, "-m", "minimill.cli", "worker",
             "--server", server, "--site", LOCAL_SITE,
             "--price-per-hour", str(price_per_hour), "--chip", chip,
-            "--engine", "builtin", "--model", model, "--dtype", dtype]
+            "--engine", "builtin", "--model", model, "--dtype", dtype,
+            *(kv.argv() if kv is not None else ())]
 
 
 class WorkerSupervisor:

@@ -21,6 +21,7 @@ from types import FrameType
 
 from minimill.fleet.client import ControlPlaneClient, SiteAuthError
 from minimill.fleet.engines import EngineStartError, open_engine
+from minimill.fleet.kv_options import KvOptions
 from minimill.fleet.loops import Worker
 from minimill.fleet.startup import StartClock
 from minimill.lifetime import STOP_SIGNALS, die_with_parent, stop_reason
@@ -55,9 +56,9 @@ async def _log_first_lease(worker: Worker, clock: StartClock) -> None:
 
 async def _amain(*, server: str, site: str, token: str, engine: str, model: str, dtype: str,
                  capacity: int, price_per_hour: float | None, chip: str | None,
-                 clock: StartClock) -> None:
+                 clock: StartClock, kv: KvOptions) -> None:
     adapter = await open_engine(engine, model=model, dtype=dtype, capacity=capacity,
-                                clock=clock)
+                                clock=clock, engine_options=kv.engine_overrides())
     client = ControlPlaneClient(server, token)
     effective = min(capacity, adapter.capacity) if engine == "builtin" else capacity
     worker = Worker(client, adapter, capacity=effective,
@@ -94,7 +95,8 @@ def _check_declared(price_per_hour: float | None, chip: str | None) -> str | Non
 
 
 def run_worker(*, server: str, site: str, token: str, price_per_hour: float | None,
-               chip: str | None, engine: str, model: str, dtype: str, capacity: int) -> None:
+               chip: str | None, engine: str, model: str, dtype: str, capacity: int,
+               kv: KvOptions | None = None) -> None:
     """Join the fleet at `server` as `site` and serve until SIGTERM/SIGINT.
 
     The worker declares `price_per_hour` and `chip` with every lease call: they replace what
@@ -118,7 +120,7 @@ def run_worker(*, server: str, site: str, token: str, price_per_hour: float | No
     try:
         asyncio.run(_amain(server=server, site=site, token=token, engine=engine, model=model,
                            dtype=dtype, capacity=capacity, price_per_hour=price_per_hour,
-                           chip=chip, clock=clock))
+                           chip=chip, clock=clock, kv=kv or KvOptions()))
     except (EngineStartError, SiteAuthError) as exc:
         log.error("%s", exc)
         raise SystemExit(2) from None
