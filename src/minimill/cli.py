@@ -231,6 +231,34 @@ def bench_engine(
         kernels=kernels, peer=peer, peer_python=peer_python))
 
 
+@bench_app.command("sessions")
+def bench_sessions(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    model: str = typer.Option(DEFAULT_MODEL, help="Model name or path."),
+    dtype: str = typer.Option("auto", help="Engine dtype: " + DTYPE_HELP),
+    sessions: int = typer.Option(64, help="Agent sessions running at once."),
+    turns: int = typer.Option(8, help="Turns per session."),
+    tool_tokens: int = typer.Option(300, help="About this many tokens of tool output a turn."),
+    max_tokens: int = typer.Option(16, help="Answer tokens a turn."),
+    kv_cache_gb: float | None = typer.Option(
+        None, help="Device KV pool, GiB (default: a quarter of what the sessions hold)."),
+    kv_host_gb: float = typer.Option(0.5, help="Host RAM KV tier, GiB."),
+    kv_flash_gb: float = typer.Option(8.0, help="Flash KV tier bound, GiB (a temp dir)."),
+    restart_after: int = typer.Option(
+        4, help="Restart serve after this turn in the restart run (0: no restart run)."),
+    probe_tokens: int = typer.Option(1024, help="Prompt tokens of the restore vs recompute "
+                                     "probe."),
+) -> None:
+    """Agent sessions through serve: prefix reuse + KV tiers on vs off, and across a restart."""
+    from minimill.bench.sessions_bench import SessionsBenchOptions, run_sessions_bench
+
+    run_sessions_bench(SessionsBenchOptions(
+        json_out=json_out, model=model, dtype=dtype, sessions=sessions, turns=turns,
+        tool_tokens=tool_tokens, max_tokens=max_tokens, kv_cache_gb=kv_cache_gb,
+        kv_host_gb=kv_host_gb, kv_flash_gb=kv_flash_gb, restart_after=restart_after,
+        probe_tokens=probe_tokens))
+
+
 @bench_app.command("kv")
 def bench_kv(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),

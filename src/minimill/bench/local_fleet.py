@@ -95,7 +95,8 @@ class LocalFleet:
     """A serve (optionally without its local worker) plus extra workers, on a temp home."""
 
     def __init__(self, model: str, dtype: str, *, local_worker: bool = True,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, serve_args: list[str] | None = None
+                 ) -> None:
         from minimill.models.registry import KNOWN_MODELS, pull_model
 
         self.model, self.dtype = model, dtype
@@ -107,7 +108,7 @@ class LocalFleet:
         self.port = free_port()
         self.env = {**os.environ, "MINIMILL_HOME": str(self.home), **(env or {})}
         args = [sys.executable, "-m", "minimill.cli", "serve", "--port", str(self.port),
-                "--model", model, "--dtype", dtype]
+                "--model", model, "--dtype", dtype, *(serve_args or [])]
         if not local_worker:
             args.append("--no-local-worker")
         self.local_worker = local_worker

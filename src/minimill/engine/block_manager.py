@@ -136,10 +136,6 @@ class BlockManager:
             hashes.append(prev)
         return hashes
 
-    def is_cached(self, block_hash: int) -> bool:
-        """Whether the pool holds a computed block under this hash."""
-        return block_hash in self._hash_to_block
-
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
                        cached: CachedPrefix | list[int] | tuple[int, ...] = ()) -> bool:
         """Make room for `num_new_tokens` more computed tokens; False (and no change) if short.
@@ -198,6 +194,10 @@ class BlockManager:
                 block.block_hash = h
                 block.token_ids = tokens
                 self._hash_to_block[h] = block.block_id
+
+    def cached_blocks(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(block id, chained hash, token ids) of every computed block the pool holds."""
+        return [(b, h, self.blocks[b].token_ids) for h, b in self._hash_to_block.items()]
 
     def take_transfers(self) -> tuple[list[tuple[int, int, tuple[int, ...]]],
                                       list[tuple[int, torch.Tensor]]]:

@@ -173,9 +173,14 @@ class EngineCore:
             self.tiers.stats.restore_s += time.perf_counter() - started
 
     def close(self) -> None:
-        """Finish writing the flash tier (its files outlive the process)."""
-        if self.tiers is not None:
-            self.tiers.close()
+        """Write what the pool holds to the flash tier and finish writing: a restarted engine
+        finds every prefix this one had computed (unless the process is killed first)."""
+        if self.tiers is None:
+            return
+        kv = self.runner.kv_cache
+        for block_id, block_hash, token_ids in self.scheduler.block_manager.cached_blocks():
+            self.tiers.persist(block_hash, token_ids, kv[block_id])
+        self.tiers.close()
 
     def recent_output_tok_s(self) -> float:
         """Output tokens per second over the last few tens of seconds of stepping."""

@@ -98,6 +98,11 @@ class KvTiers:
         self.stats.restore_s += time.perf_counter() - started
         return block
 
+    def persist(self, key: int, token_ids: tuple[int, ...], block: torch.Tensor) -> None:
+        """Write a block to flash (when there is a flash tier), leaving host RAM as it is."""
+        if self.flash is not None and key not in self.flash:
+            self.flash.put(key, token_ids, block.detach().to("cpu", copy=True))
+
     def close(self) -> None:
         if self.flash is not None:
             self.flash.close()
