@@ -11,7 +11,8 @@ and resumes elsewhere from there. A site needs no inbound connectivity. All rout
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import hashlib
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -20,6 +21,13 @@ FLEET_PREFIX = "/v1/fleet"
 MAX_CHIP_CHARS = 100
 # A site price above this is a typo, and would make $/Mtok overflow to infinity.
 MAX_PRICE_PER_HOUR = 1e6
+# Most session tags a worker reports as held (its most recent sessions).
+MAX_HELD_SESSIONS = 256
+
+
+def session_tag(session_key: str) -> str:
+    """A short, fixed-size stand-in for a session key: what workers report they hold."""
+    return hashlib.blake2b(session_key.encode(), digest_size=6).hexdigest()
 
 
 class ChoiceProgress(BaseModel):
@@ -54,6 +62,11 @@ class LeaseRequest(BaseModel):
                                           allow_inf_nan=False)
     chip: str | None = Field(default=None, min_length=1, max_length=MAX_CHIP_CHARS,
                              pattern=r"\S")  # not blank
+    # session_tag()s of the sessions whose KV this worker's engine last held (most recent
+    # last), so that placement can send a session's next turn back here. None: unchanged
+    # since the last call that sent them.
+    held_sessions: list[Annotated[str, Field(max_length=16)]] | None = Field(
+        default=None, max_length=MAX_HELD_SESSIONS)
 
 
 class Lease(BaseModel):

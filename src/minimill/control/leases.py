@@ -62,6 +62,7 @@ from minimill.protocol import (
     LeaseRequest,
     LeaseResponse,
     RejectedCompletion,
+    session_tag,
 )
 
 # Most requests handed out by one lease call, whatever capacity a worker claims.
@@ -90,13 +91,14 @@ def _count(value: int) -> int:
 def _candidates(conn: Connection, tier: Tier, models: list[str], limit: int) -> list[Candidate]:
     order = (requests.c.seq,) if tier == Tier.REALTIME else (requests.c.deadline, requests.c.seq)
     query = (select(requests.c.id, requests.c.model, requests.c.seq, requests.c.deadline,
-                    requests.c.max_tokens, requests.c.checkpoint)
+                    requests.c.max_tokens, requests.c.checkpoint, requests.c.session_key)
              .where(requests.c.status == _QUEUED, requests.c.tier == tier.value,
                     requests.c.model.in_(models))
              .order_by(*order).limit(limit)
              .with_for_update(skip_locked=True))
     return [Candidate(request_id=r.id, tier=tier, model=r.model, seq=r.seq, deadline=r.deadline,
-                      remaining_tokens=remaining_tokens(r.max_tokens, r.checkpoint))
+                      remaining_tokens=remaining_tokens(r.max_tokens, r.checkpoint),
+                      session=session_tag(r.session_key) if r.session_key else None)
             for r in conn.execute(query)]
 
 
@@ -155,6 +157,8 @@ def _declared(ask: LeaseRequest) -> dict[str, Any]:
         values["price_per_hour"] = ask.price_per_hour
     if ask.chip is not None:
         values["chip"] = ask.chip.strip()
+    if ask.held_sessions is not None:
+        values["held_sessions"] = list(ask.held_sessions)
     return values
 
 

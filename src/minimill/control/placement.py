@@ -30,6 +30,10 @@ the asking site leaves it. Rules:
   Work no equal can take (another model, an outage ahead) it takes anyway.
 - Announced outages also hand work back (handback.py): no site gets work that it would not
   finish `handback_lead_s` before its outage starts, when it gives back all it still holds.
+- Placement follows the KV: a request of a session whose KV a live peer with free room holds
+  (its worker reports recent sessions) is left to that peer, unless the peer is much dearer
+  (`affinity_max_premium`). Only a preference: a peer without room takes nothing, and the
+  request runs anywhere, exactly, without its cached prefix.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class Candidate:
     seq: int  # arrival order
     deadline: float
     remaining_tokens: int | None  # tokens still to generate (None: unknown, up to the context)
+    session: str | None = None  # protocol.session_tag of its session key (None: no session)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +82,7 @@ class SiteState:
     leases_granted: int = 0
     leases_expired: int = 0
     chip: str | None = None  # what it runs on, as registered or declared by its worker
+    sessions: frozenset[str] = frozenset()  # session tags whose KV its worker says it holds
 
     def current_or_next_outage(self, now: float) -> Outage | None:
         upcoming = [o for o in self.outages if o.end_at > now]
@@ -135,6 +141,9 @@ class PlacementPolicy:
     handback_lead_s: float = 5.0
     # Held leases are weighed for an early handback only this close to an outage.
     handback_horizon_s: float = 3600.0
+    # A session's next turn is left to the live peer holding its KV (with free room) unless
+    # that peer's effective $/Mtok is more than this fraction above the asking site's.
+    affinity_max_premium: float = 0.5
 
     def estimated_seconds(self, candidate: Candidate) -> float:
         return max(self.tokens(candidate), 1) / self.stream_tokens_per_s
@@ -240,9 +249,19 @@ def place(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLI
                     key=lambda p: p.site_id)
     plan = Plan(peers, now, policy)
     urgent_until = deadline_at_risk(snapshot, now, policy)
+    my_cost = site_health.effective_usd_per_mtok(me, now, policy)
+    holders = [p for p in peers if p.sessions and site_health.effective_usd_per_mtok(
+        p, now, policy) <= my_cost * (1 + policy.affinity_max_premium)]
 
     def mine(candidate: Candidate) -> bool:
         return candidate.model in snapshot.models and fits(me, candidate, now, policy)
+
+    def held_elsewhere(candidate: Candidate) -> bool:
+        """Leave it to a peer holding its session's KV (which takes it on its next call)."""
+        tag = candidate.session
+        if tag is None or tag in me.sessions:
+            return False
+        return plan.give([p for p in holders if tag in p.sessions], candidate)
 
     realtime = sorted((c for c in snapshot.candidates if c.tier == Tier.REALTIME),
                       key=lambda c: c.seq)
@@ -252,7 +271,7 @@ def place(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLI
     for candidate in realtime:
         if len(picked) >= snapshot.capacity:
             return picked
-        if plan.give(faster, candidate):
+        if held_elsewhere(candidate) or plan.give(faster, candidate):
             continue
         if mine(candidate):
             picked.append(candidate.request_id)
@@ -260,7 +279,7 @@ def place(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLI
             plan.give(cheaper, candidate)
     shared = [c for c in background  # what cheaper peers leave to this site and its equals
               if (urgent_until is not None and c.deadline <= urgent_until)
-              or not plan.give(cheaper, c)]
+              or not (held_elsewhere(c) or plan.give(cheaper, c))]
     share = fair_share(snapshot, len(picked), equals, len(shared), now, policy)
     taken = 0
     for candidate in shared:

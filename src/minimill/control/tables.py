@@ -205,6 +205,8 @@ sites = Table(
     Column("free_capacity", Integer, nullable=False, default=0),
     Column("capacity_at", Double),
     Column("models", JSON),
+    # session_tag()s of the sessions whose KV its worker said it holds (placement affinity).
+    Column("held_sessions", JSON),
     Column("leases_granted", BigInteger, nullable=False, default=0),
     Column("leases_expired", BigInteger, nullable=False, default=0),
     Column("completions", BigInteger, nullable=False, default=0),
