@@ -22,6 +22,7 @@ import os
 import queue
 import struct
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -33,6 +34,9 @@ MAGIC = b"MMKVBLK1"
 SUFFIX = ".kvb"
 _DIGEST_BYTES = 32
 _LEN = struct.Struct("<I")
+# A partial file older than this was cut short (another process sharing the directory may be
+# writing a newer one).
+_STALE_TMP_S = 600.0
 
 
 def _digest(header: bytes, payload: bytes | memoryview) -> bytes:
@@ -144,6 +148,10 @@ class FlashTier:
         self._writer.join(timeout=60)
 
     def _scan(self) -> None:
+        for partial in self.directory.glob("*.tmp"):  # a write cut short by a kill
+            with contextlib.suppress(OSError):
+                if time.time() - partial.stat().st_mtime > _STALE_TMP_S:
+                    partial.unlink()
         found: list[tuple[float, int, int]] = []
         for entry in self.directory.glob(f"*{SUFFIX}"):
             try:
@@ -164,7 +172,7 @@ class FlashTier:
             if data is None:
                 continue
             path = self.path(key)
-            tmp = path.with_suffix(".tmp")
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
             try:
                 tmp.write_bytes(data)
                 os.replace(tmp, path)  # readers never see half a file under the real name
