@@ -19,6 +19,7 @@ from minimill.box_cli import box_app
 if TYPE_CHECKING:
     from minimill.control.site_view import SiteStatus
     from minimill.control.store import Store
+    from minimill.fleet.kv_options import KvOptions
 
 app = typer.Typer(
     help="minimill: a token factory serving open-weight LLMs for background agents.",
@@ -63,6 +64,31 @@ def _kv_dtype(value: str) -> str:
 
 KV_DTYPE_HELP = ("KV cache dtype: auto (the engine dtype), bf16, fp32, or int8 (per-token "
                  "asymmetric scales: about half the bytes, twice the sequences).")
+
+
+KvCacheGbOption = typer.Option(None, "--kv-cache-gb", help="Builtin engine: the device KV pool "
+                               "in GiB (default: a share of free memory).")
+KvHostGbOption = typer.Option(0.0, "--kv-host-gb", help="Builtin engine: GiB of host RAM that "
+                              "keep KV blocks evicted from the pool (0: none).")
+KvFlashDirOption = typer.Option(None, "--kv-flash-dir", help="Builtin engine: a directory "
+                                "that keeps evicted KV blocks on flash, across restarts.")
+KvFlashGbOption = typer.Option(8.0, "--kv-flash-gb", help="Builtin engine: most GiB the "
+                               "--kv-flash-dir tier holds (least recently used go first).")
+PrefixCachingOption = typer.Option(True, "--prefix-caching/--no-prefix-caching",
+                                   help="Builtin engine: reuse the KV of prompt prefixes "
+                                   "computed before (the KV tiers need it).")
+
+
+def _kv_options(cache_gb: float | None, host_gb: float, flash_dir: str | None,
+                flash_gb: float, prefix_caching: bool, kv_dtype: str) -> KvOptions:
+    from minimill.fleet.kv_options import KvOptions
+
+    kv = KvOptions(cache_gb, host_gb, flash_dir, flash_gb, prefix_caching, kv_dtype)
+    try:
+        kv.check()
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return kv
 
 
 @app.command()
@@ -116,12 +142,19 @@ def serve(
     agents: int = typer.Option(8, min=0, envvar="MINIMILL_LOCAL_AGENTS",
                                help="Durable agents (harnesses) the local worker runs at "
                                "once."),
+    kv_cache_gb: float | None = KvCacheGbOption,
+    kv_host_gb: float = KvHostGbOption,
+    kv_flash_dir: str | None = KvFlashDirOption,
+    kv_flash_gb: float = KvFlashGbOption,
+    prefix_caching: bool = PrefixCachingOption,
 ) -> None:
     """Serve the OpenAI-compatible API (control plane) plus one local worker process."""
     from minimill.api.serve import run_serve
 
-    run_serve(host=host, port=port, db=db, model=model, dtype=dtype, kv_dtype=kv_dtype,
-              local_worker=local_worker, price_per_hour=price_per_hour, boxes=boxes,
+    kv = _kv_options(kv_cache_gb, kv_host_gb, kv_flash_dir, kv_flash_gb, prefix_caching,
+                     kv_dtype)
+    run_serve(host=host, port=port, db=db, model=model, dtype=dtype, local_worker=local_worker,
+              price_per_hour=price_per_hour, kv=kv, boxes=boxes,
               insecure_no_sandbox=insecure_no_sandbox, agents=agents)
 
 
@@ -230,6 +263,34 @@ def bench_engine(
         workload=workload, json_out=json_out, model=model, dtype=dtype, limit=limit,
         skip_hf=skip_hf, shape=shape, config=config, random_weights=random_weights,
         kernels=kernels, kv_dtype=kv_dtype, peer=peer, peer_python=peer_python))
+
+
+@bench_app.command("sessions")
+def bench_sessions(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    model: str = typer.Option(DEFAULT_MODEL, help="Model name or path."),
+    dtype: str = typer.Option("auto", help="Engine dtype: " + DTYPE_HELP),
+    sessions: int = typer.Option(64, help="Agent sessions running at once."),
+    turns: int = typer.Option(8, help="Turns per session."),
+    tool_tokens: int = typer.Option(300, help="About this many tokens of tool output a turn."),
+    max_tokens: int = typer.Option(16, help="Answer tokens a turn."),
+    kv_cache_gb: float | None = typer.Option(
+        None, help="Device KV pool, GiB (default: a quarter of what the sessions hold)."),
+    kv_host_gb: float = typer.Option(0.5, help="Host RAM KV tier, GiB."),
+    kv_flash_gb: float = typer.Option(8.0, help="Flash KV tier bound, GiB (a temp dir)."),
+    restart_after: int = typer.Option(
+        4, help="Restart serve after this turn in the restart run (0: no restart run)."),
+    probe_tokens: int = typer.Option(1024, help="Prompt tokens of the restore vs recompute "
+                                     "probe."),
+) -> None:
+    """Agent sessions through serve: prefix reuse + KV tiers on vs off, and across a restart."""
+    from minimill.bench.sessions_bench import SessionsBenchOptions, run_sessions_bench
+
+    run_sessions_bench(SessionsBenchOptions(
+        json_out=json_out, model=model, dtype=dtype, sessions=sessions, turns=turns,
+        tool_tokens=tool_tokens, max_tokens=max_tokens, kv_cache_gb=kv_cache_gb,
+        kv_host_gb=kv_host_gb, kv_flash_gb=kv_flash_gb, restart_after=restart_after,
+        probe_tokens=probe_tokens))
 
 
 @bench_app.command("kv")
@@ -428,13 +489,20 @@ def worker(
         "it is unavailable (their commands then see this host's files)."),
     agents: int = typer.Option(0, min=0, help="Durable agents (harnesses) this site runs at "
                                "once."),
+    kv_cache_gb: float | None = KvCacheGbOption,
+    kv_host_gb: float = KvHostGbOption,
+    kv_flash_dir: str | None = KvFlashDirOption,
+    kv_flash_gb: float = KvFlashGbOption,
+    prefix_caching: bool = PrefixCachingOption,
 ) -> None:
     """Join a fleet: pull work from the control plane under leases and run it."""
     from minimill.boxes.host_setup import BoxOptions
     from minimill.fleet.worker import run_worker
 
+    kv = _kv_options(kv_cache_gb, kv_host_gb, kv_flash_dir, kv_flash_gb, prefix_caching,
+                     kv_dtype)
     run_worker(server=server, site=site, token=token, price_per_hour=price_per_hour, chip=chip,
-               engine=engine, model=model, dtype=dtype, kv_dtype=kv_dtype, capacity=capacity,
+               engine=engine, model=model, dtype=dtype, capacity=capacity, kv=kv,
                boxes=BoxOptions(slots=boxes, box_dir=box_dir,
                                 insecure_no_sandbox=insecure_no_sandbox,
                                 snapshot_interval_s=box_snapshot_interval_s),

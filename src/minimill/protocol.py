@@ -22,7 +22,8 @@ its finished result is accepted.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import hashlib
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -31,6 +32,13 @@ FLEET_PREFIX = "/v1/fleet"
 MAX_CHIP_CHARS = 100
 # A site price above this is a typo, and would make $/Mtok overflow to infinity.
 MAX_PRICE_PER_HOUR = 1e6
+# Most session tags a worker reports as held (its most recent sessions).
+MAX_HELD_SESSIONS = 256
+
+
+def session_tag(session_key: str) -> str:
+    """A short, fixed-size stand-in for a session key: what workers report they hold."""
+    return hashlib.blake2b(session_key.encode(), digest_size=6).hexdigest()
 
 
 class ChoiceProgress(BaseModel):
@@ -90,6 +98,11 @@ class LeaseRequest(BaseModel):
                                           allow_inf_nan=False)
     chip: str | None = Field(default=None, min_length=1, max_length=MAX_CHIP_CHARS,
                              pattern=r"\S")  # not blank
+    # session_tag()s of the sessions whose KV this worker's engine last held (most recent
+    # last), so that placement can send a session's next turn back here. None: unchanged
+    # since the last call that sent them.
+    held_sessions: list[Annotated[str, Field(max_length=16)]] | None = Field(
+        default=None, max_length=MAX_HELD_SESSIONS)
 
 
 class Lease(BaseModel):
@@ -170,6 +183,9 @@ class ReleaseResponse(BaseModel):
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
+    # Of the prompt tokens, those whose KV the engine reused (prefix cache, KV tiers) instead
+    # of computing: billed at the cached-input price.
+    cached_tokens: int = Field(default=0, ge=0)
 
 
 class ErrorInfo(BaseModel):

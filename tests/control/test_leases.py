@@ -25,6 +25,7 @@ from minimill.protocol import (
     ErrorInfo,
     HeartbeatItem,
     HeartbeatRequest,
+    Usage,
 )
 
 
@@ -227,3 +228,28 @@ def test_absurd_worker_numbers_do_not_break_the_store(store: Store) -> None:
         usage={"prompt_tokens": 2**70, "completion_tokens": 2**70})])
     assert complete(store, s, huge, now, CONFIG).accepted == [rid]
     assert complete(store, s, success(rid, 2**70), now, CONFIG).rejected
+
+
+def test_a_sessions_turn_goes_to_the_site_that_reported_it_and_cached_tokens_bill_less(
+        store: Store) -> None:
+    from minimill.control.prices import set_price
+    from minimill.protocol import session_tag
+
+    owner = tenant(store)
+    a, b = site(store, "a"), site(store, "b")
+    now = time.time()
+    # b's worker ran conv-1 before: it says so with its lease call (nothing queued yet).
+    reported = ask(capacity=4).model_copy(update={"held_sessions": [session_tag("conv-1")]})
+    assert lease(store, b, reported, now, CONFIG).leases == []
+    turn = realtime(store, owner.id, "next turn", now + 0.1, prompt_cache_key="conv-1")
+    plain = realtime(store, owner.id, "no session", now + 0.2)
+    assert [g.request_id for g in lease(store, a, ask(), now + 0.3, CONFIG).leases] == [plain]
+    (held,) = lease(store, b, ask(), now + 0.4, CONFIG).leases
+    assert held.request_id == turn and held.session_key == "conv-1"
+    set_price(store, MODEL, "realtime", 10.0, 20.0, cached_input_usd_per_mtok=1.0)
+    done = success(turn, held.epoch, tokens=2)
+    done.results[0].usage = Usage(prompt_tokens=100, completion_tokens=2, cached_tokens=64)
+    assert complete(store, b, done, now + 0.5, CONFIG).accepted == [turn]
+    record = get_request(store, owner.id, turn)
+    assert record.cached_tokens == 64
+    assert record.billed_usd == pytest.approx((36 * 10.0 + 64 * 1.0 + 2 * 20.0) / 1e6)

@@ -296,3 +296,19 @@ def test_same_chip_sites_are_not_told_apart_by_the_load_they_were_given() -> Non
     assert not ranking.same_kind(dearer, light, DEFAULT_POLICY)
     assert not ranking.same_kind(replace(busy, chip=None), replace(light, chip=None),
                                  DEFAULT_POLICY)
+
+
+def test_a_sessions_next_turn_goes_where_its_kv_is() -> None:
+    turn = replace(cand("turn", Tier.REALTIME), session="tag-a")
+    other = cand("other", seq=1)
+    a, b = peer("a"), peer("b")
+    holder = replace(b, sessions=frozenset({"tag-a"}))
+    # b holds the session's KV and has room: a leaves the turn to it, but takes other work.
+    assert ask_as(a, turn, other, others=(holder,)) == ["other"]
+    assert ask_as(holder, turn, others=(a,)) == ["turn"]
+    # Only a preference: a holder without room, or a much dearer one, does not keep it.
+    assert "turn" in ask_as(a, turn, others=(replace(holder, free_capacity=0),))
+    dear = replace(holder, price_per_hour=a.price_per_hour * 3)
+    assert "turn" in ask_as(a, turn, others=(dear,))
+    # A request of no session, or of a session nobody holds, is placed as before.
+    assert ask_as(a, replace(turn, session="tag-z"), others=(holder,)) == ["turn"]

@@ -103,7 +103,7 @@ async def serve_realtime(request: Request, kind: Kind, body: ChatBody | Completi
                                record.created_at, record.tier,
                                (record.result or {}).get("choices", []),
                                usage_dict(record.prompt_tokens, record.completion_tokens,
-                                          record.billed_usd))
+                                          record.billed_usd, record.cached_tokens))
     finally:
         if not handed_over:
             watcher.unwatch(watch)

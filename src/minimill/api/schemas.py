@@ -166,10 +166,16 @@ class BatchList(BaseModel):
     last_id: str | None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(default=0, description="Prompt tokens served from the KV "
+                               "cache (billed at the cached-input price).")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
     cost_usd: float = Field(description="What the request is billed, in US dollars: tokens "
                             "at the operator's price list for the model and service tier.")
 

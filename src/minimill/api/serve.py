@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from minimill.api.settings import Settings
+from minimill.fleet.kv_options import KvOptions
 from minimill.fleet.supervisor import LOCAL_SITE, WorkerSupervisor, worker_command
 from minimill.lifetime import STOP_SIGNALS, die_with_parent, stop_reason
 
@@ -130,7 +131,7 @@ def _local_boxes(boxes: int, insecure_no_sandbox: bool) -> int:
 
 
 def run_serve(*, host: str, port: int, db: str | None, model: str, dtype: str,
-              local_worker: bool, price_per_hour: float, kv_dtype: str = "auto",
+              local_worker: bool, price_per_hour: float, kv: KvOptions | None = None,
               boxes: int = 4, insecure_no_sandbox: bool = False, agents: int = 8) -> None:
     """Serve the OpenAI-compatible API on host:port, plus one local worker serving `model`,
     holding up to `boxes` boxes and running up to `agents` durable agents."""
@@ -167,7 +168,7 @@ def run_serve(*, host: str, port: int, db: str | None, model: str, dtype: str,
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                     timeout_graceful_shutdown=5))
     command = worker_command(_loopback_url(host, port), model, dtype, price_per_hour, chip,
-                             kv_dtype=kv_dtype,
+                             kv=kv,
                              boxes=_local_boxes(boxes, insecure_no_sandbox) if local_worker
                              else 0, insecure_no_sandbox=insecure_no_sandbox,
                              agents=agents if local_worker else 0)

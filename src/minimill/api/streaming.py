@@ -154,8 +154,9 @@ class ChunkStream:
                                                             choice.get("finish_reason")
                                                             or "stop")])
                         if self.include_usage:
-                            yield self._chunk([], usage_dict(r.prompt_tokens,
-                                                             r.completion_tokens, r.billed_usd))
+                            yield self._chunk([], usage_dict(
+                                r.prompt_tokens, r.completion_tokens, r.billed_usd,
+                                r.cached_tokens))
                     else:
                         yield _event(error_body(r.error or {"code": r.status.value,
                                                             "message": f"request {r.status}"}))

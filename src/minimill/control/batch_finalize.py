@@ -115,7 +115,7 @@ def _lines(store: Store, batch_id: str) -> Iterator[tuple[bool, bytes]]:
                 body = render_response(Kind(r.kind), r.id, r.model, r.created_at, r.tier,
                                        (r.result or {}).get("choices", []),
                                        usage_dict(r.prompt_tokens, r.completion_tokens,
-                                                  r.billed_usd))
+                                                  r.billed_usd, r.cached_tokens or 0))
                 yield True, json.dumps(batch_output_line(r.id, r.custom_id, body)).encode()
             else:
                 error = r.error or {"code": r.status, "message": f"request {r.status}"}

@@ -69,6 +69,10 @@ class _Sampling(_Body):
                      Annotated[float, Field(ge=-100, le=100)]] | None = Field(
         None, max_length=1024)
     user: str | None = None
+    prompt_cache_key: str | None = Field(
+        None, min_length=1, max_length=200,
+        description="Groups requests of one conversation (the session key the KV cache and "
+                    "placement use).")
 
     @model_validator(mode="after")
     def _check_common(self) -> _Sampling:
@@ -86,10 +90,6 @@ class ChatBody(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    prompt_cache_key: str | None = Field(
-        None, min_length=1, max_length=200,
-        description="Groups requests of one conversation (the session key the KV cache and "
-                    "placement use).")
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatBody:
@@ -216,7 +216,7 @@ def prepare_body(kind: Kind, parsed: _Sampling, served_models: Collection[str]) 
     elif max_tokens is None:
         max_tokens = body["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS
     tier = Tier.BACKGROUND if parsed.service_tier == "flex" else Tier.REALTIME
-    session_key = parsed.prompt_cache_key if isinstance(parsed, ChatBody) else None
+    session_key = parsed.prompt_cache_key
     return PreparedBody(kind=kind, model=parsed.model, body=body, tier=tier,
                         stream=bool(parsed.stream), max_tokens=max_tokens, seed=parsed.seed,
                         session_key=session_key)

@@ -63,6 +63,7 @@ from minimill.protocol import (
     LeaseRequest,
     LeaseResponse,
     RejectedCompletion,
+    session_tag,
 )
 
 # Most requests handed out by one lease call, whatever capacity a worker claims.
@@ -94,13 +95,14 @@ def _count(value: int) -> int:
 def _candidates(conn: Connection, tier: Tier, models: list[str], limit: int) -> list[Candidate]:
     order = (requests.c.seq,) if tier == Tier.REALTIME else (requests.c.deadline, requests.c.seq)
     query = (select(requests.c.id, requests.c.model, requests.c.seq, requests.c.deadline,
-                    requests.c.max_tokens, requests.c.checkpoint_tokens)
+                    requests.c.max_tokens, requests.c.checkpoint_tokens, requests.c.session_key)
              .where(requests.c.status == _QUEUED, requests.c.tier == tier.value,
                     requests.c.model.in_(models))
              .order_by(*order).limit(limit)
              .with_for_update(skip_locked=True))
     return [Candidate(request_id=r.id, tier=tier, model=r.model, seq=r.seq, deadline=r.deadline,
-                      remaining_tokens=remaining_tokens(r.max_tokens, r.checkpoint_tokens))
+                      remaining_tokens=remaining_tokens(r.max_tokens, r.checkpoint_tokens),
+                      session=session_tag(r.session_key) if r.session_key else None)
             for r in conn.execute(query)]
 
 
@@ -159,6 +161,8 @@ def _declared(ask: LeaseRequest) -> dict[str, Any]:
         values["price_per_hour"] = ask.price_per_hour
     if ask.chip is not None:
         values["chip"] = ask.chip.strip()
+    if ask.held_sessions is not None:
+        values["held_sessions"] = list(ask.held_sessions)
     return values
 
 
@@ -256,14 +260,16 @@ def complete(store: Store, site: Site, done: CompleteRequest, now: float,
             billed = 0.0
             if item.outcome == "succeeded":
                 tokens_in = _count(item.usage.prompt_tokens) if item.usage else 0
+                cached = min(_count(item.usage.cached_tokens), tokens_in) if item.usage else 0
                 model, tier = billed_as.get(item.request_id, ("", Tier.REALTIME.value))
                 billed = prices.billed_usd(
                     price_list.lookup(model, tier, config.background_price_factor),
-                    tokens_in, tokens_out)
+                    tokens_in, tokens_out, cached)
                 values.update(
                     status=RequestStatus.SUCCEEDED.value,
                     result={"choices": [c.model_dump(mode="json") for c in item.choices]},
-                    prompt_tokens=tokens_in, completion_tokens=tokens_out, billed_usd=billed)
+                    prompt_tokens=tokens_in, completion_tokens=tokens_out, billed_usd=billed,
+                    cached_tokens=cached)
             else:
                 error = item.error.model_dump() if item.error else {
                     "code": "server_error", "message": "the worker reported a failure"}

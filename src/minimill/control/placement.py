@@ -36,6 +36,10 @@ the asking site leaves it. Rules:
   work's own time, or all the work due by that deadline at the fleet's rate, with the deadline
   safety factor). Realtime work is never deferred, nor background work whose deadline is at
   risk.
+- Placement follows the KV: a request of a session whose KV a live peer with free room holds
+  (its worker reports recent sessions) is left to that peer, unless the peer is much dearer
+  (`affinity_max_premium`). Only a preference: a peer without room takes nothing, and the
+  request runs anywhere, exactly, without its cached prefix.
 
 The simulator (minimill.sim) places aggregated work with the same functions: `realtime_key`
 and `background_key` order sites, `finishes_before_outage` keeps work off sites that would not
@@ -64,6 +68,7 @@ class Candidate:
     seq: int  # arrival order
     deadline: float
     remaining_tokens: int | None  # tokens still to generate (None: unknown, up to the context)
+    session: str | None = None  # protocol.session_tag of its session key (None: no session)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +96,7 @@ class SiteState:
     leases_expired: int = 0
     chip: str | None = None  # what it runs on, as registered or declared by its worker
     price_schedule: PriceSchedule | None = None  # hourly $/h (price_per_hour outside it)
+    sessions: frozenset[str] = frozenset()  # session tags whose KV its worker says it holds
 
     def price_at(self, now: float) -> float:
         """$/h at `now`: the schedule's, else the declared price."""
@@ -157,6 +163,9 @@ class PlacementPolicy:
     handback_lead_s: float = 5.0
     # Held leases are weighed for an early handback only this close to an outage.
     handback_horizon_s: float = 3600.0
+    # A session's next turn is left to the live peer holding its KV (with free room) unless
+    # that peer's effective $/Mtok is more than this fraction above the asking site's.
+    affinity_max_premium: float = 0.5
 
     def estimated_seconds(self, candidate: Candidate) -> float:
         return max(self.tokens(candidate), 1) / self.stream_tokens_per_s
@@ -301,12 +310,22 @@ def place(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLI
                     key=lambda p: p.site_id)
     plan = Plan(peers, now, policy)
     urgent_until = deadline_at_risk(snapshot, now, policy)
+    my_cost = site_health.effective_usd_per_mtok(me, now, policy)
+    holders = [p for p in peers if p.sessions and site_health.effective_usd_per_mtok(
+        p, now, policy) <= my_cost * (1 + policy.affinity_max_premium)]
 
     def mine(candidate: Candidate) -> bool:
         return candidate.model in snapshot.models and fits(me, candidate, now, policy)
 
     def urgent(candidate: Candidate) -> bool:
         return urgent_until is not None and candidate.deadline <= urgent_until
+
+    def held_elsewhere(candidate: Candidate) -> bool:
+        """Leave it to a peer holding its session's KV (which takes it on its next call)."""
+        tag = candidate.session
+        if tag is None or tag in me.sessions:
+            return False
+        return plan.give([p for p in holders if tag in p.sessions], candidate)
 
     realtime = sorted((c for c in snapshot.candidates if c.tier == Tier.REALTIME),
                       key=lambda c: c.seq)
@@ -316,14 +335,14 @@ def place(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLI
     for candidate in realtime:
         if len(picked) >= snapshot.capacity:
             return picked
-        if plan.give(faster, candidate):
+        if held_elsewhere(candidate) or plan.give(faster, candidate):
             continue
         if mine(candidate):
             picked.append(candidate.request_id)
         else:  # a cheaper peer will run it, realtime before its background
             plan.give(cheaper, candidate)
     shared = [c for c in background  # what cheaper peers leave to this site and its equals
-              if urgent(c) or not plan.give(cheaper, c)]
+              if urgent(c) or not (held_elsewhere(c) or plan.give(cheaper, c))]
     # A cheaper hour ahead that still meets the deadline: leave it queued until then.
     shared = [c for c in shared if urgent(c) or not defer_background(
         me, c.deadline, policy.estimated_seconds(c), now, policy)]

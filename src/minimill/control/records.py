@@ -158,6 +158,7 @@ class RequestRecord:
     created_at: float
     finished_at: float | None
     session_key: str | None = None  # the conversation it belongs to (requests.session_key)
+    cached_tokens: int = 0  # of prompt_tokens, those served from the engine's KV cache
     # The stored checkpoint, assembled (a Checkpoint as JSON), for readers that ask for it (a
     # response's text so far); None otherwise, and once terminal.
     checkpoint: dict[str, Any] | None = None

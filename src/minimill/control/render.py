@@ -24,11 +24,14 @@ def response_id(kind: Kind, request_id: str) -> str:
     return prefix + request_hex(request_id)
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, billed_usd: float) -> dict[str, Any]:
+def usage_dict(prompt_tokens: int, completion_tokens: int, billed_usd: float,
+               cached_tokens: int = 0) -> dict[str, Any]:
     """OpenAI's usage plus `cost_usd`: what the tenant is billed for the request (the operator's
-    price list; prices.py), never what the tokens cost the factory."""
+    price list; prices.py), never what the tokens cost the factory. `cached_tokens`: prompt
+    tokens served from the engine's KV cache (billed at the cached-input price)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "cost_usd": billed_usd}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}, "cost_usd": billed_usd}
 
 
 def service_tier(tier: Tier | str) -> str:

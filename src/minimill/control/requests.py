@@ -44,7 +44,7 @@ def record(row: Any, checkpoint: Checkpoint | None = None) -> RequestRecord:
         version=row.version, progress=row.progress, result=row.result, error=row.error,
         prompt_tokens=row.prompt_tokens, completion_tokens=row.completion_tokens,
         billed_usd=row.billed_usd, created_at=row.created_at, finished_at=row.finished_at,
-        session_key=row.session_key,
+        session_key=row.session_key, cached_tokens=row.cached_tokens or 0,
         checkpoint=checkpoint.model_dump(mode="json") if checkpoint is not None else None)
 
 

@@ -73,7 +73,7 @@ def usage(record: RequestRecord) -> dict[str, Any] | None:
     if record.status != RequestStatus.SUCCEEDED:
         return None
     return {"input_tokens": record.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": record.cached_tokens},
             "output_tokens": record.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": record.prompt_tokens + record.completion_tokens,

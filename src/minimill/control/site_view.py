@@ -42,7 +42,9 @@ def _state(row: Any, held: int, windows: list[Outage]) -> SiteState:
         models=frozenset(str(m) for m in models) if models is not None else None,
         first_seen_at=row.first_seen_at, up_s=row.up_s,
         leases_granted=row.leases_granted, leases_expired=row.leases_expired, chip=row.chip,
-        price_schedule=_schedule(row.price_schedule))
+        price_schedule=_schedule(row.price_schedule),
+        sessions=frozenset(str(s) for s in row.held_sessions)
+        if isinstance(row.held_sessions, list) else frozenset())
 
 
 def _load(conn: Connection) -> list[tuple[Any, SiteState]]:

@@ -196,6 +196,8 @@ requests = Table(
     Column("error", JSON),
     Column("prompt_tokens", Integer, nullable=False, default=0),
     Column("completion_tokens", Integer, nullable=False, default=0),
+    # Of the prompt tokens, those the engine served from its KV cache (None: none).
+    Column("cached_tokens", Integer),
     # What the tenant is billed for it (the price list at completion; prices.billed_usd).
     Column("billed_usd", Double, nullable=False, default=0.0),
     Column("created_at", Double, nullable=False),
@@ -248,6 +250,8 @@ sites = Table(
     Column("free_capacity", Integer, nullable=False, default=0),
     Column("capacity_at", Double),
     Column("models", JSON),
+    # session_tag()s of the sessions whose KV its worker said it holds (placement affinity).
+    Column("held_sessions", JSON),
     Column("leases_granted", BigInteger, nullable=False, default=0),
     Column("leases_expired", BigInteger, nullable=False, default=0),
     Column("completions", BigInteger, nullable=False, default=0),

@@ -213,6 +213,7 @@ class AsyncEngine(StreamFrontend):
             self._tok_s = core.recent_output_tok_s()
             self.step_counts = (core.num_steps, core.num_step_seqs)
             self.deliver(out)
+        core.close()
 
 
 def apply_command(core: EngineCore, command: AddRequest | str,

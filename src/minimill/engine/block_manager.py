@@ -5,13 +5,28 @@ block is full and its KV computed, it is registered under a hash chained over ev
 before it, so a later request with the same prefix reuses it instead of recomputing. Freed
 blocks keep their hash until they are handed out again (least recently freed first), so the
 prefix cache costs no memory of its own.
+
+With KV tiers (kv_tiers.py), a cached block handed out again is first copied down a tier
+(`pending_saves`), and a prefix lookup that runs out of pool hits goes on in the tiers: blocks
+found there get fresh pool blocks and count as computed once their bytes are copied back
+(`pending_loads`). The engine does both copies before the step's model run, saves first, so a
+block that is saved and reused in the same step is read before it is overwritten.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from minimill.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+    from minimill.engine.kv_tiers import KvTiers
 
 
 class Block:
@@ -25,21 +40,48 @@ class Block:
 
 
 def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((prev_hash, token_ids))
+    """A 128-bit hash of a block's tokens and every token before it (through `prev_hash`).
+
+    Stable across processes and machines (flash tier files are named by it), and wide enough
+    that distinct prefixes do not collide; the tokens are compared on every hit all the same.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    h.update((prev_hash or 0).to_bytes(16, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+@dataclass(slots=True)
+class CachedPrefix:
+    """A computed prefix found for a sequence: pool blocks first, then blocks from a tier."""
+
+    block_ids: list[int] = field(default_factory=list)  # pool blocks, in order
+    # Blocks after those, found in a tier: (chained hash, token ids, KV on the CPU).
+    restored: list[tuple[int, tuple[int, ...], torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids) + len(self.restored)
 
 
 class BlockManager:
     """Owns every KV block; sequences hold block ids in `seq.block_table`."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 tiers: KvTiers | None = None) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.tiers = tiers if enable_prefix_caching and tiers is not None \
+            and tiers.enabled else None
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks, least recently freed first; O(1) removal when a cached one is reused.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._hash_to_block: dict[int, int] = {}
         # request_id -> hashes of that sequence's full, computed blocks (a chain).
         self._seq_hashes: dict[str, list[int]] = {}
+        # Copies the engine makes before the next model run (saves first):
+        self.pending_saves: list[tuple[int, int, tuple[int, ...]]] = []  # (block, hash, tokens)
+        self.pending_loads: list[tuple[int, torch.Tensor]] = []  # (block, KV from a tier)
 
     @property
     def num_blocks(self) -> int:
@@ -53,43 +95,66 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids holding a computed prefix of a sequence that has no blocks yet.
+        """Pool blocks holding a computed prefix of a sequence that has no blocks yet."""
+        return self.find_prefix(seq, use_tiers=False).block_ids
+
+    def find_prefix(self, seq: Sequence, use_tiers: bool = True) -> CachedPrefix:
+        """The computed prefix of a sequence that has no blocks yet: pool blocks, then (with
+        tiers) blocks a tier holds.
 
         At least the last token is always left to compute, so the caller gets logits for it.
         Takes no references: pass the result to `allocate_slots`.
         """
+        found = CachedPrefix()
         if not self.enable_prefix_caching or seq.block_table:
-            return []
-        hits: list[int] = []
+            return found
         prev: int | None = None
         bs = self.block_size
+        tiers = self.tiers if use_tiers else None
         for start in range(0, seq.num_tokens - 1 - bs + 1, bs):
             tokens = tuple(seq.token_ids[start:start + bs])
             h = chain_hash(prev, tokens)
-            block_id = self._hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            block_id = None if found.restored else self._hash_to_block.get(h)
+            if block_id is not None and self.blocks[block_id].token_ids == tokens:
+                found.block_ids.append(block_id)
+            elif tiers is not None and h in tiers and \
+                    (kv := tiers.fetch(h, tokens)) is not None:
+                found.restored.append((h, tokens, kv))
+            else:
                 break
-            hits.append(block_id)
             prev = h
-        return hits
+        return found
+
+    def pending_hashes(self, seq: Sequence) -> list[int]:
+        """Chained hashes of the sequence's full blocks (computed or not), for the scheduler to
+        spot waiting requests that share a prefix being computed right now."""
+        hashes: list[int] = []
+        prev: int | None = None
+        bs = self.block_size
+        for start in range(0, seq.num_tokens - bs + 1, bs):
+            prev = chain_hash(prev, tuple(seq.token_ids[start:start + bs]))
+            hashes.append(prev)
+        return hashes
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
-                       cached_block_ids: list[int] | tuple[int, ...] = ()) -> bool:
+                       cached: CachedPrefix | list[int] | tuple[int, ...] = ()) -> bool:
         """Make room for `num_new_tokens` more computed tokens; False (and no change) if short.
 
-        `cached_block_ids` (from `find_cached_prefix`) are attached first and count as computed.
+        `cached` (from `find_prefix`) is attached first and counts as computed; blocks restored
+        from a tier take fresh pool blocks, filled before the next model run.
         """
-        num_cached_tokens = len(cached_block_ids) * self.block_size
+        if not isinstance(cached, CachedPrefix):
+            cached = CachedPrefix(list(cached))
+        num_cached_tokens = cached.num_blocks * self.block_size
         total = seq.num_computed_tokens + num_cached_tokens + num_new_tokens
-        num_new_blocks = (self.blocks_needed(total) - len(seq.block_table)
-                          - len(cached_block_ids))
+        num_new_blocks = self.blocks_needed(total) - len(seq.block_table) - len(cached.block_ids)
         # Cached blocks that nobody holds right now come out of the free pool too.
-        num_reclaimed = sum(1 for b in cached_block_ids if self.blocks[b].ref_count == 0)
+        num_reclaimed = sum(1 for b in cached.block_ids if self.blocks[b].ref_count == 0)
         if num_new_blocks + num_reclaimed > len(self._free):
             return False
-        if cached_block_ids:
+        if cached.num_blocks:
             hashes = self._seq_hashes.setdefault(seq.request_id, [])
-            for block_id in cached_block_ids:
+            for block_id in cached.block_ids:
                 block = self.blocks[block_id]
                 if block.ref_count == 0:
                     del self._free[block_id]
@@ -97,6 +162,16 @@ class BlockManager:
                 seq.block_table.append(block_id)
                 assert block.block_hash is not None
                 hashes.append(block.block_hash)
+            for h, tokens, kv in cached.restored:
+                block_id = self._take_free_block()
+                block = self.blocks[block_id]
+                if h not in self._hash_to_block:
+                    block.block_hash, block.token_ids = h, tokens
+                    self._hash_to_block[h] = block_id
+                self.pending_loads.append((block_id, kv))
+                seq.block_table.append(block_id)
+                hashes.append(h)
+            num_new_blocks -= len(cached.restored)
             seq.num_computed_tokens += num_cached_tokens
             seq.num_cached_tokens += num_cached_tokens
         for _ in range(max(0, num_new_blocks)):
@@ -120,6 +195,17 @@ class BlockManager:
                 block.token_ids = tokens
                 self._hash_to_block[h] = block.block_id
 
+    def cached_blocks(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(block id, chained hash, token ids) of every computed block the pool holds."""
+        return [(b, h, self.blocks[b].token_ids) for h, b in self._hash_to_block.items()]
+
+    def take_transfers(self) -> tuple[list[tuple[int, int, tuple[int, ...]]],
+                                      list[tuple[int, torch.Tensor]]]:
+        """The saves and loads recorded since the last call (the engine performs them)."""
+        saves, loads = self.pending_saves, self.pending_loads
+        self.pending_saves, self.pending_loads = [], []
+        return saves, loads
+
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; its blocks stay in the prefix cache until reused."""
         # Tail first, so the least reusable blocks are handed out again first.
@@ -139,6 +225,8 @@ class BlockManager:
         if block.block_hash is not None:
             if self._hash_to_block.get(block.block_hash) == block_id:
                 del self._hash_to_block[block.block_hash]
+                if self.tiers is not None:
+                    self.pending_saves.append((block_id, block.block_hash, block.token_ids))
             block.block_hash = None
             block.token_ids = ()
         block.ref_count = 1

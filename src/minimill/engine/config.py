@@ -46,6 +46,11 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_bytes (tests give tiny pools)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    # KV tiers under the device pool (kv_tiers.py), used with prefix caching: host RAM, then
+    # files under kv_flash_dir, each bounded in bytes (0: no such tier).
+    kv_host_bytes: int = 0
+    kv_flash_dir: str | None = None
+    kv_flash_bytes: int = 0
     num_threads: int | None = None  # CPU threads for torch; None: every core
     pin_threads: bool = True  # CPU: pin the intra-op threads to cores (kernels.py)
     dtype_reason: str = ""  # why this dtype (set when dtype was "auto")
@@ -75,6 +80,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be at least 1")
+        if self.kv_host_bytes < 0 or self.kv_flash_bytes < 0:
+            raise InvalidRequestError("KV tier sizes must be >= 0 bytes")
         if self.num_threads is None:
             self.num_threads = os.cpu_count() or 1
         if model_config is None:

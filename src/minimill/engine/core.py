@@ -12,7 +12,10 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+import torch
+
 from minimill.engine.config import EngineConfig
+from minimill.engine.kv_tiers import KvTiers
 from minimill.engine.model_runner import ModelRunner
 from minimill.engine.output import OutputProcessor
 from minimill.engine.params import InvalidRequestError, SamplingParams, TokenDelta
@@ -21,6 +24,23 @@ from minimill.engine.sequence import RequestStatus, Sequence
 from minimill.models.types import LoadedModel
 
 _THROUGHPUT_WINDOW_S = 30.0
+
+
+def make_tiers(config: EngineConfig, loaded: LoadedModel, block_shape: tuple[int, ...],
+               dtype: torch.dtype) -> KvTiers | None:
+    """The KV tiers the config asks for, or None; the layout says what a block's bytes are."""
+    if not config.enable_prefix_caching or not (
+            config.kv_host_bytes or (config.kv_flash_dir and config.kv_flash_bytes)):
+        return None
+    mc = loaded.config
+    layout: dict[str, object] = {
+        "model": config.model, "kv_dtype": config.kv_dtype, "block_size": config.block_size,
+        "layers": mc.num_hidden_layers, "kv_heads": mc.num_key_value_heads,
+        "head_dim": mc.head_dim, "hidden_size": mc.hidden_size, "vocab_size": mc.vocab_size,
+        "rope_theta": mc.rope_theta, "block_shape": list(block_shape), "format": 1}
+    tiers = KvTiers(layout, block_shape, dtype, config.kv_host_bytes, config.kv_flash_dir,
+                    config.kv_flash_bytes)
+    return tiers if tiers.enabled else None
 
 
 @dataclass(slots=True)
@@ -36,7 +56,9 @@ class EngineCore:
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.runner = ModelRunner(config, loaded)
-        self.scheduler = Scheduler(config)
+        self.tiers = make_tiers(config, loaded, tuple(self.runner.kv_cache.shape[1:]),
+                                self.runner.kv_cache.dtype)
+        self.scheduler = Scheduler(config, self.tiers)
         self.outputs = OutputProcessor(loaded.tokenizer)
         eos = set(loaded.config.eos_token_ids)
         if loaded.tokenizer.eos_token_id is not None:
@@ -120,6 +142,7 @@ class EngineCore:
         result = StepResult(self._pending)
         self._pending = []
         scheduled = self.scheduler.schedule()
+        self._move_blocks()
         if scheduled.is_empty:
             return result
         try:
@@ -138,6 +161,31 @@ class EngineCore:
                 self._fail(seq.request_id, exc, result)
         self._record_throughput(len(updated))
         return result
+
+    def _move_blocks(self) -> None:
+        """Copy evicted blocks down a tier, then restored ones back, before the model runs."""
+        saves, loads = self.scheduler.block_manager.take_transfers()
+        if self.tiers is None:
+            return
+        kv = self.runner.kv_cache
+        for block_id, block_hash, token_ids in saves:
+            self.tiers.put(block_hash, token_ids, kv[block_id])
+        if loads:
+            started = time.perf_counter()
+            for block_id, block in loads:
+                kv[block_id].copy_(block)
+            self.tiers.stats.restored_blocks += len(loads)
+            self.tiers.stats.restore_s += time.perf_counter() - started
+
+    def close(self) -> None:
+        """Write what the pool holds to the flash tier and finish writing: a restarted engine
+        finds every prefix this one had computed (unless the process is killed first)."""
+        if self.tiers is None:
+            return
+        kv = self.runner.kv_cache
+        for block_id, block_hash, token_ids in self.scheduler.block_manager.cached_blocks():
+            self.tiers.persist(block_hash, token_ids, kv[block_id])
+        self.tiers.close()
 
     def recent_output_tok_s(self) -> float:
         """Output tokens per second over the last few tens of seconds of stepping."""

@@ -20,7 +20,7 @@ import signal
 import threading
 from collections import defaultdict
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from minimill.engine.async_engine import (
     AddRequest,
@@ -30,6 +30,9 @@ from minimill.engine.async_engine import (
     step_into,
 )
 from minimill.engine.params import EngineError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from minimill.engine.core import EngineCore
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +148,13 @@ def _child_main(conn: Connection, model: str, overrides: dict[str, Any],
         conn.send(("error", *_portable(exc)))
         return
     conn.send(("ready", loaded.tokenizer, config, loaded.config.vocab_size))
+    try:
+        _serve_commands(conn, core, parent_pid)
+    finally:
+        core.close()
+
+
+def _serve_commands(conn: Connection, core: EngineCore, parent_pid: int) -> None:
     while True:
         out: dict[str, list[Outcome]] = defaultdict(list)
         # Idle: wait for work; running: take whatever commands arrived, then step.

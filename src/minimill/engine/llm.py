@@ -46,6 +46,10 @@ class LLM:
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Finish writing the KV flash tier, if any (nothing else needs closing)."""
+        self.engine.close()
+
     @property
     def config(self) -> EngineConfig:
         return self.engine.config
@@ -126,6 +130,7 @@ class LLM:
                     if out is None:
                         continue  # left over from an earlier, interrupted call
                     out.output_token_ids.extend(delta.new_token_ids)
+                    out.num_cached_tokens = delta.num_cached_tokens
                     out.text += delta.new_text
                     if delta.logprobs and out.logprobs is not None:
                         out.logprobs.extend(delta.logprobs)

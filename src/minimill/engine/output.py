@@ -96,7 +96,7 @@ class OutputProcessor:
             state.finish(stopped_by_string)
         text = state.take_delta(finish_reason is not None)
         return TokenDelta(seq.request_id, new_token_ids, text, finish_reason, logprobs,
-                          seq.num_prompt_tokens, seq.seed)
+                          seq.num_prompt_tokens, seq.seed, seq.num_cached_prompt_tokens)
 
     def remove(self, request_id: str) -> None:
         self.texts.pop(request_id, None)

@@ -91,6 +91,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     seed: int
     logprobs: list[TokenLogprob] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache or a KV tier
 
     @property
     def finished(self) -> bool:
@@ -109,3 +110,5 @@ class TokenDelta:
     logprobs: list[TokenLogprob] | None = None
     num_prompt_tokens: int = 0
     seed: int = 0
+    # Prompt tokens whose KV came from the prefix cache or a KV tier, not computed.
+    num_cached_tokens: int = 0

@@ -5,17 +5,25 @@ decode and a recompute after preemption are all "compute the next n tokens". Run
 go first (oldest first), then waiting ones fill what is left of the token budget. When the KV
 pool is short, the most recently admitted running request is preempted: its blocks are freed
 and it goes back to the front of the queue to be recomputed later.
+
+A waiting request whose next uncached block is a block some running request is computing
+right now (requests sharing a system prompt, arriving together) waits a step and then finds
+it in the prefix cache, rather than computing the same prefix alongside.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from minimill.engine.block_manager import BlockManager
 from minimill.engine.config import EngineConfig
 from minimill.engine.params import TokenLogprob
 from minimill.engine.sequence import RequestStatus, Sequence
+
+if TYPE_CHECKING:
+    from minimill.engine.kv_tiers import KvTiers
 
 
 @dataclass(slots=True)
@@ -49,12 +57,14 @@ class ModelOutput:
 class Scheduler:
     """Decides each step's batch; the engine calls schedule, runs it, then update_from_output."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tiers: KvTiers | None = None) -> None:
         assert config.num_kv_blocks is not None and config.max_model_len is not None
         self.config = config
         self.max_model_len = config.max_model_len
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, tiers)
+        # request_id -> hashes of the full prompt blocks it is computing (not cached yet).
+        self._inflight: dict[str, list[int]] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
@@ -89,6 +99,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         seq.status = status
+        self._inflight.pop(request_id, None)
         self.block_manager.free(seq)
         return seq
 
@@ -112,20 +123,34 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         # Admit new work only when nothing had to give way this step.
+        bm = self.block_manager
+        inflight = {h for hashes in self._inflight.values() for h in hashes}
+        deferred: list[Sequence] = []
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
-            cached = self.block_manager.find_cached_prefix(seq)
-            num_uncached = seq.num_tokens - len(cached) * self.config.block_size
-            num_new = min(num_uncached, budget)
-            if not self.block_manager.allocate_slots(seq, num_new, cached):
+            cached = bm.find_prefix(seq)
+            hashes = bm.pending_hashes(seq)[cached.num_blocks:] if bm.enable_prefix_caching \
+                else []
+            if hashes and hashes[0] in inflight:
+                deferred.append(self.waiting.popleft())  # next step it is a cache hit
+                continue
+            num_cached = cached.num_blocks * self.config.block_size
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if not bm.allocate_slots(seq, num_new, cached):
                 break
             self.waiting.popleft()
-            self.num_cached_tokens_total += len(cached) * self.config.block_size
+            self.num_cached_tokens_total += num_cached
+            if seq.status == RequestStatus.WAITING:  # first admission: what the client sees
+                seq.num_cached_prompt_tokens = min(num_cached, seq.num_prompt_tokens)
+            if hashes:
+                self._inflight[seq.request_id] = hashes
+                inflight.update(hashes)
             seq.status = RequestStatus.RUNNING
             self.running.append(seq)
             scheduled.append(self._entry(seq, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(deferred))
         self.max_num_running = max(self.max_num_running, len(self.running))
         return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted)
 
@@ -140,6 +165,8 @@ class Scheduler:
             seq = entry.seq
             seq.num_computed_tokens += entry.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
+            if entry.sample:
+                self._inflight.pop(seq.request_id, None)  # its prompt blocks are cached now
             if not entry.sample:
                 continue
             token_id, logprob = next(sampled)
@@ -165,6 +192,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
+        self._inflight.pop(seq.request_id, None)
         self.block_manager.free(seq)
         seq.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(seq)

@@ -37,7 +37,8 @@ class Sequence:
     """One request: `num_computed_tokens` of `num_tokens` have their KV in the cache."""
 
     __slots__ = (
-        "block_table", "eos_token_ids", "logprobs", "num_cached_tokens", "num_computed_tokens",
+        "block_table", "eos_token_ids", "logprobs", "num_cached_prompt_tokens",
+        "num_cached_tokens", "num_computed_tokens",
         "num_prompt_tokens", "output_counts", "params", "request_id", "seed", "status",
         "token_ids",
     )
@@ -51,6 +52,8 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # of the computed ones, how many came from the prefix cache
+        # Prompt tokens found cached when first admitted: what the client is told and billed.
+        self.num_cached_prompt_tokens = 0
         self.block_table: list[int] = []
         self.params = params
         self.seed = seed

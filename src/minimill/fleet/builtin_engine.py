@@ -54,12 +54,12 @@ class BuiltinEngineAdapter:
         self._tokenizer = engine.tokenizer
 
     @classmethod
-    async def start(cls, *, model: str, dtype: str, kv_dtype: str = "auto",
-                    clock: StartClock | None = None,
+    async def start(cls, *, model: str, dtype: str, clock: StartClock | None = None,
+                    options: dict[str, Any] | None = None,
                     in_process: bool = False) -> BuiltinEngineAdapter:
         """Start the engine for `model` (loaded from its warm weights cache when there is
-        one): in a child process, or in this one with `in_process`; `clock` marks each
-        phase."""
+        one) with `options` (EngineConfig fields): in a child process, or in this one with
+        `in_process`; `clock` marks each phase."""
         clock = clock or StartClock()
         from minimill.engine.native import kernel_cache_dir
         from minimill.fleet.kernel_lock import stale_kernel_locks_cleared
@@ -68,8 +68,8 @@ class BuiltinEngineAdapter:
         clock.mark("engine imports")
         try:
             with stale_kernel_locks_cleared(kernel_cache_dir()):
-                engine = await asyncio.to_thread(_start_engine, model, dtype, kv_dtype,
-                                           in_process, clock)
+                engine = await asyncio.to_thread(_start_engine, model, dtype, options or {},
+                                                 in_process, clock)
         except (ModelError, EngineError, ValueError, OSError) as exc:
             raise EngineStartError(f"cannot start the builtin engine for {model!r}: {exc}") \
                 from exc
@@ -135,7 +135,8 @@ class BuiltinEngineAdapter:
                     new_token_ids=list(delta.new_token_ids), new_text=delta.new_text,
                     num_new_tokens=len(delta.new_token_ids),
                     logprobs=self._logprob_dicts(delta.logprobs) if delta.logprobs else None,
-                    finish_reason=reason, num_prompt_tokens=delta.num_prompt_tokens)
+                    finish_reason=reason, num_prompt_tokens=delta.num_prompt_tokens,
+                    num_cached_tokens=delta.num_cached_tokens)
         except InvalidRequestError as exc:
             raise JobError(error_code(exc), str(exc)) from exc
         except EngineError as exc:  # the engine (its process) failed, not the request
@@ -157,12 +158,12 @@ class BuiltinEngineAdapter:
         await asyncio.to_thread(self._engine.close)
 
 
-def _start_engine(model: str, dtype: str, kv_dtype: str, in_process: bool,
+def _start_engine(model: str, dtype: str, options: dict[str, Any], in_process: bool,
                   clock: StartClock) -> Any:
     if not in_process:
         from minimill.engine.engine_process import ProcessEngine
 
-        child = ProcessEngine(model, dtype=dtype, kv_dtype=kv_dtype)
+        child = ProcessEngine(model, dtype=dtype, **options)
         clock.mark("engine process (model load and engine)")
         return child
     from minimill.engine.async_engine import AsyncEngine
@@ -171,6 +172,6 @@ def _start_engine(model: str, dtype: str, kv_dtype: str, in_process: bool,
 
     loaded = load_model(model, EngineConfig(dtype=dtype).torch_dtype)
     clock.mark(f"model load ({loaded.extra.get('warm_cache', 'no warm cache')})")
-    engine = AsyncEngine(loaded, dtype=dtype, kv_dtype=kv_dtype)
+    engine = AsyncEngine(loaded, dtype=dtype, **options)
     clock.mark("engine")
     return engine

@@ -46,6 +46,7 @@ class ChoiceUpdate:
     logprobs: list[dict[str, Any]] | None = None
     finish_reason: str | None = None  # "stop" | "length" on the last update
     num_prompt_tokens: int = 0  # 0 when not known yet
+    num_cached_tokens: int = 0  # of those, served from the engine's KV cache
 
 
 class EngineAdapter(Protocol):
@@ -84,13 +85,15 @@ class EngineAdapter(Protocol):
 
 
 async def open_engine(engine: str, *, model: str, dtype: str, capacity: int,
-                      kv_dtype: str = "auto", clock: StartClock | None = None) -> EngineAdapter:
-    """'builtin' loads `model` into the builtin engine; an http(s) URL uses that server."""
+                      clock: StartClock | None = None,
+                      engine_options: dict[str, Any] | None = None) -> EngineAdapter:
+    """'builtin' loads `model` into the builtin engine (with `engine_options`, EngineConfig
+    fields); an http(s) URL uses that server."""
     if engine == "builtin":
         from minimill.fleet.builtin_engine import BuiltinEngineAdapter
 
-        return await BuiltinEngineAdapter.start(model=model, dtype=dtype, kv_dtype=kv_dtype,
-                                                clock=clock)
+        return await BuiltinEngineAdapter.start(model=model, dtype=dtype, clock=clock,
+                                                options=engine_options)
     if engine.startswith(("http://", "https://")):
         from minimill.fleet.http_engine import HttpEngineAdapter
 

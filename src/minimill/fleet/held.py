@@ -93,6 +93,7 @@ class HeldLease:
                                                    for c in resumed}
         self.num_tokens: dict[int, int] = {}
         self.num_prompt_tokens = lease.checkpoint.num_prompt_tokens if lease.checkpoint else 0
+        self.num_cached_tokens = 0  # of the prompt, served from the engine's KV cache
         self.jobs: list[ChoiceJob] = []
         self.result: CompletionItem | None = None
         self.engine_failed = False  # the engine, not the request, failed: let the lease lapse
@@ -234,6 +235,9 @@ class HeldLease:
         async for update in self.adapter.generate(job):
             if update.num_prompt_tokens:
                 self.num_prompt_tokens = update.num_prompt_tokens
+            if update.num_cached_tokens and job.index == self.jobs[0].index:
+                # The prompt is billed once: as the first choice's engine request found it.
+                self.num_cached_tokens = update.num_cached_tokens
             if update.new_token_ids:
                 state.token_ids.extend(update.new_token_ids)
             if update.new_text:
@@ -256,7 +260,8 @@ class HeldLease:
             request_id=self.request_id, epoch=self.lease.epoch, outcome="succeeded",
             choices=[self.progress[i] for i in sorted(self.progress)],  # final: no more writes
             usage=Usage(prompt_tokens=self.num_prompt_tokens,
-                        completion_tokens=sum(self.num_tokens.values())))
+                        completion_tokens=sum(self.num_tokens.values()),
+                        cached_tokens=min(self.num_cached_tokens, self.num_prompt_tokens)))
 
     def cancel(self) -> None:
         """Stop generating (revoked lease, shutdown); the result, if any, is dropped."""

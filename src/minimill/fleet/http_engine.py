@@ -173,8 +173,10 @@ class HttpEngineAdapter:
                 if usage.get("completion_tokens") is not None:
                     extra = max(0, int(usage["completion_tokens"]) - counted)
                     self._rate.add(extra)
+                    details = usage.get("prompt_tokens_details") or {}
                     yield ChoiceUpdate(num_new_tokens=extra,
-                                       num_prompt_tokens=int(usage.get("prompt_tokens") or 0))
+                                       num_prompt_tokens=int(usage.get("prompt_tokens") or 0),
+                                       num_cached_tokens=int(details.get("cached_tokens") or 0))
 
     def _error(self, resp: httpx.Response) -> Exception:
         if resp.status_code >= 500 or resp.status_code in (401, 403, 404, 429):

@@ -33,6 +33,7 @@ from minimill.fleet.client import (
 from minimill.fleet.engines import EngineAdapter
 from minimill.fleet.held import HeldLease, SentCheckpoint, Tally, approx_bytes
 from minimill.fleet.releases import Releases
+from minimill.fleet.sessions import HeldSessions
 from minimill.fleet.shutdown import drain
 from minimill.protocol import (
     CompleteRequest,
@@ -86,6 +87,7 @@ class Worker:
                       "handed_back": 0}
         self.first_lease_at: float | None = None  # monotonic time of the first lease answer
         self.tally = Tally()
+        self.sessions = HeldSessions()  # reported with lease calls, for placement affinity
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def free_capacity(self) -> int:
@@ -111,6 +113,8 @@ class Worker:
         self.outbox.pop(lease.request_id, None)
         self.releases.discard(lease.request_id)
         held = HeldLease(lease, self.adapter, self.tally)
+        if lease.session_key:
+            self.sessions.add(lease.session_key)
         self.held[lease.request_id] = held
         self.stats["leased"] += 1
         held.start(self._on_lease_done)
@@ -153,11 +157,15 @@ class Worker:
                 await self.wait(self._wake_lease, IDLE_POLL_S)
                 continue
             try:
+                held_sessions = self.sessions.changed()
                 resp = await self.client.lease(LeaseRequest(
                     capacity=free, models=self.adapter.models,
                     tokens_per_s=self.adapter.tokens_per_s(),
-                    price_per_hour=self.price_per_hour, chip=self.chip))
+                    price_per_hour=self.price_per_hour, chip=self.chip,
+                    held_sessions=held_sessions))
             except ControlPlaneUnavailable as exc:
+                if held_sessions is not None:
+                    self.sessions.unsent()
                 await sleep_backoff(backoff, "lease", exc)
                 continue
             backoff.reset()

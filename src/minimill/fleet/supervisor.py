@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+from minimill.fleet.kv_options import KvOptions
 from minimill.lifetime import owned_env
 
 log = logging.getLogger("minimill.serve")
@@ -23,13 +24,14 @@ RESTART_BACKOFF_MAX_S = 30.0
 
 
 def worker_command(server: str, model: str, dtype: str, price_per_hour: float,
-                   chip: str, kv_dtype: str = "auto", boxes: int = 0,
+                   chip: str, kv: KvOptions | None = None, boxes: int = 0,
                    insecure_no_sandbox: bool = False, agents: int = 0) -> list[str]:
     command = [sys.executable, "-m", "minimill.cli", "worker",
                "--server", server, "--site", LOCAL_SITE,
                "--price-per-hour", str(price_per_hour), "--chip", chip,
                "--engine", "builtin", "--model", model, "--dtype", dtype,
-               "--kv-dtype", kv_dtype, "--boxes", str(boxes), "--agents", str(agents)]
+               *(kv.argv() if kv is not None else ()),
+               "--boxes", str(boxes), "--agents", str(agents)]
     return [*command, "--insecure-no-sandbox"] if insecure_no_sandbox else command
 
 

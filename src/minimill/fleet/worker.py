@@ -24,6 +24,7 @@ from minimill.boxes.host import BoxHost
 from minimill.boxes.host_setup import BoxHostStartError, BoxOptions, open_box_host
 from minimill.fleet.client import ControlPlaneClient, SiteAuthError
 from minimill.fleet.engines import EngineStartError, open_engine
+from minimill.fleet.kv_options import KvOptions
 from minimill.fleet.loops import Worker
 from minimill.fleet.startup import StartClock
 from minimill.lifetime import STOP_SIGNALS, die_with_parent, stop_reason
@@ -91,8 +92,9 @@ async def _run_box_host(host: BoxHost | None) -> None:
 
 
 async def _amain(*, server: str, site: str, token: str, engine: str, model: str, dtype: str,
-                 kv_dtype: str, capacity: int, price_per_hour: float | None, chip: str | None,
-                 clock: StartClock, boxes: BoxOptions, agents: int = 0) -> None:
+                 capacity: int, price_per_hour: float | None, chip: str | None,
+                 clock: StartClock, kv: KvOptions, boxes: BoxOptions,
+                 agents: int = 0) -> None:
     # Boxes first: a host that cannot isolate them says so before a long model load.
     box_host = open_box_host(server, token, site, boxes) if boxes.slots > 0 else None
     runner = AgentRunner(RunnerClient(server, token), agents) if agents > 0 else None
@@ -106,8 +108,8 @@ async def _amain(*, server: str, site: str, token: str, engine: str, model: str,
                  site, boxes.slots, agents, server)
         await asyncio.gather(_run_box_host(box_host), _run_runner(runner))
         return
-    adapter = await open_engine(engine, model=model, dtype=dtype, kv_dtype=kv_dtype,
-                                capacity=capacity, clock=clock)
+    adapter = await open_engine(engine, model=model, dtype=dtype, capacity=capacity,
+                                clock=clock, engine_options=kv.engine_overrides())
     client = ControlPlaneClient(server, token)
     effective = min(capacity, adapter.capacity) if engine == "builtin" else capacity
     worker = Worker(client, adapter, capacity=effective,
@@ -147,7 +149,7 @@ def _check_declared(price_per_hour: float | None, chip: str | None) -> str | Non
 
 def run_worker(*, server: str, site: str, token: str, price_per_hour: float | None,
                chip: str | None, engine: str, model: str, dtype: str, capacity: int,
-               kv_dtype: str = "auto", boxes: BoxOptions | None = None,
+               kv: KvOptions | None = None, boxes: BoxOptions | None = None,
                agents: int = 0) -> None:
     """Join the fleet at `server` as `site` and serve until SIGTERM/SIGINT.
 
@@ -172,8 +174,8 @@ def run_worker(*, server: str, site: str, token: str, price_per_hour: float | No
     started = time.monotonic()
     try:
         asyncio.run(_amain(server=server, site=site, token=token, engine=engine, model=model,
-                           dtype=dtype, kv_dtype=kv_dtype, capacity=capacity,
-                           price_per_hour=price_per_hour, chip=chip, clock=clock,
+                           dtype=dtype, capacity=capacity, price_per_hour=price_per_hour,
+                           chip=chip, clock=clock, kv=kv or KvOptions(),
                            boxes=boxes or BoxOptions(), agents=agents))
     except (EngineStartError, SiteAuthError, BoxHostStartError) as exc:
         log.error("%s", exc)
