@@ -10,16 +10,20 @@ completions carry the epoch: a runner whose lease lapsed is refused.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
 AGENT_FLEET_PREFIX = "/v1/fleet/agents"
 
+# Fencing epochs count leases of one box or agent: a 64-bit column holds any real one, and a
+# larger number from a client is a 400, not a store error.
+Epoch = Annotated[int, Field(ge=0, le=2**62)]
+
 
 class HeldAgent(BaseModel):
     agent_id: str
-    epoch: int
+    epoch: Epoch
 
 
 class AgentPollRequest(BaseModel):
@@ -36,7 +40,7 @@ class JournalEntry(BaseModel):
 
 class AgentLease(BaseModel):
     agent_id: str
-    epoch: int
+    epoch: Epoch
     code: str
     filename: str
     task: Any = None
@@ -55,7 +59,7 @@ class AgentPollResponse(BaseModel):
 
 
 class JournalAppend(BaseModel):
-    epoch: int
+    epoch: Epoch
     entries: list[JournalEntry] = Field(max_length=1024)
     # Effects answered from the journal since the last append (counted for the operator).
     replayed: int = Field(0, ge=0)
@@ -67,7 +71,7 @@ class JournalAppended(BaseModel):
 
 
 class AgentFinish(BaseModel):
-    epoch: int
+    epoch: Epoch
     outcome: Literal["succeeded", "failed", "sleeping"]
     result: Any = None
     error: dict[str, Any] | None = None

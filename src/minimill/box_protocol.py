@@ -11,13 +11,17 @@ Times are Unix seconds from the control plane's clock.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
 BOX_FLEET_PREFIX = "/v1/fleet/boxes"
 # What a host may be asked to do with a box, in the order a tenant asked.
 OpKind = Literal["exec", "write", "read", "list", "snapshot", "pause"]
+
+# Fencing epochs count leases of one box or agent: a 64-bit column holds any real one, and a
+# larger number from a client is a 400, not a store error.
+Epoch = Annotated[int, Field(ge=0, le=2**62)]
 
 
 class BoxLimits(BaseModel):
@@ -35,7 +39,7 @@ class BoxLimits(BaseModel):
 
 class HeldBox(BaseModel):
     box_id: str
-    epoch: int
+    epoch: Epoch
 
 
 class BoxPollRequest(BaseModel):
@@ -47,7 +51,7 @@ class BoxPollRequest(BaseModel):
 
 class BoxLease(BaseModel):
     box_id: str
-    epoch: int
+    epoch: Epoch
     # The archive to start the workspace from (latest snapshot, else the image); None: empty.
     snapshot_id: str | None = None
     network: bool = False
@@ -57,7 +61,7 @@ class BoxLease(BaseModel):
 class BoxOp(BaseModel):
     op_id: str
     box_id: str
-    epoch: int
+    epoch: Epoch
     kind: OpKind
     args: dict[str, Any] = Field(default_factory=dict)
 
@@ -80,7 +84,7 @@ class BoxOpError(BaseModel):
 class BoxOpResult(BaseModel):
     op_id: str
     box_id: str
-    epoch: int
+    epoch: Epoch
     result: dict[str, Any] | None = None
     error: BoxOpError | None = None
 

@@ -97,7 +97,7 @@ class ProcessEngine(StreamFrontend):
                 message = self._conn.recv()
             except (EOFError, OSError):
                 break
-            out, self._tok_s = message
+            out, self._tok_s, self.step_counts = message
             self.deliver({request_id: [_rebuild(*item) if isinstance(item, tuple) else item
                                        for item in items]
                           for request_id, items in out.items()})
@@ -149,12 +149,12 @@ def _child_main(conn: Connection, model: str, overrides: dict[str, Any],
         return
     conn.send(("ready", loaded.tokenizer, config, loaded.config.vocab_size))
     try:
-        _serve_commands(conn, core, parent_pid)
+        _step_loop(conn, core, parent_pid)
     finally:
-        core.close()
+        core.close()  # the KV tiers keep what the pool holds, for the next start
 
 
-def _serve_commands(conn: Connection, core: EngineCore, parent_pid: int) -> None:
+def _step_loop(conn: Connection, core: EngineCore, parent_pid: int) -> None:
     while True:
         out: dict[str, list[Outcome]] = defaultdict(list)
         # Idle: wait for work; running: take whatever commands arrived, then step.
@@ -174,4 +174,5 @@ def _serve_commands(conn: Connection, core: EngineCore, parent_pid: int) -> None
             step_into(core, out)
         if out:
             conn.send(({request_id: [_portable(i) for i in items]
-                        for request_id, items in out.items()}, core.recent_output_tok_s()))
+                        for request_id, items in out.items()}, core.recent_output_tok_s(),
+                       (core.num_steps, core.num_step_seqs)))
