@@ -19,9 +19,9 @@ BOX_FLEET_PREFIX = "/v1/fleet/boxes"
 # What a host may be asked to do with a box, in the order a tenant asked.
 OpKind = Literal["exec", "write", "read", "list", "snapshot", "pause"]
 
-# Fencing epochs count leases of one box or agent: a 64-bit column holds any real one, and a
+# Fencing epochs count leases of one box or agent: a 32-bit column holds any real one, and a
 # larger number from a client is a 400, not a store error.
-Epoch = Annotated[int, Field(ge=0, le=2**62)]
+Epoch = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
 class BoxLimits(BaseModel):

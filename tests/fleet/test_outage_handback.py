@@ -34,7 +34,9 @@ STORIES = ["Write a long story about a lighthouse keeper and a storm.",
            "Write a long story about a clockmaker who lost his keys.",
            "Write a long story about a dragon learning to bake bread.",
            "Write a long story about two robots crossing a desert."]
-MAX_TOKENS = 160
+# Long enough that the busy site cannot finish them before the handback time, however fast
+# its engine is: the work must be moved, not finished in place.
+MAX_TOKENS = 480
 OUTAGE_IN_S = 12.0  # the busy site hands back its work 5 s before that (the handback lead)
 STATS = {"MINIMILL_WORKER_STATS_S": "0.25"}
 

@@ -11,12 +11,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from minimill.control.fleet_stats import fleet_stats
 from minimill.control.records import ACTIVE_REQUEST_STATUSES, Tier
@@ -55,6 +56,40 @@ class FleetCollector(Collector):
             yield family
 
 
+class _Measure:
+    """Counts and times every HTTP request by route template and status.
+
+    A plain ASGI middleware, not Starlette's BaseHTTPMiddleware: that one wraps the receive
+    channel, and a handler waiting on a realtime request would no longer see its client go
+    away (and cancel the request)."""
+
+    def __init__(self, app: ASGIApp, requests: Counter, latency: Histogram) -> None:
+        self.app, self.requests, self.latency = app, requests, latency
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500  # what the client gets if the app raises before it answers
+
+        async def send_measured(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+                route = scope.get("route")
+                path = getattr(route, "path", "unmatched")
+                self.latency.labels(scope["method"], path).observe(time.perf_counter() - start)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_measured)
+        finally:
+            route = scope.get("route")
+            self.requests.labels(scope["method"], getattr(route, "path", "unmatched"),
+                                 str(status)).inc()
+
+
 def install(app: FastAPI, store: Store) -> CollectorRegistry:
     registry = CollectorRegistry()
     requests = Counter("minimill_http_requests", "HTTP requests answered.",
@@ -64,15 +99,5 @@ def install(app: FastAPI, store: Store) -> CollectorRegistry:
                         registry=registry)
     registry.register(FleetCollector(store))
 
-    @app.middleware("http")
-    async def measure(request: Request,
-                      call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        start = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        requests.labels(request.method, path, str(response.status_code)).inc()
-        latency.labels(request.method, path).observe(time.perf_counter() - start)
-        return response
-
+    app.add_middleware(_Measure, requests=requests, latency=latency)
     return registry

@@ -58,7 +58,7 @@ async def results(done: BoxResultsRequest, store: StoreDep, site: SiteDep,
 @router.post("/{box_id}/snapshots", response_model=SnapshotStored,
              responses=error_responses(409, 413))
 async def store_snapshot(box_id: str, request: Request, store: StoreDep, site: SiteDep,
-                         config: ConfigDep, epoch: Annotated[int, Query(ge=0, le=2**62)],
+                         config: ConfigDep, epoch: Annotated[int, Query(ge=0, le=2**31 - 1)],
                          kind: Annotated[str, Query(pattern="^(manual|auto)$")] = "auto",
                          ) -> SnapshotStored:
     """The body is the workspace archive; accepted only at the box's current epoch."""
