@@ -81,7 +81,9 @@ def test_a_result_resent_after_a_lost_answer_is_accepted(
     proxy.lose_answers["/complete"] = 1
     answer = ask(serve, "Say hi.", max_tokens=6).result(timeout=300)
     assert answer.choices[0].message.content
-    sent = [e for e in proxy.find("/complete")]
+    # The client may have its answer before the proxy has logged the lost call and its resend.
+    sent = wait_until(lambda: (calls := list(proxy.find("/complete"))) and len(calls) >= 2
+                      and calls, 30, "the lost complete and its resend")
     assert sent[0].lost and sent[0].response["accepted"] == [answer.id.replace("chatcmpl-",
                                                                                 "req_")]
     assert sent[-1].response == sent[0].response  # the resend: accepted again, not refused
