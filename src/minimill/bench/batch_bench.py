@@ -131,9 +131,11 @@ def run_batch_bench(workload: Path, *, json_out: bool, model: str, limit: int | 
         raise SystemExit(1) from None
     finally:
         fleet.close()
+    from minimill.engine.hardware import cpu_report
+
     ratio = served["output_tok_s"] / offline["output_tok_s"]
     report = {
-        "model": model, "dtype": _resolved_dtype(), "cpu": _cpu(),
+        "model": model, "dtype": _resolved_dtype(), "cpu": cpu_report(),
         "requests": served["requests"],
         "failed": served["failed"],
         "output_tokens": served["output_tokens"], "seconds": round(served["seconds"], 3),
@@ -164,8 +166,3 @@ def _resolved_dtype() -> str:
     return auto_dtype(torch.device("cpu"))[0] if DTYPE == "auto" else DTYPE
 
 
-def _cpu() -> dict[str, Any]:
-    from minimill.engine.hardware import cpu_info
-
-    info = cpu_info()
-    return {"model": info.model, "flags": info.relevant_flags()}

@@ -127,7 +127,7 @@ def _load(options: EngineBenchOptions) -> tuple[Any, Any, str]:
 
 def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
     from minimill.bench.sol import TARGET_NOTE, measure, speed_of_light
-    from minimill.engine.hardware import cpu_info
+    from minimill.engine.hardware import cpu_report
     from minimill.engine.llm import LLM
     from minimill.engine.params import SamplingParams
 
@@ -160,13 +160,11 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
         stick = measure(runner.model, steps)
         sol = speed_of_light(runner.model, steps, stick)
     sol_tok_s = output_tokens / sol.seconds
-    info = cpu_info()
     report: dict[str, Any] = {
         "model": measured, "random_weights": options.random_weights,
         "dtype": config.dtype, "dtype_reason": config.dtype_reason, "kv_dtype": config.kv_dtype,
         "kernels": runner.kernels.name, "device": config.device,
-        "cpu": {"model": info.model, "flags": info.relevant_flags(),
-                "threads": torch.get_num_threads()},
+        "cpu": cpu_report(),
         "torch": torch.__version__, "engine_start_s": round(start_s, 2),
         "requests": len(items), "prompt_tokens": sum(len(p) for p in prompts),
         "computed_prompt_tokens": sum(s.num_tokens for s in steps) - output_tokens

@@ -59,7 +59,7 @@ def run_kv_bench(options: KvBenchOptions) -> None:
 
 
 def _bench(options: KvBenchOptions, err: Any) -> dict[str, Any]:
-    from minimill.engine.hardware import cpu_info
+    from minimill.engine.hardware import cpu_report
     from minimill.engine.llm import LLM, load
 
     quiet = options.json_out
@@ -103,10 +103,8 @@ def _bench(options: KvBenchOptions, err: Any) -> dict[str, Any]:
             row["targets"] = target
             row["meets_targets"] = (row["bytes_ratio"] >= target["bytes_ratio"] and
                                     row["perplexity_increase"] <= target["perplexity_increase"])
-    info = cpu_info()
     return {"model": options.model, "dtype": config.dtype, "reference_kv": reference,
-            "cpu": {"model": info.model, "flags": info.relevant_flags(),
-                    "threads": torch.get_num_threads()},
+            "cpu": cpu_report(),
             "text": TEXT.name, "perplexity_tokens": len(ppl_ids),
             "prompts": len(prompts), "new_tokens": options.new_tokens,
             "budget_mb": options.budget_mb, "kv": results}

@@ -32,8 +32,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 TEXT = Path(__file__).parent / "data" / "kjv-genesis-exodus.txt"
 TARGETS = {"prefill_ratio": 3.0, "speedup": 2.0}
 SYSTEM = ("You are a research agent. You read tool output (passages of an old text), keep "
@@ -258,7 +256,7 @@ def run_sessions_bench(options: SessionsBenchOptions) -> None:
 
 
 def _bench(options: SessionsBenchOptions, err: Any) -> dict[str, Any]:
-    from minimill.engine.hardware import cpu_info
+    from minimill.engine.hardware import cpu_report
 
     if options.sessions < 1 or options.turns < 1:
         raise ValueError("--sessions and --turns must be at least 1")
@@ -300,11 +298,9 @@ def _bench(options: SessionsBenchOptions, err: Any) -> dict[str, Any]:
     same = sum(on.answers[k] == off.answers.get(k) for k in on.answers)
     prefill_ratio = off.prefill_tokens / max(1, on.prefill_tokens)
     speedup = off.seconds / max(on.seconds, 1e-9)
-    info = cpu_info()
     return {
         "model": options.model, "dtype": dtype,
-        "cpu": {"model": info.model, "flags": info.relevant_flags(),
-                "threads": torch.get_num_threads()},
+        "cpu": cpu_report(),
         "sessions": options.sessions, "turns": options.turns,
         "tool_tokens": options.tool_tokens, "max_tokens": options.max_tokens,
         "kv_cache_gb": options.kv_cache_gb, "kv_host_gb": options.kv_host_gb,

@@ -6,6 +6,7 @@ import platform
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,6 +35,13 @@ class CpuInfo:
                   "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd",
                   "sve", "bf16")
         return [f for f in wanted if f in self.flags]
+
+
+def cpu_report() -> dict[str, Any]:
+    """What every bench prints about the CPU it ran on: model, relevant flags, torch threads."""
+    info = cpu_info()
+    return {"model": info.model, "flags": info.relevant_flags(),
+            "threads": torch.get_num_threads()}
 
 
 @lru_cache(maxsize=1)
