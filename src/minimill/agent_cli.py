@@ -12,26 +12,16 @@ from typing import Any
 import typer
 
 from minimill.agents.client import TERMINAL, Agents
-from minimill.boxes.client import BoxError
+from minimill.box_cli import ApiKey, BaseUrl, api_errors
 
 agent_app = typer.Typer(help="Durable agents: harnesses that survive the loss of their "
                         "runner.", no_args_is_help=True)
-BaseUrl = typer.Option("http://127.0.0.1:8000/v1", envvar=["MINIMILL_BASE_URL",
-                       "OPENAI_BASE_URL"], help="API base URL.")
-ApiKey = typer.Option(..., envvar=["MINIMILL_API_KEY", "OPENAI_API_KEY"], help="API key.")
 
 
 @contextmanager
 def _agents(base_url: str, api_key: str) -> Iterator[Agents]:
-    try:
-        with Agents(base_url, api_key) as agents:
-            yield agents
-    except BoxError as exc:
-        typer.echo(f"error: {exc.message} ({exc.code})", err=True)
-        raise typer.Exit(1) from None
-    except OSError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+    with api_errors(), Agents(base_url, api_key) as agents:
+        yield agents
 
 
 def _task(text: str | None) -> Any:

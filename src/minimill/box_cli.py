@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import typer
 
 from minimill.boxes.client import BoxError, Boxes
@@ -21,16 +22,23 @@ ApiKey = typer.Option(..., envvar=["MINIMILL_API_KEY", "OPENAI_API_KEY"], help="
 
 
 @contextmanager
-def _boxes(base_url: str, api_key: str) -> Iterator[Boxes]:
+def api_errors() -> Iterator[None]:
+    """API errors and unreachable servers (or missing local files) end a command with a
+    message, not a traceback (shared with `minimill agent`)."""
     try:
-        with Boxes(base_url, api_key) as boxes:
-            yield boxes
+        yield
     except BoxError as exc:
         typer.echo(f"error: {exc.message} ({exc.code})", err=True)
         raise typer.Exit(1) from None
-    except OSError as exc:  # unreachable server, missing image
+    except (OSError, httpx.TransportError) as exc:  # unreachable server, missing image
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
+
+
+@contextmanager
+def _boxes(base_url: str, api_key: str) -> Iterator[Boxes]:
+    with api_errors(), Boxes(base_url, api_key) as boxes:
+        yield boxes
 
 
 def _show(data: dict[str, Any]) -> None:
