@@ -122,6 +122,9 @@ def test_every_event_reaches_a_receiver_that_was_down(client: OpenAI, env: ApiEn
     wait_for(lambda: ended(client, cancelled_batch, "cancelled")
              and ended(client, expiring, "expired"))
     assert client.batches.retrieve(failed_batch).status == "failed"
+    stopped = client.batches.retrieve(cancelled_batch)
+    assert stopped.cancelling_at is not None and stopped.cancelled_at is not None
+    assert stopped.cancelled_at >= stopped.cancelling_at  # it ends after it was cancelled
     expect("response.completed", done.id, "/a")
     expect("response.failed", broken.id, "/a")
     expect("response.incomplete", cut.id, "/a")

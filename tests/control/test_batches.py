@@ -111,6 +111,21 @@ def test_window_expiry_expires_unfinished_lines(store: Store) -> None:
                     CONFIG).rejected
 
 
+def test_lines_past_the_window_are_not_leased_but_expire(store: Store) -> None:
+    """A site asking after the window ended, before the janitor's next round, gets nothing:
+    the batch expires, it does not complete late."""
+    owner, s = tenant(store), site(store)
+    start = time.time()
+    b = batch(store, owner, [chat_line(f"late{i}") for i in range(2)], now=start)
+    later = start + 24 * 3600 + 1
+    assert lease(store, s, ask(capacity=4), later, CONFIG).leases == []
+    tick(store, later, CONFIG)
+    done = get_batch(store, owner.id, b.id)
+    assert done.status == BatchStatus.EXPIRED and done.output_file_id is None
+    errors = lines_of(store, owner.id, done.error_file_id)
+    assert [e["error"]["code"] for e in errors] == ["batch_expired"] * 2
+
+
 def test_list_pagination_and_isolation(store: Store) -> None:
     owner, other = tenant(store), tenant(store, "other")
     made = [batch(store, owner, ["x"], now=1000.0 + i).id for i in range(5)]

@@ -14,6 +14,7 @@ from the event loop and slow every transaction that holds the store's write lock
 from __future__ import annotations
 
 import signal
+import time
 from dataclasses import dataclass
 
 from minimill.control import agents, box_hosts, files
@@ -56,7 +57,9 @@ def tick(store: Store, now: float, config: ControlConfig,
 
 def finalize_ready(store: Store, now: float, config: ControlConfig) -> int:
     """Write the files of every batch whose rows are all terminal; returns how many."""
-    return sum(finalize(store, batch_id, now, config.finalize_claim_ttl_s,
+    # Each batch ends at the time it is finalized, never before: `now` may be from before an
+    # ingest that took seconds, and a cancel that came meanwhile must not end after the batch.
+    return sum(finalize(store, batch_id, max(now, time.time()), config.finalize_claim_ttl_s,
                         config.file_expires_after_s)
                for batch_id in finishable(store, now, config.finalize_claim_ttl_s))
 

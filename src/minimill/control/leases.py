@@ -92,12 +92,15 @@ def _count(value: int) -> int:
     return min(max(value, 0), MAX_COUNT)
 
 
-def _candidates(conn: Connection, tier: Tier, models: list[str], limit: int) -> list[Candidate]:
+def _candidates(conn: Connection, tier: Tier, models: list[str], limit: int,
+                now: float) -> list[Candidate]:
+    """Queued work a site may get. Work past its deadline is not handed out: the janitor
+    expires it (a batch past its window expires, it does not complete late)."""
     order = (requests.c.seq,) if tier == Tier.REALTIME else (requests.c.deadline, requests.c.seq)
     query = (select(requests.c.id, requests.c.model, requests.c.seq, requests.c.deadline,
                     requests.c.max_tokens, requests.c.checkpoint_tokens, requests.c.session_key)
              .where(requests.c.status == _QUEUED, requests.c.tier == tier.value,
-                    requests.c.model.in_(models))
+                    requests.c.model.in_(models), requests.c.deadline >= now)
              .order_by(*order).limit(limit)
              .with_for_update(skip_locked=True))
     return [Candidate(request_id=r.id, tier=tier, model=r.model, seq=r.seq, deadline=r.deadline,
@@ -147,8 +150,8 @@ def _snapshot(conn: Connection, site: Site, ask: LeaseRequest, capacity: int, mo
     if capacity <= 0:
         return bare
     window = min(capacity + reserved_slots(bare, now, policy), MAX_CANDIDATES)
-    pool = (*_candidates(conn, Tier.REALTIME, models, window),
-            *_candidates(conn, Tier.BACKGROUND, models, window))
+    pool = (*_candidates(conn, Tier.REALTIME, models, window, now),
+            *_candidates(conn, Tier.BACKGROUND, models, window, now))
     backlog = _backlog(conn) if pool and needs_backlog(bare, now, policy) else ()
     return replace(bare, candidates=pool, backlog=backlog)
 
