@@ -87,7 +87,10 @@ def allocate_kv_cache(num_blocks: int, num_layers: int, num_kv_heads: int, block
     import mmap
 
     numel = math.prod(shape)
-    buffer = mmap.mmap(-1, max(numel * dtype.itemsize, 1))
+    # Private, not mmap's default shared mapping: the kernel gives shared anonymous memory
+    # (shmem) huge pages only when an administrator allowed it, private memory whenever asked.
+    buffer = mmap.mmap(-1, max(numel * dtype.itemsize, 1),
+                       flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # Huge pages where the kernel allows them: each step touches a few blocks of every running
     # sequence in every layer, scattered over the pool, and 4 KiB pages would miss the TLB.
     with contextlib.suppress(AttributeError, OSError):

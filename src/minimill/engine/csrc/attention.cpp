@@ -128,9 +128,35 @@ void rotary_kv_write_impl(const at::Tensor& qkv, const at::Tensor& positions,
   const int64_t kb = k_cache.stride(0), kh = k_cache.stride(1);
   const int64_t vb = v_cache.stride(0), vh = v_cache.stride(1);
   const int64_t row_work = (num_heads + 3 * num_kv_heads) * head_dim;
+  const int64_t k_bytes = block_elems<C>(block_size, head_dim) * sizeof(C);
+  // One token's V values, and for int8 its block's scales and zero points after them.
+  const int64_t v_row_bytes = (std::is_same_v<C, int8_t> ? head_dim : kPack<C> * head_dim) *
+                              static_cast<int64_t>(sizeof(C));
+  // A token's K values are spread over its block (one per dimension row), and the block was
+  // last touched a step ago: without a hint, every write waits for a line from memory.
+  auto prefetch_slot = [&](int64_t slot) {
+    const int64_t block = slot / block_size, offset = slot % block_size;
+    for (int64_t g = 0; g < num_kv_heads; ++g) {
+      const char* k = reinterpret_cast<const char*>(kc + block * kb + g * kh);
+      for (int64_t off = 0; off < k_bytes; off += 64) __builtin_prefetch(k + off, 1, 3);
+      const C* vblock = vc + block * vb + g * vh;
+      const char* v = reinterpret_cast<const char*>(
+          std::is_same_v<C, int8_t> ? vblock + offset * head_dim
+                                    : vblock + v_index<C>(offset, 0, head_dim));
+      for (int64_t off = 0; off < v_row_bytes; off += 64) __builtin_prefetch(v + off, 1, 3);
+      if constexpr (std::is_same_v<C, int8_t>) {
+        __builtin_prefetch(vblock + block_size * head_dim + offset * 2, 1, 3);
+        __builtin_prefetch(vblock + block_size * (head_dim + 2) + offset, 1, 3);
+      }
+    }
+  };
   at::parallel_for(0, tokens, grain_rows(row_work), [&](int64_t b, int64_t e) {
     float rotated[kMaxHeadDim];
+    alignas(64) C k_rounded[kMaxHeadDim];
+    constexpr int64_t kAhead = 2;
+    for (int64_t t = b; t < std::min(e, b + kAhead); ++t) prefetch_slot(slots[t]);
     for (int64_t t = b; t < e; ++t) {
+      if (t + kAhead < e) prefetch_slot(slots[t + kAhead]);
       const T* row = src + t * src_stride;
       const float* cosv = cs + pos[t] * head_dim;
       const float* sinv = cosv + half;
@@ -175,6 +201,17 @@ void rotary_kv_write_impl(const at::Tensor& qkv, const at::Tensor& positions,
           for (int64_t d = 0; d < head_dim; ++d) vf[d] = to_f(v[d]);
           v_scales[offset] = quantize_i8(vf, head_dim, vdst + offset * head_dim, 1,
                                          v_zeros + offset);
+        } else if constexpr (kPack<C> == 2) {
+          // Rounded a vector at a time, then stored a dimension pair (32 bits) at a time.
+          for (int64_t d = 0; d < head_dim; d += kVec) {
+            store_f(k_rounded + d, fVec::loadu(rotated + d));
+          }
+          const auto* pairs = reinterpret_cast<const uint32_t*>(k_rounded);
+          auto* kpairs = reinterpret_cast<uint32_t*>(kdst);
+          for (int64_t dp = 0; dp < head_dim / 2; ++dp) {
+            kpairs[dp * block_size + offset] = pairs[dp];
+          }
+          for (int64_t d = 0; d < head_dim; ++d) vdst[v_index<C>(offset, d, head_dim)] = v[d];
         } else {
           for (int64_t d = 0; d < head_dim; ++d) {
             kdst[k_index<C>(d, offset, block_size)] = from_f<C>(rotated[d]);
@@ -261,11 +298,12 @@ namespace {
 constexpr int64_t kRowTile = 16;    // query rows of one sequence per work item
 constexpr int64_t kQGroup = 8;      // query vectors scored together (registers)
 constexpr int64_t kPartKeys = 256;  // keys scored before one softmax update (a multiple of bs)
+constexpr int64_t kPrefetchBlocks = 2;  // how far ahead block loops fetch
 
 
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
 }
 
 // Query vectors of one work item group, ready for the score loop.
@@ -275,48 +313,66 @@ struct Queries {
 };
 
 // scores[i * kPartKeys + c .. + kVec] = q_i . K[:, c .. c + kVec) of one block (unscaled).
+// Each query keeps two partial sums (even and odd dimensions) so that the multiply-adds of a
+// few queries are not one dependency chain each: the loop runs at the units' rate, not at
+// their latency.
 template <typename T, int NQ>
 inline void score_block(const Queries& qs, const T* kt, int64_t block_size, int64_t head_dim,
                         float* scores, float* unpack) {
   if constexpr (std::is_same_v<T, float>) {
     for (int64_t c = 0; c < block_size; c += kVec) {
-      fVec s[NQ];
-      for (int i = 0; i < NQ; ++i) s[i] = fVec(0.f);
-      for (int64_t d = 0; d < head_dim; ++d) {
-        const fVec kv = fVec::loadu(kt + d * block_size + c);
-        for (int i = 0; i < NQ; ++i) s[i] = at::vec::fmadd(fVec(qs.q[i * head_dim + d]), kv, s[i]);
+      fVec s0[NQ], s1[NQ];
+      for (int i = 0; i < NQ; ++i) s0[i] = s1[i] = fVec(0.f);
+      for (int64_t d = 0; d < head_dim; d += 2) {
+        const fVec k0 = fVec::loadu(kt + d * block_size + c);
+        const fVec k1 = fVec::loadu(kt + (d + 1) * block_size + c);
+        for (int i = 0; i < NQ; ++i) {
+          s0[i] = at::vec::fmadd(fVec(qs.q[i * head_dim + d]), k0, s0[i]);
+          s1[i] = at::vec::fmadd(fVec(qs.q[i * head_dim + d + 1]), k1, s1[i]);
+        }
       }
-      for (int i = 0; i < NQ; ++i) s[i].store(scores + i * kPartKeys + c);
+      for (int i = 0; i < NQ; ++i) (s0[i] + s1[i]).store(scores + i * kPartKeys + c);
     }
   } else if constexpr (std::is_same_v<T, int8_t>) {
     // Dequantize as read: dot products with (int8 - zero), times each key's scale.
     const at::Half* scales = int8_scales(kt, block_size, head_dim);
     const int8_t* zeros = int8_zeros(kt, block_size, head_dim);
     for (int64_t c = 0; c < block_size; c += kVec) {
-      fVec s[NQ];
-      for (int i = 0; i < NQ; ++i) s[i] = fVec(0.f);
+      fVec s0[NQ], s1[NQ];
+      for (int i = 0; i < NQ; ++i) s0[i] = s1[i] = fVec(0.f);
       const fVec kz = load_i8(zeros + c);
-      for (int64_t d = 0; d < head_dim; ++d) {
-        const fVec kv = load_i8(kt + d * block_size + c) - kz;
-        for (int i = 0; i < NQ; ++i) s[i] = at::vec::fmadd(fVec(qs.q[i * head_dim + d]), kv, s[i]);
+      for (int64_t d = 0; d < head_dim; d += 2) {
+        const fVec k0 = load_i8(kt + d * block_size + c) - kz;
+        const fVec k1 = load_i8(kt + (d + 1) * block_size + c) - kz;
+        for (int i = 0; i < NQ; ++i) {
+          s0[i] = at::vec::fmadd(fVec(qs.q[i * head_dim + d]), k0, s0[i]);
+          s1[i] = at::vec::fmadd(fVec(qs.q[i * head_dim + d + 1]), k1, s1[i]);
+        }
       }
       const fVec ks = load_half(scales + c);
-      for (int i = 0; i < NQ; ++i) (s[i] * ks).store(scores + i * kPartKeys + c);
+      for (int i = 0; i < NQ; ++i) ((s0[i] + s1[i]) * ks).store(scores + i * kPartKeys + c);
     }
   } else {
 #ifdef MINIMILL_DPBF16
     // One instruction multiplies a dimension pair of 16 keys by the query's pair and adds both.
+    const int64_t half = head_dim / 2;
     for (int64_t c = 0; c < block_size; c += 16) {
-      __m512 s[NQ];
-      for (int i = 0; i < NQ; ++i) s[i] = _mm512_setzero_ps();
-      for (int64_t dp = 0; dp < head_dim / 2; ++dp) {
-        const __m512i kv = _mm512_loadu_si512(kt + (dp * block_size + c) * 2);
+      __m512 s0[NQ], s1[NQ];
+      for (int i = 0; i < NQ; ++i) s0[i] = s1[i] = _mm512_setzero_ps();
+      for (int64_t dp = 0; dp < half; dp += 2) {
+        const __m512i k0 = _mm512_loadu_si512(kt + (dp * block_size + c) * 2);
+        const __m512i k1 = _mm512_loadu_si512(kt + ((dp + 1) * block_size + c) * 2);
         for (int i = 0; i < NQ; ++i) {
-          const __m512i qp = _mm512_set1_epi32(static_cast<int>(qs.q_pairs[i * head_dim / 2 + dp]));
-          s[i] = _mm512_dpbf16_ps(s[i], (__m512bh)qp, (__m512bh)kv);
+          const uint32_t* qp = qs.q_pairs + i * half + dp;
+          s0[i] = _mm512_dpbf16_ps(s0[i], (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[0])),
+                                   (__m512bh)k0);
+          s1[i] = _mm512_dpbf16_ps(s1[i], (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[1])),
+                                   (__m512bh)k1);
         }
       }
-      for (int i = 0; i < NQ; ++i) _mm512_storeu_ps(scores + i * kPartKeys + c, s[i]);
+      for (int i = 0; i < NQ; ++i) {
+        _mm512_storeu_ps(scores + i * kPartKeys + c, _mm512_add_ps(s0[i], s1[i]));
+      }
     }
 #else
     // No bf16 dot product here: unpack the block to float32 [head_dim, block_size] first.
@@ -330,13 +386,17 @@ inline void score_block(const Queries& qs, const T* kt, int64_t block_size, int6
   }
 }
 
+// Vectors of one head_dim row: DV when it is known at compile time (the accumulators then
+// live in registers), else enough for any head_dim (they live on the stack).
+constexpr int acc_vecs(int DV) { return DV > 0 ? DV : static_cast<int>(kMaxHeadDim / kVec); }
+
 // acc[i] += sum_j p[i][j] V[j] over the first `keys` keys of one block. p: float32
 // [NQ, kPartKeys]; p_pairs: the same rounded to bf16, as pairs (dot-product path only).
-template <typename T, int NQ>
+template <typename T, int NQ, int DV>
 inline void accumulate_block(const float* p, const int32_t* p_pairs, const T* vt, int64_t keys,
                              int64_t block_size, int64_t head_dim,
-                             fVec (*acc)[kMaxHeadDim / kVec], float* unpack) {
-  const int64_t dvecs = head_dim / kVec;
+                             fVec (*acc)[acc_vecs(DV)], float* unpack) {
+  const int64_t dvecs = DV > 0 ? DV : head_dim / kVec;
   if constexpr (std::is_same_v<T, float>) {
     for (int64_t j = 0; j < keys; ++j) {
       const float* vrow = vt + j * head_dim;
@@ -384,13 +444,15 @@ inline void accumulate_block(const float* p, const int32_t* p_pairs, const T* vt
         unpack[j * head_dim + d] = to_f(vt[v_index<T>(j, d, head_dim)]);
       }
     }
-    accumulate_block<float, NQ>(p, nullptr, unpack, keys, block_size, head_dim, acc, nullptr);
+    accumulate_block<float, NQ, DV>(p, nullptr, unpack, keys, block_size, head_dim, acc,
+                                    nullptr);
 #endif
   }
 }
 
 // Attention of NQ query vectors of one kv head over the keys they may see; out is float32.
-template <typename T, int NQ>
+// DV: head_dim / kVec when known at compile time, else 0.
+template <typename T, int NQ, int DV>
 void attend_group(const Queries& qs, const int64_t* q_pos, float scale, float* out,
                   const T* k_base, const T* v_base, int64_t k_block_stride,
                   int64_t v_block_stride, const int32_t* block_table, int64_t seq_len,
@@ -398,10 +460,10 @@ void attend_group(const Queries& qs, const int64_t* q_pos, float scale, float* o
   int64_t max_pos = q_pos[0];
   for (int i = 1; i < NQ; ++i) max_pos = std::max(max_pos, q_pos[i]);
   const int64_t num_keys = std::min<int64_t>(seq_len, max_pos + 1);
-  const int64_t dvecs = head_dim / kVec;
+  const int64_t dvecs = DV > 0 ? DV : head_dim / kVec;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   float m[NQ], l[NQ];
-  fVec acc[NQ][kMaxHeadDim / kVec];
+  fVec acc[NQ][acc_vecs(DV)];
   for (int i = 0; i < NQ; ++i) {
     m[i] = neg_inf;
     l[i] = 0.f;
@@ -410,11 +472,26 @@ void attend_group(const Queries& qs, const int64_t* q_pos, float scale, float* o
   int32_t p_pairs[NQ * kPartKeys / 2];
   const int64_t part_keys = std::max<int64_t>(block_size, kPartKeys / block_size * block_size);
   const fVec vscale(scale);
+  // The blocks are scattered over the pool, so the hardware cannot guess the next one: each
+  // block loop fetches the block kPrefetchBlocks ahead in the order they are read (this
+  // part's K, then its V, then the next part's K).
+  const int64_t block_bytes = block_elems<T>(block_size, head_dim) * sizeof(T);
+  const int64_t total_blocks = (num_keys + block_size - 1) / block_size;
+  auto prefetch_k = [&](int64_t b) {
+    if (b < total_blocks) prefetch_bytes(k_base + block_table[b] * k_block_stride, block_bytes);
+  };
   for (int64_t part = 0; part < num_keys; part += part_keys) {
     const int64_t part_len = std::min<int64_t>(part_keys, num_keys - part);
     const int64_t part_padded = (part_len + block_size - 1) / block_size * block_size;
-    const int32_t* table = block_table + part / block_size;
+    const int64_t first_block = part / block_size, part_blocks = part_padded / block_size;
+    const int32_t* table = block_table + first_block;
     for (int64_t b0 = 0, b = 0; b0 < part_padded; b0 += block_size, ++b) {
+      const int64_t ahead = b + kPrefetchBlocks;
+      if (ahead < part_blocks) {
+        prefetch_bytes(k_base + table[ahead] * k_block_stride, block_bytes);
+      } else {
+        prefetch_bytes(v_base + table[ahead - part_blocks] * v_block_stride, block_bytes);
+      }
       score_block<T, NQ>(qs, k_base + table[b] * k_block_stride, block_size, head_dim,
                          scores + b0, unpack);
     }
@@ -473,9 +550,15 @@ void attend_group(const Queries& qs, const int64_t* q_pos, float scale, float* o
       }
     }
     for (int64_t b0 = 0, b = 0; b0 < part_len; b0 += block_size, ++b) {
-      accumulate_block<T, NQ>(scores + b0, p_pairs + b0 / 2, v_base + table[b] * v_block_stride,
+      const int64_t ahead = b + kPrefetchBlocks;
+      if (ahead < part_blocks) {
+        prefetch_bytes(v_base + table[ahead] * v_block_stride, block_bytes);
+      } else {
+        prefetch_k(first_block + ahead);  // the next part's
+      }
+      accumulate_block<T, NQ, DV>(scores + b0, p_pairs + b0 / 2, v_base + table[b] * v_block_stride,
                               std::min<int64_t>(block_size, part_len - b0), block_size,
-                              head_dim, acc, unpack);
+                                  head_dim, acc, unpack);
     }
   }
   for (int i = 0; i < NQ; ++i) {
@@ -489,18 +572,28 @@ using AttendFn = void (*)(const Queries&, const int64_t*, float, float*, const T
                           int64_t, int64_t, const int32_t*, int64_t, int64_t, int64_t, float*,
                           float*);
 
-template <typename T>
-AttendFn<T> attend_for(int64_t n) {
+template <typename T, int DV>
+AttendFn<T> attend_for_dv(int64_t n) {
   switch (n) {
-    case 1: return &attend_group<T, 1>;
-    case 2: return &attend_group<T, 2>;
-    case 3: return &attend_group<T, 3>;
-    case 4: return &attend_group<T, 4>;
-    case 5: return &attend_group<T, 5>;
-    case 6: return &attend_group<T, 6>;
-    case 7: return &attend_group<T, 7>;
-    default: return &attend_group<T, 8>;
+    case 1: return &attend_group<T, 1, DV>;
+    case 2: return &attend_group<T, 2, DV>;
+    case 3: return &attend_group<T, 3, DV>;
+    case 4: return &attend_group<T, 4, DV>;
+    case 5: return &attend_group<T, 5, DV>;
+    case 6: return &attend_group<T, 6, DV>;
+    case 7: return &attend_group<T, 7, DV>;
+    default: return &attend_group<T, 8, DV>;
   }
+}
+
+// The kernel for n query vectors: with the accumulators in registers for the common head
+// sizes (when n * head_dim / kVec of them fit), else the general one.
+template <typename T>
+AttendFn<T> attend_for(int64_t n, int64_t head_dim) {
+  const int64_t dv = head_dim / kVec;
+  if (dv == 4 && n <= 4) return attend_for_dv<T, 4>(n);
+  if (dv == 8 && n <= 3) return attend_for_dv<T, 8>(n);
+  return attend_for_dv<T, 0>(n);
 }
 
 struct WorkItem {
@@ -551,24 +644,20 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
     std::vector<int64_t> qpos(max_vectors), out_row(max_vectors), out_head(max_vectors);
     std::vector<float> scores(kQGroup * kPartKeys);
     std::vector<float> unpack(std::is_same_v<C, BFloat16> ? block_size * head_dim : 0);
-    // The blocks are scattered over the pool: while one item computes, the next item's blocks
-    // are on their way to the cache.
+    // The blocks are scattered over the pool: while one item computes, the first blocks of
+    // the next are on their way to the cache (attend_group fetches the rest as it goes).
+    const int64_t block_bytes = block_elems<C>(block_size, head_dim) * sizeof(C);
     auto prefetch_item = [&](int64_t w) {
       const WorkItem& it = items[w / num_kv_heads];
-      const int64_t keys = std::min<int64_t>(lens[it.seq], lens[it.seq] - (qs[it.seq + 1] -
-                                             qs[it.seq]) + it.row_end);
+      const int64_t g = w % num_kv_heads;
       const int32_t* table = tables + it.seq * table_stride;
-      // Every kv head's K and V of a block lie next to each other: fetch them together, once
-      // per item, so the heads that follow find them in cache.
-      for (int64_t b = 0; b * block_size < keys; ++b) {
-        const int64_t bytes = num_kv_heads * block_elems<C>(block_size, head_dim) * sizeof(C);
-        prefetch_bytes(kp + table[b] * kb, bytes);
-        prefetch_bytes(vp + table[b] * vb, bytes);
+      for (int64_t b = 0; b < kPrefetchBlocks && b * block_size < lens[it.seq]; ++b) {
+        prefetch_bytes(kp + table[b] * kb + g * kh, block_bytes);
       }
     };
-    if (begin < end && begin % num_kv_heads == 0) prefetch_item(begin);
+    if (begin < end) prefetch_item(begin);
     for (int64_t w = begin; w < end; ++w) {
-      if (w + 1 < end && (w + 1) % num_kv_heads == 0) prefetch_item(w + 1);
+      if (w + 1 < end) prefetch_item(w + 1);
       const WorkItem& it = items[w / num_kv_heads];
       const int64_t g = w % num_kv_heads;
       const int64_t s = it.seq;
@@ -593,7 +682,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
         const int64_t count = std::min<int64_t>(kQGroup, n - first);
         const Queries queries{qbuf.data() + first * head_dim,
                               qpairs.data() + first * head_dim / 2};
-        attend_for<C>(count)(queries, qpos.data() + first, static_cast<float>(scale),
+        attend_for<C>(count, head_dim)(queries, qpos.data() + first, static_cast<float>(scale),
                              obuf.data() + first * head_dim, kp + g * kh, vp + g * vh, kb, vb,
                              tables + s * table_stride, seq_len, block_size, head_dim,
                              scores.data(), unpack.data());

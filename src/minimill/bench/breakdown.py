@@ -1,0 +1,103 @@
+"""Where a step's time goes: the engine's kernels timed call by call.
+
+`TimedKernels` wraps the kernels a model runs (engine.kernels) and adds each call's wall time
+to its operation's total; linear layers are told apart by their weight. On the CPU every
+kernel returns when its work is done, so a call's wall time is its cost. What the kernels do
+not account for (building the step's inputs, scheduling, detokenizing) is the run's time
+less their sum.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from minimill.engine.attention import AttentionMetadata
+from minimill.engine.kernels import TorchKernels
+from minimill.engine.model_runner import ModelRunner
+
+_TIMED = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_kv_write", "sample",
+          "token_logprobs")
+
+
+class TimedKernels:
+    """Delegates to `inner`, timing every call of the per-step operations."""
+
+    def __init__(self, inner: TorchKernels, weight_names: dict[int, str],
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        """`clock`: wall time by default; time.thread_time measures a one-thread engine on a
+        busy machine by the CPU time it got."""
+        self._inner = inner
+        self._clock = clock
+        self._weight_names = weight_names
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if name not in _TIMED:
+            return attr
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = self._clock()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self.seconds[name] += self._clock() - start
+                self.calls[name] += 1
+        return timed
+
+    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # Decode-only steps and steps with prompt chunks stress attention differently.
+        name = "paged_attention." + ("decode" if meta.max_query_len == 1 else "with_prompts")
+        start = self._clock()
+        try:
+            return self._inner.paged_attention(q, k_cache, v_cache, meta, scale)
+        finally:
+            self.seconds[name] += self._clock() - start
+            self.calls[name] += 1
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        name = "linear." + self._weight_names.get(id(weight), "other")
+        start = self._clock()
+        try:
+            return self._inner.linear(x, weight, bias)
+        finally:
+            self.seconds[name] += self._clock() - start
+            self.calls[name] += 1
+
+
+def instrument(runner: ModelRunner,
+               clock: Callable[[], float] = time.perf_counter) -> TimedKernels:
+    """Time the runner's kernels (the model's and the sampler's) from now on; returns the
+    recorder (`restore` undoes it)."""
+    model = runner.model
+    names: dict[int, str] = {id(model.lm_head): "lm_head"}
+    for layer in model.layers:
+        names.update({id(layer.qkv): "qkv", id(layer.o): "o", id(layer.gate_up): "gate_up",
+                      id(layer.down): "down"})
+    inner = model.kernels
+    timed = TimedKernels(inner, names, clock)
+    model.kernels = runner.kernels = timed  # type: ignore[assignment]
+    return timed
+
+
+def restore(runner: ModelRunner, timed: TimedKernels) -> None:
+    runner.model.kernels = runner.kernels = timed._inner
+
+
+def report(timed: TimedKernels, wall_s: float) -> dict[str, Any]:
+    """Seconds and share of the wall time per operation, largest first, and the rest."""
+    rows = sorted(timed.seconds.items(), key=lambda kv: -kv[1])
+    accounted = sum(timed.seconds.values())
+    out: dict[str, Any] = {name: {"s": round(s, 3), "share": round(s / wall_s, 3),
+                                  "calls": timed.calls[name]} for name, s in rows}
+    rest = max(0.0, wall_s - accounted)
+    out["outside_kernels"] = {"s": round(rest, 3), "share": round(rest / wall_s, 3)}
+    return out
