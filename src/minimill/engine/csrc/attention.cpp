@@ -1,6 +1,8 @@
 // The paged KV cache: its block layout, the fused rotary + KV write, and attention over the
 // cache in place (decodes and prompt chunks together, one call per layer).
 
+#include <atomic>
+
 #include "ops.h"
 #include "vec.h"
 
@@ -596,6 +598,14 @@ AttendFn<T> attend_for(int64_t n, int64_t head_dim) {
   return attend_for_dv<T, 0>(n);
 }
 
+// Whether the score loop reads float32 queries (every path but bf16 dot products).
+template <typename C>
+#ifdef MINIMILL_DPBF16
+constexpr bool kFloatQueries = !std::is_same_v<C, BFloat16>;
+#else
+constexpr bool kFloatQueries = true;
+#endif
+
 struct WorkItem {
   int32_t seq;
   int32_t row_begin;  // within the sequence
@@ -638,7 +648,12 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   }
   // Little work (a few short sequences) stays on this thread.
   const int64_t grain = keys * num_heads * head_dim < (int64_t{1} << 18) ? total : 1;
-  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+  // Items differ in length (sequences of any length): threads take small runs of items from
+  // a shared counter, so that none waits at the end for another's long tail.
+  const int64_t threads = grain >= total ? 1 : std::min<int64_t>(at::get_num_threads(), total);
+  const int64_t run = std::max<int64_t>(1, total / (threads * 16));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> qbuf(max_vectors * head_dim), obuf(max_vectors * head_dim);
     std::vector<uint32_t> qpairs(max_vectors * head_dim / 2);
     std::vector<int64_t> qpos(max_vectors), out_row(max_vectors), out_head(max_vectors);
@@ -655,42 +670,47 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
         prefetch_bytes(kp + table[b] * kb + g * kh, block_bytes);
       }
     };
-    if (begin < end) prefetch_item(begin);
-    for (int64_t w = begin; w < end; ++w) {
-      if (w + 1 < end) prefetch_item(w + 1);
-      const WorkItem& it = items[w / num_kv_heads];
-      const int64_t g = w % num_kv_heads;
-      const int64_t s = it.seq;
-      const int64_t q_len = qs[s + 1] - qs[s];
-      const int64_t seq_len = lens[s];
-      int64_t n = 0;
-      for (int64_t r = it.row_begin; r < it.row_end; ++r) {
-        const int64_t row = qs[s] + r;
-        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-          const T* src = qp + row * q_stride + h * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) qbuf[n * head_dim + d] = to_f(src[d]);
-          if constexpr (std::is_same_v<C, BFloat16>) {
-            std::memcpy(qpairs.data() + n * head_dim / 2, src, head_dim * sizeof(T));
+    for (int64_t begin = next.fetch_add(run); begin < total; begin = next.fetch_add(run)) {
+      const int64_t end = std::min<int64_t>(total, begin + run);
+      prefetch_item(begin);
+      for (int64_t w = begin; w < end; ++w) {
+        if (w + 1 < end) prefetch_item(w + 1);
+        const WorkItem& it = items[w / num_kv_heads];
+        const int64_t g = w % num_kv_heads;
+        const int64_t s = it.seq;
+        const int64_t q_len = qs[s + 1] - qs[s];
+        const int64_t seq_len = lens[s];
+        int64_t n = 0;
+        for (int64_t r = it.row_begin; r < it.row_end; ++r) {
+          const int64_t row = qs[s] + r;
+          for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+            const T* src = qp + row * q_stride + h * head_dim;
+            if constexpr (kFloatQueries<C>) {
+              for (int64_t d = 0; d < head_dim; ++d) qbuf[n * head_dim + d] = to_f(src[d]);
+            }
+            if constexpr (std::is_same_v<C, BFloat16>) {
+              std::memcpy(qpairs.data() + n * head_dim / 2, src, head_dim * sizeof(T));
+            }
+            qpos[n] = seq_len - q_len + r;
+            out_row[n] = row;
+            out_head[n] = h;
+            ++n;
           }
-          qpos[n] = seq_len - q_len + r;
-          out_row[n] = row;
-          out_head[n] = h;
-          ++n;
         }
-      }
-      for (int64_t first = 0; first < n; first += kQGroup) {
-        const int64_t count = std::min<int64_t>(kQGroup, n - first);
-        const Queries queries{qbuf.data() + first * head_dim,
-                              qpairs.data() + first * head_dim / 2};
-        attend_for<C>(count, head_dim)(queries, qpos.data() + first, static_cast<float>(scale),
-                             obuf.data() + first * head_dim, kp + g * kh, vp + g * vh, kb, vb,
-                             tables + s * table_stride, seq_len, block_size, head_dim,
-                             scores.data(), unpack.data());
-      }
-      for (int64_t i = 0; i < n; ++i) {
-        T* dst = op + out_row[i] * o_stride + out_head[i] * head_dim;
-        const float* src = obuf.data() + i * head_dim;
-        for (int64_t d = 0; d < head_dim; d += kVec) store_f(dst + d, fVec::loadu(src + d));
+        for (int64_t first = 0; first < n; first += kQGroup) {
+          const int64_t count = std::min<int64_t>(kQGroup, n - first);
+          const Queries queries{qbuf.data() + first * head_dim,
+                                qpairs.data() + first * head_dim / 2};
+          attend_for<C>(count, head_dim)(queries, qpos.data() + first, static_cast<float>(scale),
+                               obuf.data() + first * head_dim, kp + g * kh, vp + g * vh, kb, vb,
+                               tables + s * table_stride, seq_len, block_size, head_dim,
+                               scores.data(), unpack.data());
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          T* dst = op + out_row[i] * o_stride + out_head[i] * head_dim;
+          const float* src = obuf.data() + i * head_dim;
+          for (int64_t d = 0; d < head_dim; d += kVec) store_f(dst + d, fVec::loadu(src + d));
+        }
       }
     }
   });
