@@ -83,6 +83,14 @@ def test_bench_engine_prints_figures_and_their_yardsticks(minimill_home: Path,
     assert report["sol_fraction"] == pytest.approx(
         report["output_tok_s"] / report["sol_tok_s"], rel=0.01)
     assert report["sol_detail"]["memory_gb_s"] > 0
+    # Where the time went: every layer's four linears and attention were timed, and the
+    # shares of the run's wall time add up to at most all of it.
+    spent = report["time_breakdown"]
+    for name in ("linear.qkv", "linear.o", "linear.gate_up", "linear.down", "linear.lm_head",
+                 "rotary_kv_write"):
+        assert spent[name]["calls"] > 0 and spent[name]["s"] > 0, name
+    assert any(name.startswith("paged_attention.") for name in spent)
+    assert sum(v["share"] for v in spent.values()) == pytest.approx(1.0, abs=0.02)
     assert report["hf_speedup"] == pytest.approx(
         report["output_tok_s"] / report["hf_output_tok_s"], rel=0.01)
     assert isinstance(report["meets_targets"], bool)

@@ -126,6 +126,7 @@ def _load(options: EngineBenchOptions) -> tuple[Any, Any, str]:
 
 
 def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
+    from minimill.bench import breakdown
     from minimill.bench.sol import TARGET_NOTE, measure, speed_of_light
     from minimill.engine.hardware import cpu_report
     from minimill.engine.llm import LLM
@@ -148,9 +149,13 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
                              ignore_eos=True, seed=n) for n, i in enumerate(items)]
     llm.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
     runner.step_log = []
+    # Each kernel call timed (a clock read either side: microseconds a step), to say where
+    # the time goes next to the speed of light.
+    timed = breakdown.instrument(runner)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not quiet)
     seconds = time.perf_counter() - start
+    breakdown.restore(runner, timed)
     steps, runner.step_log = runner.step_log, None
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     output_tokens = sum(len(o.output_token_ids) for o in outputs)
@@ -181,6 +186,7 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
             "compute_s": round(sol.compute_seconds, 3), "memory_s": round(sol.memory_seconds, 3),
             "memory_bound_steps": sol.memory_bound_steps, "note": TARGET_NOTE},
         "peak_rss_mb": round(peak_rss_mb, 1),
+        "time_breakdown": breakdown.report(timed, seconds),
     }
     if report["sol_fraction"] > 1.0:
         report["sol_fraction_bug"] = ("above 1: the yardstick did not measure what the engine "
