@@ -17,6 +17,10 @@ from minimill.protocol import Checkpoint, Lease, ReleaseItem, ReleaseRequest
 
 log = logging.getLogger("minimill.worker")
 MAX_RELEASES_PER_POST = 256
+# A post stays well under the control plane's default body limit (16 MiB): releases carry
+# whole checkpoints (text, token ids, logprobs), and one post of many long ones would be
+# refused as too large on every try. A single larger release still goes, alone.
+MAX_RELEASE_POST_BYTES = 4 * 1024 * 1024
 
 
 class Releases:
@@ -48,7 +52,7 @@ class Releases:
     async def send(self) -> None:
         """Deliver what is pending (ControlPlaneUnavailable: kept for the next try)."""
         while self.pending:
-            items = list(self.pending.values())[:MAX_RELEASES_PER_POST]
+            items = next_post(list(self.pending.values()))
             resp = await self.client.release(ReleaseRequest(leases=items))
             for item in items:
                 if self.pending.get(item.request_id) is item:
@@ -59,6 +63,21 @@ class Releases:
             log.info("handed back %d leases with their checkpoints (%d tokens)%s",
                      len(released), sum(_tokens(i) for i in items if i.request_id in released),
                      f"; {len(resp.rejected)} were no longer ours" if resp.rejected else "")
+
+
+def next_post(pending: list[ReleaseItem], max_items: int = MAX_RELEASES_PER_POST,
+              max_bytes: int = MAX_RELEASE_POST_BYTES) -> list[ReleaseItem]:
+    """The first releases of `pending` that fit one post: at most `max_items` and about
+    `max_bytes` of JSON, and never none."""
+    items: list[ReleaseItem] = []
+    size = 0
+    for item in pending[:max_items]:
+        item_bytes = len(item.model_dump_json())
+        if items and size + item_bytes > max_bytes:
+            break
+        items.append(item)
+        size += item_bytes
+    return items
 
 
 def _tokens(item: ReleaseItem) -> int:
