@@ -73,6 +73,20 @@ def status(agent_id: str, base_url: str = BaseUrl, api_key: str = ApiKey) -> Non
         typer.echo(json.dumps(agents.get(agent_id), indent=2))
 
 
+@agent_app.command("list")
+def list_agents(status: str | None = typer.Option(
+                    None, help="Only agents in this status: queued, running, sleeping, "
+                    "succeeded, failed, cancelled."),
+                limit: int = typer.Option(100, min=1, max=1000, help="At most this many."),
+                base_url: str = BaseUrl, api_key: str = ApiKey) -> None:
+    """Your agents, newest first: id, status, restarts, effects, created."""
+    with _agents(base_url, api_key) as agents:
+        for a in agents.list_agents(limit, status):
+            created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(a["created_at"]))
+            typer.echo(f"{a['id']}  {a['status']:<9}  restarts {a['restarts']}  effects "
+                       f"{a['journaled_effects']}  {created}Z  {a['filename']}")
+
+
 @agent_app.command("logs")
 def logs(agent_id: str, base_url: str = BaseUrl, api_key: str = ApiKey) -> None:
     """What the harness recorded with ctx.log."""

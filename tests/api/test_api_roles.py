@@ -54,6 +54,7 @@ ROUTES = {
     ("POST", "/v1/boxes/{box_id}/pause"): "tenant",
     ("POST", "/v1/boxes/{box_id}/resume"): "tenant",
     ("POST", "/v1/agents"): "tenant",
+    ("GET", "/v1/agents"): "tenant",
     ("GET", "/v1/agents/{agent_id}"): "tenant",
     ("GET", "/v1/agents/{agent_id}/logs"): "tenant",
     ("GET", "/v1/agents/{agent_id}/journal"): "tenant",

@@ -123,5 +123,11 @@ def test_sleep_budget_cancel(serve: Serve, tmp_path: Path) -> None:
                 time.sleep(0.1)
             assert agents.cancel(forever)["status"] == "cancelled"
             runner.wait_for_log(r"agent \S+: lease lost or revoked", timeout=30)
+            # The tenant's agents, newest first, each with its journal count; by status too.
+            listed = agents.list_agents()
+            assert [a["id"] for a in listed][:3] == [forever, budgeted, sleeper]
+            assert next(a for a in listed if a["id"] == forever)["journaled_effects"] >= 3
+            assert [a["id"] for a in agents.list_agents(status="cancelled")] == [forever]
+            assert [a["id"] for a in agents.list_agents(limit=1)] == [forever]
     finally:
         runner.stop()

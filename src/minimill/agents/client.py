@@ -40,6 +40,14 @@ class Agents:
         data: dict[str, Any] = self._request("GET", f"/{agent_id}")
         return data
 
+    def list_agents(self, limit: int = 100, status: str | None = None) -> list[dict[str, Any]]:
+        """Your agents, newest first (optionally only those in `status`)."""
+        params: dict[str, Any] = {"limit": limit}
+        if status is not None:
+            params["status"] = status
+        data: list[dict[str, Any]] = self._request("GET", "", params=params)["data"]
+        return data
+
     def logs(self, agent_id: str) -> list[str]:
         return [e["message"] for e in self._request("GET", f"/{agent_id}/logs")["data"]]
 

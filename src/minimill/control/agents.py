@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import Connection, delete, insert, select, tuple_, update
+from sqlalchemy import Connection, delete, func, insert, select, tuple_, update
 
 from minimill.agent_protocol import (
     AgentFinish,
@@ -86,13 +86,37 @@ def get_agent(store: Store, tenant_id: str, agent_id: str) -> AgentRecord:
         if row is None:
             raise NotFoundError(f"No such agent: {agent_id}", param="agent_id",
                                 code="agent_not_found")
-        count = len(conn.execute(select(agent_journal.c.key).where(
-            agent_journal.c.agent_id == agent_id)).all())
+        counts = _journal_counts(conn, [agent_id])
+    return _record(row, counts.get(agent_id, 0))
+
+
+def list_agents(store: Store, tenant_id: str, limit: int = 100,
+                status: str | None = None) -> list[AgentRecord]:
+    """The tenant's agents, newest first (optionally only those in `status`)."""
+    query = select(agents).where(agents.c.tenant_id == tenant_id)
+    if status is not None:
+        query = query.where(agents.c.status == status)
+    with store.read() as conn:
+        rows = conn.execute(query.order_by(agents.c.created_at.desc(), agents.c.id.desc())
+                            .limit(limit)).all()
+        counts = _journal_counts(conn, [r.id for r in rows])
+    return [_record(r, counts.get(r.id, 0)) for r in rows]
+
+
+def _journal_counts(conn: Connection, agent_ids: list[str]) -> dict[str, int]:
+    if not agent_ids:
+        return {}
+    return {agent_id: int(n) for agent_id, n in conn.execute(
+        select(agent_journal.c.agent_id, func.count()).where(
+            agent_journal.c.agent_id.in_(agent_ids)).group_by(agent_journal.c.agent_id))}
+
+
+def _record(row: Any, journaled: int) -> AgentRecord:
     return AgentRecord(id=row.id, status=row.status, filename=row.filename, model=row.model,
                        task=row.task, result=row.result, error=row.error,
                        budget_tokens=row.budget_tokens, restarts=row.restarts,
                        repeated_effects=row.repeated_effects,
-                       replayed_effects=row.replayed_effects, journaled_effects=count,
+                       replayed_effects=row.replayed_effects, journaled_effects=journaled,
                        created_at=row.created_at, finished_at=row.finished_at)
 
 

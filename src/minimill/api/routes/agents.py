@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 from pydantic import BaseModel, Field
 
 from minimill.api.deps import ConfigDep, StoreDep, TenantDep
@@ -53,6 +53,11 @@ class AgentObject(BaseModel):
                    finished_at=int(r.finished_at) if r.finished_at else None)
 
 
+class AgentList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[AgentObject]
+
+
 class JournalObject(BaseModel):
     object: Literal["list"] = "list"
     data: list[dict[str, Any]]
@@ -71,6 +76,17 @@ def create_agent(body: AgentCreate, store: StoreDep, tenant: TenantDep,
                                    task=body.task, model=model,
                                    budget_tokens=body.budget_tokens, box_image=body.box_image)
     return AgentObject.of(agents.get_agent(store, tenant.id, agent_id))
+
+
+@router.get("", response_model=AgentList)
+def list_agents(store: StoreDep, tenant: TenantDep,
+                limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+                status: Annotated[agents.AgentStatus | None, Query(
+                    description="Only agents in this status.")] = None) -> AgentList:
+    """Your agents, newest first."""
+    records = agents.list_agents(store, tenant.id, limit,
+                                 status.value if status is not None else None)
+    return AgentList(data=[AgentObject.of(r) for r in records])
 
 
 @router.get("/{agent_id}", response_model=AgentObject, responses=error_responses(404))
