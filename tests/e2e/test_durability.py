@@ -1,5 +1,8 @@
 """Durability: kill -9 the whole `serve` (control plane and worker) in the middle of a batch,
-start it again on the same MINIMILL_HOME, and the batch completes with every line once."""
+start it again on the same MINIMILL_HOME, and the batch completes with every line once, each
+exactly as an uninterrupted run of it ends (those resumed from the checkpoints the first serve
+stored included). The lines mix the kinds resuming can get wrong (resume_reference.trust_line).
+"""
 
 from __future__ import annotations
 
@@ -7,15 +10,18 @@ import time
 from pathlib import Path
 
 import pytest
-from serve_process import Serve, chat_line, read_jsonl
+from resume_reference import assert_results_match_reference, finished_requests, rendered, trust_line
+from serve_process import Serve, read_jsonl
+
+from minimill.control.records import Kind
 
 pytestmark = pytest.mark.slow
 NUM_LINES = 200
 
 
 def test_kill9_mid_batch_then_restart_loses_nothing(e2e_home: Path, tmp_path: Path) -> None:
-    lines = [chat_line(f"d-{i:03d}", f"Describe city number {i} in a sentence.",
-                       max_tokens=16) for i in range(NUM_LINES)]
+    lines = [trust_line(f"d-{i:03d}", i, f"Describe city number {i} in a sentence.", 16)
+             for i in range(NUM_LINES)]
     path = tmp_path / "durable.jsonl"
     path.write_text("\n".join(lines) + "\n")
 
@@ -59,3 +65,10 @@ def test_kill9_mid_batch_then_restart_loses_nothing(e2e_home: Path, tmp_path: Pa
         assert done.request_counts.completed == NUM_LINES
     finally:
         second.stop()
+
+    compared = assert_results_match_reference(finished_requests(second.db_url(),
+                                                                batch_id=batch.id))
+    assert compared.resumed  # the comparison covered requests the kill interrupted
+    for record in out:
+        assert record["response"]["body"]["choices"] == rendered(
+            Kind.CHAT, compared.reference[record["response"]["request_id"]])

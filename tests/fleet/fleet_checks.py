@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from proxy import FleetProxy
@@ -79,3 +80,31 @@ def batch_records(client: Any, batch: Any) -> list[dict[str, Any]]:
             records += [json.loads(line) for line in client.files.content(file_id).read()
                         .splitlines() if line.strip()]
     return records
+
+
+def resume_points(proxies: Iterable[FleetProxy],
+                  decode: Callable[[Sequence[int]], str]) -> Counter[str]:
+    """Of the leases the proxied workers were handed with a checkpoint to continue, how many
+    continued at each kind of point resuming can get wrong (a lease may count under several):
+    inside a split UTF-8 character, with a stop-string prefix held back, after a choice had
+    finished, with n > 1, with logprobs, sampled (temperature > 0)."""
+    points: Counter[str] = Counter()
+    for exchange in (e for proxy in proxies for e in proxy.find("/lease")):
+        if exchange.status != 200:
+            continue
+        for lease in exchange.response["leases"]:
+            choices = (lease.get("checkpoint") or {}).get("choices") or []
+            if not any(c.get("token_ids") for c in choices):
+                continue
+            points["resumed"] += 1
+            running = [(c, decode(c["token_ids"])) for c in choices
+                       if c.get("finish_reason") is None]
+            points["mid UTF-8"] += any(d.endswith("\ufffd") for _, d in running)
+            # Decoded but not handed out, beyond an unfinished character: a stop's prefix.
+            points["held-back stop prefix"] += any(len(c["text"]) < len(d.rstrip("\ufffd"))
+                                                   for c, d in running)
+            points["after a finished choice"] += len(running) < len(choices)
+            points["n > 1"] += (lease["body"].get("n") or 1) > 1
+            points["logprobs"] += any(c.get("logprobs") for c in choices)
+            points["sampled"] += lease["body"].get("temperature", 1.0) > 0
+    return points

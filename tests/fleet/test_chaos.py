@@ -1,8 +1,10 @@
 """Chaos: a control plane and 3 worker processes on loopback run a batch of 500 requests while a
 driver kill -9s a random worker every few seconds (and restarts it), and freezes another past
 its lease expiry (SIGSTOP), then thaws it. Nothing is lost or duplicated, every request
-succeeds, every interrupted request's text starts with its last checkpoint, and the frozen
-worker's late results are rejected.
+succeeds, every interrupted request's text starts with its last checkpoint, every result (text,
+token ids, logprobs) equals an uninterrupted run of the same request, and the frozen worker's
+late results are rejected. The batch mixes greedy and seeded sampling, held-back stop-string
+prefixes, stops, n > 1, logprobs and split UTF-8 characters (resume_reference.trust_line).
 
 Each worker talks through a recording loopback proxy, which sees every checkpoint the control
 plane accepted and every completion it accepted or rejected.
@@ -22,11 +24,20 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from fleet_checks import accepted_checkpoints, batch_records, wait_until
+from fleet_checks import accepted_checkpoints, batch_records, resume_points, wait_until
 from proxy import FleetProxy, fleet_proxy
-from serve_process import Serve, Worker, chat_line, free_port
+from resume_reference import (
+    assert_results_match_reference,
+    finished_requests,
+    interrupted_and,
+    rendered,
+    tokenizer,
+    trust_line,
+)
+from serve_process import Serve, Worker, free_port
 
 from minimill.bench.fleet_bench import generated_tokens_in_log
+from minimill.control.records import Kind
 
 pytestmark = pytest.mark.slow
 NUM_LINES = 500
@@ -109,8 +120,8 @@ def test_chaos_loses_nothing(fleet_home: Path, tmp_path: Path) -> None:
                 worker.wait_for_log(rf"worker for site '{worker.site}' ready", 180)
 
             path = tmp_path / "chaos.jsonl"
-            path.write_text("\n".join(chat_line(f"x-{i:03d}", f"Name a fact about {i}.",
-                                                max_tokens=8 + i % 5)
+            path.write_text("\n".join(trust_line(f"x-{i:03d}", i, f"Name a fact about {i}.",
+                                                 max_tokens=8 + i % 5)
                                       for i in range(NUM_LINES)) + "\n")
             client = serve.client()
             uploaded = client.files.create(file=path.open("rb"), purpose="batch")
@@ -129,12 +140,14 @@ def test_chaos_loses_nothing(fleet_home: Path, tmp_path: Path) -> None:
 
             # Every interrupted request continues from its last checkpoint.
             checkpoints = accepted_checkpoints(proxies)
-            texts = {r["response"]["request_id"]:
-                     r["response"]["body"]["choices"][0]["message"]["content"] for r in records}
+            bodies = {r["response"]["request_id"]: r["response"]["body"] for r in records}
+            texts = {request_id: [c["message"]["content"] for c in body["choices"]]
+                     for request_id, body in bodies.items()}
             interrupted = 0
             for request_id, checkpoint in checkpoints.items():
-                prefix = checkpoint["choices"][0]["text"]
-                assert texts[request_id].startswith(prefix), request_id
+                for choice in checkpoint["choices"]:
+                    assert texts[request_id][choice["index"]].startswith(choice["text"]), \
+                        request_id
                 interrupted += 1
 
             # Exactly one accepted completion per request, whichever sites tried.
@@ -148,21 +161,38 @@ def test_chaos_loses_nothing(fleet_home: Path, tmp_path: Path) -> None:
             zombie_rejected = [r for e in zombie.find("/complete") if e.at >= chaos.thawed_at
                                for r in e.response.get("rejected", [])]
 
+        for worker in workers:
+            worker.stop()  # idle now; the reference run below gets the CPU
         resumed = sum(int(n) for w in workers for n in
                       re.findall(r"; (\d+) resume from checkpoints", w.log_text()))
         generated = sum(generated_tokens_in_log(w.log_path) for w in workers)
         useful = sum(r["response"]["body"]["usage"]["completion_tokens"] for r in records)
         sites = json.loads(serve.cli("sites", "list", "--json").stdout)
         stale = sum(s["stale_completions"] for s in sites)
+        to_compare = interrupted_and(finished_requests(serve.db_url(), batch_id=batch.id),
+                                     uninterrupted=16)
+        points = resume_points(proxies, tokenizer().decode)
         print(json.dumps({"requests": NUM_LINES, "kills": chaos.kills,
                           "resumed_requests": resumed, "checkpointed_requests": interrupted,
                           "generated_tokens": generated,
                           "wasted_tokens": max(0, generated - useful),
                           "stale_completions_rejected": stale,
-                          "zombie_results_rejected": len(zombie_rejected)}))
+                          "zombie_results_rejected": len(zombie_rejected),
+                          "compared_with_reference": len(to_compare),
+                          "resumed_leases_by_point": points}))
         assert chaos.kills >= 2
         assert resumed >= 1
         assert stale == len(rejected) >= len(zombie_rejected) >= 1
+
+        # Each interrupted request's result, and a few others', is what an uninterrupted run
+        # of the request gives; the comparison covered requests that resumed, at the points
+        # resuming can get wrong.
+        compared = assert_results_match_reference(to_compare)
+        assert compared.resumed
+        for point in ("mid UTF-8", "held-back stop prefix", "n > 1", "logprobs", "sampled"):
+            assert points[point] >= 1, point
+        for request_id, reference in compared.reference.items():
+            assert bodies[request_id]["choices"] == rendered(Kind.CHAT, reference), request_id
     finally:
         for worker in workers:
             worker.signal_group(signal.SIGCONT)

@@ -1,5 +1,7 @@
 """A worker frozen past its lease TTL: the request resumes on another worker from the frozen
-worker's last checkpoint, and the frozen worker's late completion is rejected as stale.
+worker's last checkpoint and ends exactly as an uninterrupted run of it does (text, token ids,
+logprobs, through a stop-string prefix held back at every step), and the frozen worker's late
+completion is rejected as stale.
 
 Real processes throughout: a control plane (`serve --no-local-worker`) and workers A and B, each
 reaching it through a recording loopback proxy. A's proxy holds A's heartbeats after A wakes up,
@@ -21,6 +23,7 @@ from typing import Any
 import pytest
 from fleet_checks import accepted_history, wait_until
 from proxy import FleetProxy, fleet_proxy
+from resume_reference import NEVER, assert_results_match_reference, finished_requests
 from serve_process import MODEL, Serve, Worker, free_port
 
 pytestmark = pytest.mark.slow
@@ -49,11 +52,12 @@ def test_frozen_worker_loses_its_lease_and_its_late_result(fleet_home: Path) -> 
             worker_a = Worker(fleet_home, proxy.url, "site-a", token_a).start_and_wait()
             workers.append(worker_a)
             pool = concurrent.futures.ThreadPoolExecutor(1)
+            # Long enough to be unfinished when A freezes; the reference run repeats it whole.
             answer = pool.submit(
                 serve.client(timeout=300).chat.completions.create, model=MODEL,
                 messages=[{"role": "user", "content": "Write a long essay on the history of "
                                                       "Rome, with many details."}],
-                max_tokens=200, temperature=0)
+                max_tokens=128, temperature=0, stop=NEVER, logprobs=True, top_logprobs=2)
 
             def checkpoint_with_tokens() -> tuple[str, dict[str, Any]] | None:
                 found = last_checkpoint(proxy)
@@ -85,10 +89,23 @@ def test_frozen_worker_loses_its_lease_and_its_late_result(fleet_home: Path) -> 
             rejection = wait_until(rejected_completion, 120, "worker A's late completion")
             assert rejection["reason"] == "stale_epoch"
             proxy_b.blocked.clear()
-            text = answer.result(timeout=300).choices[0].message.content or ""
+            choice = answer.result(timeout=300).choices[0]
             pool.shutdown()
+            text = choice.message.content or ""
             assert text.startswith(checkpoint["choices"][0]["text"])
             assert len(text) > len(checkpoint["choices"][0]["text"])
+
+        for worker in workers:
+            worker.stop()  # done; the reference run below gets the CPU
+        # The resumed result is what an uninterrupted run gives, as stored and as answered.
+        compared = assert_results_match_reference(finished_requests(serve.db_url(),
+                                                                    request_ids=[request_id]))
+        assert compared.resumed == [request_id]
+        reference = compared.reference[request_id][0]
+        assert text == reference.text
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        assert [(t.token, t.logprob) for t in choice.logprobs.content] == \
+            [(lp["token"], lp["logprob"]) for lp in reference.logprobs or []]
 
         listing = serve.cli("sites", "list", "--json")
         sites = {s["name"]: s for s in json.loads(listing.stdout)}
