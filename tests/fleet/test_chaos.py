@@ -52,6 +52,7 @@ class ChaosDriver:
     def __init__(self, workers: list[Worker], proxies: list[FleetProxy]) -> None:
         self.workers, self.proxies = workers, proxies
         self.random = random.Random(4)
+        self.log_offsets = [0] * len(workers)  # where each worker's latest start logs from
         self.kills = 0
         self.frozen: int | None = None
         self.thawed_at = 0.0
@@ -62,10 +63,23 @@ class ChaosDriver:
         while not self._stop.wait(KILL_EVERY_S):
             if self.frozen is None:
                 self._freeze(self._busiest())
-            victim = self.random.randrange(len(self.workers))
-            self.workers[victim].kill9()
+            # Only a worker that came up since its last restart: on a busy machine a start
+            # can take longer than the kill interval, and killing workers before they ever
+            # take work would stop the batch instead of testing recovery.
+            ready = [i for i in range(len(self.workers)) if self._ready(i)]
+            if not ready:
+                continue
+            victim = self.random.choice(ready)
+            worker = self.workers[victim]
+            worker.kill9()
             self.kills += 1
-            self.workers[victim].start()
+            self.log_offsets[victim] = worker.log_path.stat().st_size
+            worker.start()
+
+    def _ready(self, i: int) -> bool:
+        worker = self.workers[i]
+        text = worker.log_path.read_bytes()[self.log_offsets[i]:]
+        return f"worker for site '{worker.site}' ready".encode() in text
 
     def _busiest(self) -> int:
         """The worker that held the most leases at its latest heartbeat."""
