@@ -17,6 +17,10 @@ void rotary_kv_write(at::Tensor qkv, at::Tensor positions, at::Tensor cos_sin, a
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                      at::Tensor block_tables, at::Tensor query_start, at::Tensor seq_lens,
                      double scale, int64_t block_size);
+void paged_attention_int4(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                          at::Tensor k_stage, at::Tensor v_stage, at::Tensor block_tables,
+                          at::Tensor stage_slots, at::Tensor query_start, at::Tensor seq_lens,
+                          double scale, int64_t block_size);
 void sample_tokens(at::Tensor logits, at::Tensor temperature, at::Tensor top_k, at::Tensor top_p,
                    at::Tensor u, at::Tensor adjust_offsets, at::Tensor adjust_ids,
                    at::Tensor adjust_values, at::Tensor out);

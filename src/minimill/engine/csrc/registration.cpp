@@ -52,6 +52,9 @@ TORCH_LIBRARY(minimill, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor query_start, Tensor seq_lens, float scale, "
         "int block_size) -> ()");
+  m.def("paged_attention_int4(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor k_stage, Tensor v_stage, Tensor block_tables, Tensor stage_slots, "
+        "Tensor query_start, Tensor seq_lens, float scale, int block_size) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minimill, CompositeExplicitAutograd, m) {
@@ -64,6 +67,7 @@ TORCH_LIBRARY_IMPL(minimill, CPU, m) {
   m.impl("silu_and_mul", &minimill::silu_and_mul);
   m.impl("rotary_kv_write", &minimill::rotary_kv_write);
   m.impl("paged_attention", &minimill::paged_attention);
+  m.impl("paged_attention_int4", &minimill::paged_attention_int4);
   m.impl("sample_tokens", &minimill::sample_tokens);
   m.impl("token_logprobs", &minimill::token_logprobs);
 }

@@ -1,0 +1,248 @@
+// Attention over an int4 KV cache (attention.py has the layout and the reference path).
+//
+// Sealed blocks hold 4-bit codes with float16 ranges, K per channel over the block's tokens
+// and V per token; each sequence's open last block is read from its staging slot (the int8
+// layout of attention.cpp). Codes are dequantized as they are read, never into a copy:
+//   score(t) = sum_c q[c] * (min[c] + scale[c] * code[c][t])
+//            = sum_c q[c] * min[c] + sum_c (q[c] * scale[c]) * code[c][t]
+// so per block and head the query is folded with the channel ranges once, and the inner loop
+// is multiply-adds of small integers, as in the int8 path.
+
+#include "ops.h"
+#include "vec.h"
+
+namespace minimill {
+namespace {
+
+constexpr int64_t kMaxGroupHeads = 16;
+
+inline float half_at(const uint8_t* p, int64_t i) {
+  return static_cast<float>(reinterpret_cast<const at::Half*>(p)[i]);
+}
+
+struct Int4Args {
+  const uint8_t* k_cache;
+  const uint8_t* v_cache;
+  const int8_t* k_stage;
+  const int8_t* v_stage;
+  int64_t cache_block_stride, cache_head_stride;
+  int64_t stage_slot_stride, stage_head_stride;
+  int64_t block_size, head_dim, group_heads;
+};
+
+// Scores of keys [0, n) of one block for `group_heads` queries (already times the softmax
+// scale): sealed int4 or staged int8.
+void block_scores(const Int4Args& a, const uint8_t* kblock, const int8_t* kstage,
+                  const float* qs, int64_t n, float* scores) {
+  const int64_t bs = a.block_size, d = a.head_dim;
+  if (kblock != nullptr) {
+    const uint8_t* meta = kblock + bs * d / 2;
+    for (int64_t h = 0; h < a.group_heads; ++h) {
+      const float* q = qs + h * d;
+      float* s = scores + h * bs;
+      float base = 0.f;
+      for (int64_t t = 0; t < bs; ++t) s[t] = 0.f;
+      for (int64_t c = 0; c < d; ++c) {
+        const float scale = half_at(meta, c), low = half_at(meta, d + c);
+        base += q[c] * low;
+        const float qc = q[c] * scale;
+        const uint8_t* row = kblock + c * (bs / 2);
+        for (int64_t j = 0; j < bs / 2; ++j) {
+          s[2 * j] += qc * static_cast<float>(row[j] & 15);
+          s[2 * j + 1] += qc * static_cast<float>(row[j] >> 4);
+        }
+      }
+      for (int64_t t = 0; t < n; ++t) s[t] += base;
+    }
+  } else {
+    // int8 staging: K [d][bs], then bs float16 scales and bs int8 zero points.
+    const auto* scales = reinterpret_cast<const at::Half*>(kstage + bs * d);
+    const int8_t* zeros = kstage + bs * d + 2 * bs;
+    for (int64_t h = 0; h < a.group_heads; ++h) {
+      const float* q = qs + h * d;
+      float* s = scores + h * bs;
+      float qsum = 0.f;
+      for (int64_t t = 0; t < bs; ++t) s[t] = 0.f;
+      for (int64_t c = 0; c < d; ++c) {
+        qsum += q[c];
+        const int8_t* row = kstage + c * bs;
+        for (int64_t t = 0; t < bs; ++t) s[t] += q[c] * static_cast<float>(row[t]);
+      }
+      for (int64_t t = 0; t < n; ++t) {
+        s[t] = static_cast<float>(scales[t]) * (s[t] - static_cast<float>(zeros[t]) * qsum);
+      }
+    }
+  }
+}
+
+// acc[h] += sum_t p[h][t] * V[t] over keys [0, n) of one block.
+void block_values(const Int4Args& a, const uint8_t* vblock, const int8_t* vstage,
+                  const float* p, int64_t n, float* acc) {
+  const int64_t bs = a.block_size, d = a.head_dim;
+  if (vblock != nullptr) {
+    const uint8_t* meta = vblock + bs * d / 2;
+    for (int64_t h = 0; h < a.group_heads; ++h) {
+      float* out = acc + h * d;
+      for (int64_t t = 0; t < n; ++t) {
+        const float w = p[h * bs + t];
+        if (w == 0.f) continue;
+        const float ws = w * half_at(meta, t), wl = w * half_at(meta, bs + t);
+        const uint8_t* row = vblock + t * (d / 2);
+        for (int64_t j = 0; j < d / 2; ++j) {
+          out[2 * j] += wl + ws * static_cast<float>(row[j] & 15);
+          out[2 * j + 1] += wl + ws * static_cast<float>(row[j] >> 4);
+        }
+      }
+    }
+  } else {
+    const auto* scales = reinterpret_cast<const at::Half*>(vstage + bs * d);
+    const int8_t* zeros = vstage + bs * d + 2 * bs;
+    for (int64_t h = 0; h < a.group_heads; ++h) {
+      float* out = acc + h * d;
+      for (int64_t t = 0; t < n; ++t) {
+        const float w = p[h * bs + t];
+        if (w == 0.f) continue;
+        const float ws = w * static_cast<float>(scales[t]);
+        const float zero = static_cast<float>(zeros[t]);
+        const int8_t* row = vstage + t * d;
+        for (int64_t c = 0; c < d; ++c) out[c] += ws * (static_cast<float>(row[c]) - zero);
+      }
+    }
+  }
+}
+
+template <typename T>
+void attention_int4_impl(at::Tensor& out, const at::Tensor& q, const Int4Args& args,
+                         const at::Tensor& block_tables, const at::Tensor& stage_slots,
+                         const at::Tensor& query_start, const at::Tensor& seq_lens,
+                         float scale) {
+  const int64_t num_seqs = seq_lens.size(0);
+  const int64_t num_heads = q.size(1), d = args.head_dim, bs = args.block_size;
+  const int64_t kv_heads = num_heads / args.group_heads;
+  const int64_t width = block_tables.size(1);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* slots = stage_slots.data_ptr<int32_t>();
+  const int32_t* starts = query_start.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t q_row = q.stride(0), q_head = q.stride(1), out_row = out.stride(0);
+  // The sequence of each query row, so work items are (row, kv head) pairs.
+  const int64_t num_rows = q.size(0);
+  std::vector<int64_t> row_seq(num_rows);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t r = starts[s]; r < starts[s + 1]; ++r) row_seq[r] = s;
+  }
+  at::parallel_for(0, num_rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    const int64_t gh = args.group_heads;
+    std::vector<float> qs(gh * d), acc(gh * d), scores(gh * bs), m(gh), l(gh);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / kv_heads, kh = item % kv_heads;
+      const int64_t s = row_seq[r];
+      const int64_t seq_len = lens[s], q_len = starts[s + 1] - starts[s];
+      const int64_t pos = seq_len - q_len + (r - starts[s]);
+      for (int64_t h = 0; h < gh; ++h) {
+        const T* src = qp + r * q_row + (kh * gh + h) * q_head;
+        for (int64_t c = 0; c < d; ++c) qs[h * d + c] = to_f(src[c]) * scale;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+      const int64_t num_blocks = pos / bs + 1;
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const int64_t n = std::min(bs, pos + 1 - b * bs);
+        const bool sealed = (b + 1) * bs <= seq_len;
+        const uint8_t *kb = nullptr, *vb = nullptr;
+        const int8_t *ks = nullptr, *vs = nullptr;
+        if (sealed) {
+          const int64_t off = tables[s * width + b] * args.cache_block_stride +
+                              kh * args.cache_head_stride;
+          kb = args.k_cache + off;
+          vb = args.v_cache + off;
+        } else {
+          TORCH_CHECK(slots[s] >= 0, "paged_attention_int4: an open block without a slot");
+          const int64_t off = slots[s] * args.stage_slot_stride + kh * args.stage_head_stride;
+          ks = args.k_stage + off;
+          vs = args.v_stage + off;
+        }
+        block_scores(args, kb, ks, qs.data(), n, scores.data());
+        // Online softmax: rescale what was accumulated when the running maximum grows.
+        for (int64_t h = 0; h < gh; ++h) {
+          float* sc = scores.data() + h * bs;
+          float mx = m[h];
+          for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sc[t]);
+          const float correction = std::exp(m[h] - mx);
+          float sum = 0.f;
+          for (int64_t t = 0; t < n; ++t) {
+            sc[t] = std::exp(sc[t] - mx);
+            sum += sc[t];
+          }
+          l[h] = l[h] * correction + sum;
+          m[h] = mx;
+          if (correction != 1.f) {
+            for (int64_t c = 0; c < d; ++c) acc[h * d + c] *= correction;
+          }
+        }
+        block_values(args, vb, vs, scores.data(), n, acc.data());
+      }
+      for (int64_t h = 0; h < gh; ++h) {
+        T* dst = op + r * out_row + (kh * gh + h) * d;
+        const float inv = 1.f / l[h];
+        for (int64_t c = 0; c < d; ++c) dst[c] = from_f<T>(acc[h * d + c] * inv);
+      }
+    }
+  });
+}
+
+void check_view(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t elems) {
+  TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1 && t.size(2) == elems &&
+                  t.scalar_type() == dtype && t.device().is_cpu(),
+              "paged_attention_int4: ", name, " must be a CPU ", dtype,
+              " [blocks, kv_heads, ", elems, "] view with contiguous rows");
+}
+
+}  // namespace
+
+void paged_attention_int4(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                          at::Tensor k_stage, at::Tensor v_stage, at::Tensor block_tables,
+                          at::Tensor stage_slots, at::Tensor query_start, at::Tensor seq_lens,
+                          double scale, int64_t block_size) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_attention_int4: q [tokens, heads, d]");
+  const int64_t head_dim = q.size(2), kv_heads = k_cache.size(1);
+  TORCH_CHECK(block_size % 2 == 0 && head_dim % 2 == 0 && q.size(1) % kv_heads == 0 &&
+                  q.size(1) / kv_heads <= kMaxGroupHeads,
+              "paged_attention_int4: even block_size and head_dim, at most ", kMaxGroupHeads,
+              " query heads per kv head");
+  const int64_t elems = block_size * head_dim / 2 + 4 * std::max(block_size, head_dim);
+  check_view(k_cache, "k_cache", at::kByte, elems);
+  check_view(v_cache, "v_cache", at::kByte, elems);
+  TORCH_CHECK(k_cache.strides() == v_cache.strides(), "paged_attention_int4: K and V views");
+  check_view(k_stage, "k_stage", at::kChar, block_size * (head_dim + 3));
+  check_view(v_stage, "v_stage", at::kChar, block_size * (head_dim + 3));
+  TORCH_CHECK(k_stage.strides() == v_stage.strides(), "paged_attention_int4: staging views");
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) == q.size(0) &&
+                  out.size(1) == q.size(1) * head_dim && out.scalar_type() == q.scalar_type(),
+              "paged_attention_int4: out [tokens, heads * d] in q's dtype");
+  for (const auto* t : {&block_tables, &stage_slots, &query_start, &seq_lens}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() && t->device().is_cpu(),
+                "paged_attention_int4: metadata must be contiguous int32 CPU tensors");
+  }
+  Int4Args args{k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(),
+                k_stage.data_ptr<int8_t>(),  v_stage.data_ptr<int8_t>(),
+                k_cache.stride(0),          k_cache.stride(1),
+                k_stage.stride(0),          k_stage.stride(1),
+                block_size,                 head_dim,
+                q.size(1) / kv_heads};
+  const float s = static_cast<float>(scale);
+  if (q.scalar_type() == at::kFloat) {
+    attention_int4_impl<float>(out, q, args, block_tables, stage_slots, query_start, seq_lens, s);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    attention_int4_impl<BFloat16>(out, q, args, block_tables, stage_slots, query_start,
+                                  seq_lens, s);
+  } else {
+    TORCH_CHECK(false, "paged_attention_int4: float32 or bfloat16 queries, got ",
+                q.scalar_type());
+  }
+}
+
+}  // namespace minimill
