@@ -57,7 +57,8 @@ class Int4Cache:
     the exact K/V written so far to compare with."""
 
     def __init__(self, tables: list[list[int]], slots: list[int], kv_heads: int,
-                 head_dim: int, seed: int) -> None:
+                 head_dim: int, seed: int, native: CpuKernels | None = None) -> None:
+        self.native = native
         num_blocks = max(b for t in tables for b in t) + 1
         self.pool = allocate_kv_cache(num_blocks, 1, kv_heads, G, head_dim, torch.uint8, CPU)
         self.stage = allocate_kv_cache(max(slots) + 1, 1, kv_heads, G, head_dim, torch.int8,
@@ -81,7 +82,15 @@ class Int4Cache:
         v = torch.randn(shape, generator=self.g)
         k_cache, v_cache = layer_views(self.pool, 0)
         k_stage, v_stage = layer_views(self.stage, 0)
-        write_kv_int4_reference(k_cache, v_cache, k_stage, v_stage, k, v, meta)
+        if self.native is None:
+            write_kv_int4_reference(k_cache, v_cache, k_stage, v_stage, k, v, meta)
+        else:
+            step = meta.int4
+            assert step is not None
+            self.native._ops.kv_int4_write(
+                k, v, k_cache, v_cache, k_stage, v_stage, step.stage_tokens,
+                step.stage_mapping, step.seal_blocks, step.seal_stage, step.seal_tokens,
+                step.seal_rows, step.seal_offsets, G)
         start = 0
         for i, q in enumerate(query_lens):
             self.k[i] = torch.cat((self.k[i], k[start:start + q]))
@@ -185,6 +194,27 @@ def test_native_int4_attention_matches_the_reference(native: CpuKernels, dtype: 
                                           scale)  # type: ignore[arg-type]
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_native_int4_write_matches_the_reference(native: CpuKernels) -> None:
+    """Sealing and staging in C++ store what the reference stores: the same ranges, and
+    codes at most one step apart (a value on a rounding boundary may go either way)."""
+    ref = Int4Cache(TABLES, SLOTS, kv_heads=3, head_dim=64, seed=6)
+    nat = Int4Cache(TABLES, SLOTS, kv_heads=3, head_dim=64, seed=6, native=native)
+    for query_lens in STEPS:
+        ref.step(query_lens)
+        nat.step(query_lens)
+        for a, b in ((ref.pool, nat.pool), (ref.stage, nat.stage)):
+            if a.dtype == torch.uint8:
+                nbytes = G * 64 // 2
+                codes_a = torch.stack((a[..., :nbytes] & 15, a[..., :nbytes] >> 4)).int()
+                codes_b = torch.stack((b[..., :nbytes] & 15, b[..., :nbytes] >> 4)).int()
+                assert (codes_a - codes_b).abs().max() <= 1
+                assert (codes_a != codes_b).float().mean() < 1e-3
+                assert torch.equal(a[..., nbytes:], b[..., nbytes:])
+            else:
+                assert (a.float() - b.float()).abs()[..., :G * 64].max() <= 1
+                assert torch.equal(a[..., G * 64:], b[..., G * 64:])
 
 
 def test_int4_config_sizes_blocks_and_staging_from_one_budget(smol_f32: LoadedModel) -> None:

@@ -201,6 +201,21 @@ class CpuKernels(TorchKernels):
                                   meta.query_start, meta.seq_lens, scale, meta.block_size)
         return out
 
+    def rotary_kv_write_int4(self, qkv: torch.Tensor, positions: torch.Tensor,
+                             cos_sin: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, k_stage: torch.Tensor,
+                             v_stage: torch.Tensor, meta: AttentionMetadata, num_heads: int,
+                             num_kv_heads: int) -> torch.Tensor:
+        """Rotary in PyTorch (as the reference), sealing and staging in C++."""
+        step = meta.int4
+        assert step is not None
+        q, k, v = self._rotate(qkv, positions, cos_sin, num_heads, num_kv_heads)
+        self._ops.kv_int4_write(k.contiguous(), v.float().contiguous(), k_cache, v_cache,
+                                k_stage, v_stage, step.stage_tokens, step.stage_mapping,
+                                step.seal_blocks, step.seal_stage, step.seal_tokens,
+                                step.seal_rows, step.seal_offsets, meta.block_size)
+        return q
+
     def paged_attention_int4(self, q: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, k_stage: torch.Tensor,
                              v_stage: torch.Tensor, meta: AttentionMetadata,

@@ -197,8 +197,50 @@ void attention_int4_impl(at::Tensor& out, const at::Tensor& q, const Int4Args& a
 void check_view(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t elems) {
   TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1 && t.size(2) == elems &&
                   t.scalar_type() == dtype && t.device().is_cpu(),
-              "paged_attention_int4: ", name, " must be a CPU ", dtype,
+              "int4 KV: ", name, " must be a CPU ", dtype,
               " [blocks, kv_heads, ", elems, "] view with contiguous rows");
+}
+
+// Quantizers, as attention.py's quantize_int4 and quantize_int8 (float16 ranges rounded so
+// that the range still fits, codes rounded half to even like torch.round).
+inline float half_round(float x) { return static_cast<float>(at::Half(x)); }
+
+// n values at stride `stride` -> 4-bit codes (one per value) and the float16 scale and low.
+void quantize4(const float* x, int64_t n, int64_t stride, uint8_t* codes, at::Half* scale_out,
+               at::Half* low_out) {
+  float lo = x[0], hi = x[0];
+  for (int64_t i = 1; i < n; ++i) {
+    lo = std::min(lo, x[i * stride]);
+    hi = std::max(hi, x[i * stride]);
+  }
+  const float low = half_round(lo);
+  const float span = hi - low;
+  const float scale = span > 0.f ? half_round(span / 15.f * (1.f + 1.f / 1024.f)) : 1.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float q = std::nearbyint((x[i * stride] - low) / scale);
+    codes[i] = static_cast<uint8_t>(std::max(0.f, std::min(15.f, q)));
+  }
+  *scale_out = at::Half(scale);
+  *low_out = at::Half(low);
+}
+
+// One token's n values -> int8 at out[i * out_stride], its float16 scale and int8 zero point.
+void quantize8(const float* x, int64_t n, int8_t* out, int64_t out_stride, at::Half* scale_out,
+               int8_t* zero_out) {
+  float lo = 0.f, hi = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    lo = std::min(lo, x[i]);
+    hi = std::max(hi, x[i]);
+  }
+  const float span = hi - lo;
+  const float scale = span > 0.f ? half_round(span / 255.f * (1.f + 1.f / 1024.f)) : 1.f;
+  const float zero = std::max(-128.f, std::min(127.f, std::nearbyint(-lo / scale) - 128.f));
+  for (int64_t i = 0; i < n; ++i) {
+    const float q = std::nearbyint(x[i] / scale) + zero;
+    out[i * out_stride] = static_cast<int8_t>(std::max(-128.f, std::min(127.f, q)));
+  }
+  *scale_out = at::Half(scale);
+  *zero_out = static_cast<int8_t>(zero);
 }
 
 }  // namespace
@@ -242,6 +284,127 @@ void paged_attention_int4(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::
   } else {
     TORCH_CHECK(false, "paged_attention_int4: float32 or bfloat16 queries, got ",
                 q.scalar_type());
+  }
+}
+
+}  // namespace minimill
+
+namespace minimill {
+
+// attention.py's write_kv_int4_reference: blocks that fill this step are sealed from their
+// staged tokens and the new ones (K per channel, V per token); every other new token is
+// quantized to int8 into its sequence's staging slot. Sealing runs first and completes
+// before staging starts, as a sequence's next open block reuses the slot just read.
+void kv_int4_write(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
+                   at::Tensor k_stage, at::Tensor v_stage, at::Tensor stage_tokens,
+                   at::Tensor stage_mapping, at::Tensor seal_blocks, at::Tensor seal_stage,
+                   at::Tensor seal_tokens, at::Tensor seal_rows, at::Tensor seal_offsets,
+                   int64_t block_size) {
+  TORCH_CHECK(k.dim() == 3 && k.is_contiguous() && v.is_contiguous() &&
+                  k.sizes() == v.sizes() && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat,
+              "kv_int4_write: k and v contiguous float32 [tokens, kv_heads, d]");
+  const int64_t heads = k.size(1), d = k.size(2), bs = block_size;
+  const int64_t elems = bs * d / 2 + 4 * std::max(bs, d);
+  check_view(k_cache, "k_cache", at::kByte, elems);
+  check_view(v_cache, "v_cache", at::kByte, elems);
+  check_view(k_stage, "k_stage", at::kChar, bs * (d + 3));
+  check_view(v_stage, "v_stage", at::kChar, bs * (d + 3));
+  TORCH_CHECK(k_cache.strides() == v_cache.strides() && k_stage.strides() == v_stage.strides() &&
+                  k_cache.size(1) == heads && bs % 2 == 0 && d % 2 == 0,
+              "kv_int4_write: K and V views alike, kv_heads as k, even sizes");
+  for (const auto* t : {&stage_tokens, &stage_mapping, &seal_blocks, &seal_stage, &seal_tokens,
+                        &seal_rows, &seal_offsets}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
+                "kv_int4_write: indices must be contiguous int64 CPU tensors");
+  }
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  uint8_t* kc = k_cache.data_ptr<uint8_t>();
+  uint8_t* vc = v_cache.data_ptr<uint8_t>();
+  int8_t* ks = k_stage.data_ptr<int8_t>();
+  int8_t* vs = v_stage.data_ptr<int8_t>();
+  const int64_t cb = k_cache.stride(0), ch = k_cache.stride(1);
+  const int64_t sb = k_stage.stride(0), sh = k_stage.stride(1);
+  const int64_t tok = heads * d;  // stride of a token in k and v
+
+  const int64_t num_seals = seal_blocks.size(0);
+  if (num_seals > 0) {
+    const int64_t* blocks = seal_blocks.data_ptr<int64_t>();
+    const int64_t* slots = seal_stage.data_ptr<int64_t>();
+    const int64_t* tokens = seal_tokens.data_ptr<int64_t>();
+    const int64_t* rows = seal_rows.data_ptr<int64_t>();
+    const int64_t* offsets = seal_offsets.data_ptr<int64_t>();
+    // Each sealed block's new tokens: rows are in order, so one range per block.
+    std::vector<int64_t> first(num_seals + 1, seal_tokens.size(0));
+    for (int64_t i = seal_tokens.size(0) - 1; i >= 0; --i) first[rows[i]] = i;
+    for (int64_t m = num_seals - 1; m >= 0; --m) first[m] = std::min(first[m], first[m + 1]);
+    at::parallel_for(0, num_seals * heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> xk(bs * d), xv(bs * d);
+      std::vector<uint8_t> codes(bs * d);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t m = item / heads, h = item % heads;
+        // Staged tokens, dequantized (int8: K [d][bs], V [bs][d], then scales and zeros).
+        const int8_t* kst = ks + slots[m] * sb + h * sh;
+        const int8_t* vst = vs + slots[m] * sb + h * sh;
+        const auto* k_scales = reinterpret_cast<const at::Half*>(kst + bs * d);
+        const auto* v_scales = reinterpret_cast<const at::Half*>(vst + bs * d);
+        const int8_t* k_zeros = kst + bs * d + 2 * bs;
+        const int8_t* v_zeros = vst + bs * d + 2 * bs;
+        for (int64_t t = 0; t < bs; ++t) {
+          const float kscale = static_cast<float>(k_scales[t]), kzero = k_zeros[t];
+          const float vscale = static_cast<float>(v_scales[t]), vzero = v_zeros[t];
+          for (int64_t c = 0; c < d; ++c) {
+            xk[t * d + c] = (static_cast<float>(kst[c * bs + t]) - kzero) * kscale;
+            xv[t * d + c] = (static_cast<float>(vst[t * d + c]) - vzero) * vscale;
+          }
+        }
+        for (int64_t i = first[m]; i < first[m + 1]; ++i) {
+          std::memcpy(&xk[offsets[i] * d], kp + tokens[i] * tok + h * d, d * sizeof(float));
+          std::memcpy(&xv[offsets[i] * d], vp + tokens[i] * tok + h * d, d * sizeof(float));
+        }
+        uint8_t* kdst = kc + blocks[m] * cb + h * ch;
+        uint8_t* vdst = vc + blocks[m] * cb + h * ch;
+        auto* kmeta = reinterpret_cast<at::Half*>(kdst + bs * d / 2);
+        auto* vmeta = reinterpret_cast<at::Half*>(vdst + bs * d / 2);
+        // K: per channel over the block's tokens; codes [d][bs] packed by token pairs.
+        for (int64_t c = 0; c < d; ++c) {
+          quantize4(xk.data() + c, bs, d, codes.data() + c * bs, kmeta + c, kmeta + d + c);
+        }
+        for (int64_t c = 0; c < d; ++c) {
+          for (int64_t j = 0; j < bs / 2; ++j) {
+            kdst[c * (bs / 2) + j] = codes[c * bs + 2 * j] | (codes[c * bs + 2 * j + 1] << 4);
+          }
+        }
+        // V: per token; codes [bs][d] packed by channel pairs.
+        for (int64_t t = 0; t < bs; ++t) {
+          quantize4(xv.data() + t * d, d, 1, codes.data() + t * d, vmeta + t, vmeta + bs + t);
+          for (int64_t j = 0; j < d / 2; ++j) {
+            vdst[t * (d / 2) + j] = codes[t * d + 2 * j] | (codes[t * d + 2 * j + 1] << 4);
+          }
+        }
+      }
+    });
+  }
+
+  const int64_t num_staged = stage_tokens.size(0);
+  if (num_staged > 0) {
+    const int64_t* tokens = stage_tokens.data_ptr<int64_t>();
+    const int64_t* mapping = stage_mapping.data_ptr<int64_t>();
+    at::parallel_for(0, num_staged * heads, grain_rows(2 * d), [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t i = item / heads, h = item % heads;
+        const int64_t slot = mapping[i] / bs, offset = mapping[i] % bs;
+        int8_t* kst = ks + slot * sb + h * sh;
+        int8_t* vst = vs + slot * sb + h * sh;
+        auto* k_scales = reinterpret_cast<at::Half*>(kst + bs * d);
+        auto* v_scales = reinterpret_cast<at::Half*>(vst + bs * d);
+        quantize8(kp + tokens[i] * tok + h * d, d, kst + offset, bs, k_scales + offset,
+                  kst + bs * d + 2 * bs + offset);
+        quantize8(vp + tokens[i] * tok + h * d, d, vst + offset * d, 1, v_scales + offset,
+                  vst + bs * d + 2 * bs + offset);
+      }
+    });
   }
 }
 
