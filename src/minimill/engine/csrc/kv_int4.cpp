@@ -2,11 +2,12 @@
 //
 // Sealed blocks hold 4-bit codes with float16 ranges, K per channel over the block's tokens
 // and V per token; each sequence's open last block is read from its staging slot (the int8
-// layout of attention.cpp). Codes are dequantized as they are read, never into a copy:
-//   score(t) = sum_c q[c] * (min[c] + scale[c] * code[c][t])
-//            = sum_c q[c] * min[c] + sum_c (q[c] * scale[c]) * code[c][t]
-// so per block and head the query is folded with the channel ranges once, and the inner loop
-// is multiply-adds of small integers, as in the int8 path.
+// layout of attention.cpp). Codes are dequantized as they are read, never into a copy of the
+// cache: a work item (up to 16 query rows of one sequence and one kv head) dequantizes one
+// block at a time into a float tile of block_size x head_dim that stays in L1, and every row
+// and query head of the group scores and accumulates from it, with an online softmax.
+
+#include <array>
 
 #include "ops.h"
 #include "vec.h"
@@ -30,86 +31,62 @@ struct Int4Args {
   int64_t block_size, head_dim, group_heads;
 };
 
-// Scores of keys [0, n) of one block for `group_heads` queries (already times the softmax
-// scale): sealed int4 or staged int8.
-void block_scores(const Int4Args& a, const uint8_t* kblock, const int8_t* kstage,
-                  const float* qs, int64_t n, float* scores) {
+// One block of one kv head, K and V, dequantized into float tiles [n][d] (a few KiB that stay
+// in L1, shared by every query row and head of the work item): sealed int4 or staged int8.
+void dequantize_block(const Int4Args& a, const uint8_t* kblock, const uint8_t* vblock,
+                      const int8_t* kstage, const int8_t* vstage, int64_t n, float* kt,
+                      float* vt) {
   const int64_t bs = a.block_size, d = a.head_dim;
   if (kblock != nullptr) {
-    const uint8_t* meta = kblock + bs * d / 2;
-    for (int64_t h = 0; h < a.group_heads; ++h) {
-      const float* q = qs + h * d;
-      float* s = scores + h * bs;
-      float base = 0.f;
-      for (int64_t t = 0; t < bs; ++t) s[t] = 0.f;
-      for (int64_t c = 0; c < d; ++c) {
-        const float scale = half_at(meta, c), low = half_at(meta, d + c);
-        base += q[c] * low;
-        const float qc = q[c] * scale;
-        const uint8_t* row = kblock + c * (bs / 2);
-        for (int64_t j = 0; j < bs / 2; ++j) {
-          s[2 * j] += qc * static_cast<float>(row[j] & 15);
-          s[2 * j + 1] += qc * static_cast<float>(row[j] >> 4);
-        }
+    const uint8_t* kmeta = kblock + bs * d / 2;
+    for (int64_t c = 0; c < d; ++c) {
+      const float scale = half_at(kmeta, c), low = half_at(kmeta, d + c);
+      const uint8_t* row = kblock + c * (bs / 2);
+      for (int64_t j = 0; 2 * j < n; ++j) {
+        kt[2 * j * d + c] = low + scale * static_cast<float>(row[j] & 15);
+        if (2 * j + 1 < n) kt[(2 * j + 1) * d + c] = low + scale * static_cast<float>(row[j] >> 4);
       }
-      for (int64_t t = 0; t < n; ++t) s[t] += base;
+    }
+    const uint8_t* vmeta = vblock + bs * d / 2;
+    for (int64_t t = 0; t < n; ++t) {
+      const float scale = half_at(vmeta, t), low = half_at(vmeta, bs + t);
+      const uint8_t* row = vblock + t * (d / 2);
+      float* dst = vt + t * d;
+      for (int64_t j = 0; j < d / 2; ++j) {
+        dst[2 * j] = low + scale * static_cast<float>(row[j] & 15);
+        dst[2 * j + 1] = low + scale * static_cast<float>(row[j] >> 4);
+      }
     }
   } else {
-    // int8 staging: K [d][bs], then bs float16 scales and bs int8 zero points.
-    const auto* scales = reinterpret_cast<const at::Half*>(kstage + bs * d);
-    const int8_t* zeros = kstage + bs * d + 2 * bs;
-    for (int64_t h = 0; h < a.group_heads; ++h) {
-      const float* q = qs + h * d;
-      float* s = scores + h * bs;
-      float qsum = 0.f;
-      for (int64_t t = 0; t < bs; ++t) s[t] = 0.f;
+    // int8 staging: K [d][bs], V [bs][d], each then bs float16 scales and bs int8 zeros.
+    const auto* kscales = reinterpret_cast<const at::Half*>(kstage + bs * d);
+    const int8_t* kzeros = kstage + bs * d + 2 * bs;
+    const auto* vscales = reinterpret_cast<const at::Half*>(vstage + bs * d);
+    const int8_t* vzeros = vstage + bs * d + 2 * bs;
+    for (int64_t t = 0; t < n; ++t) {
+      const float ks = static_cast<float>(kscales[t]), kz = kzeros[t];
+      const float vs = static_cast<float>(vscales[t]), vz = vzeros[t];
       for (int64_t c = 0; c < d; ++c) {
-        qsum += q[c];
-        const int8_t* row = kstage + c * bs;
-        for (int64_t t = 0; t < bs; ++t) s[t] += q[c] * static_cast<float>(row[t]);
-      }
-      for (int64_t t = 0; t < n; ++t) {
-        s[t] = static_cast<float>(scales[t]) * (s[t] - static_cast<float>(zeros[t]) * qsum);
+        kt[t * d + c] = (static_cast<float>(kstage[c * bs + t]) - kz) * ks;
+        vt[t * d + c] = (static_cast<float>(vstage[t * d + c]) - vz) * vs;
       }
     }
   }
 }
 
-// acc[h] += sum_t p[h][t] * V[t] over keys [0, n) of one block.
-void block_values(const Int4Args& a, const uint8_t* vblock, const int8_t* vstage,
-                  const float* p, int64_t n, float* acc) {
-  const int64_t bs = a.block_size, d = a.head_dim;
-  if (vblock != nullptr) {
-    const uint8_t* meta = vblock + bs * d / 2;
-    for (int64_t h = 0; h < a.group_heads; ++h) {
-      float* out = acc + h * d;
-      for (int64_t t = 0; t < n; ++t) {
-        const float w = p[h * bs + t];
-        if (w == 0.f) continue;
-        const float ws = w * half_at(meta, t), wl = w * half_at(meta, bs + t);
-        const uint8_t* row = vblock + t * (d / 2);
-        for (int64_t j = 0; j < d / 2; ++j) {
-          out[2 * j] += wl + ws * static_cast<float>(row[j] & 15);
-          out[2 * j + 1] += wl + ws * static_cast<float>(row[j] >> 4);
-        }
-      }
-    }
-  } else {
-    const auto* scales = reinterpret_cast<const at::Half*>(vstage + bs * d);
-    const int8_t* zeros = vstage + bs * d + 2 * bs;
-    for (int64_t h = 0; h < a.group_heads; ++h) {
-      float* out = acc + h * d;
-      for (int64_t t = 0; t < n; ++t) {
-        const float w = p[h * bs + t];
-        if (w == 0.f) continue;
-        const float ws = w * static_cast<float>(scales[t]);
-        const float zero = static_cast<float>(zeros[t]);
-        const int8_t* row = vstage + t * d;
-        for (int64_t c = 0; c < d; ++c) out[c] += ws * (static_cast<float>(row[c]) - zero);
-      }
-    }
+inline float dot(const float* x, const float* y, int64_t d) {
+  if (d % kVec == 0) {
+    fVec sum(0.f);
+    for (int64_t c = 0; c < d; c += kVec) sum = at::vec::fmadd(load_f(x + c), load_f(y + c), sum);
+    return at::vec::vec_reduce_all<float>([](fVec& u, fVec& w) { return u + w; }, sum);
   }
+  float sum = 0.f;
+  for (int64_t c = 0; c < d; ++c) sum += x[c] * y[c];
+  return sum;
 }
+
+// Query rows per work item: each block is dequantized once for this many rows.
+constexpr int64_t kRowsPerItem = 16;
 
 template <typename T>
 void attention_int4_impl(at::Tensor& out, const at::Tensor& q, const Int4Args& args,
@@ -118,7 +95,7 @@ void attention_int4_impl(at::Tensor& out, const at::Tensor& q, const Int4Args& a
                          float scale) {
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t num_heads = q.size(1), d = args.head_dim, bs = args.block_size;
-  const int64_t kv_heads = num_heads / args.group_heads;
+  const int64_t gh = args.group_heads, kv_heads = num_heads / gh;
   const int64_t width = block_tables.size(1);
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* slots = stage_slots.data_ptr<int32_t>();
@@ -127,68 +104,88 @@ void attention_int4_impl(at::Tensor& out, const at::Tensor& q, const Int4Args& a
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t q_row = q.stride(0), q_head = q.stride(1), out_row = out.stride(0);
-  // The sequence of each query row, so work items are (row, kv head) pairs.
-  const int64_t num_rows = q.size(0);
-  std::vector<int64_t> row_seq(num_rows);
+  // Work items: (sequence, run of up to kRowsPerItem query rows, kv head).
+  std::vector<std::array<int64_t, 3>> items;  // sequence, first row, end row
   for (int64_t s = 0; s < num_seqs; ++s) {
-    for (int64_t r = starts[s]; r < starts[s + 1]; ++r) row_seq[r] = s;
+    for (int64_t r = starts[s]; r < starts[s + 1]; r += kRowsPerItem) {
+      items.push_back({s, r, std::min<int64_t>(r + kRowsPerItem, starts[s + 1])});
+    }
   }
-  at::parallel_for(0, num_rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    const int64_t gh = args.group_heads;
-    std::vector<float> qs(gh * d), acc(gh * d), scores(gh * bs), m(gh), l(gh);
+  const int64_t num_items = static_cast<int64_t>(items.size()) * kv_heads;
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qs(kRowsPerItem * gh * d), acc(kRowsPerItem * gh * d);
+    std::vector<float> kt(bs * d), vt(bs * d), p(bs);
+    std::vector<float> m(kRowsPerItem * gh), l(kRowsPerItem * gh);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / kv_heads, kh = item % kv_heads;
-      const int64_t s = row_seq[r];
+      const auto& [s, r0, r1] = items[item / kv_heads];
+      const int64_t kh = item % kv_heads;
       const int64_t seq_len = lens[s], q_len = starts[s + 1] - starts[s];
-      const int64_t pos = seq_len - q_len + (r - starts[s]);
-      for (int64_t h = 0; h < gh; ++h) {
-        const T* src = qp + r * q_row + (kh * gh + h) * q_head;
-        for (int64_t c = 0; c < d; ++c) qs[h * d + c] = to_f(src[c]) * scale;
+      const int64_t first_pos = seq_len - q_len - starts[s];  // + row = position
+      const int64_t rows = r1 - r0;
+      for (int64_t i = 0; i < rows; ++i) {
+        for (int64_t h = 0; h < gh; ++h) {
+          const T* src = qp + (r0 + i) * q_row + (kh * gh + h) * q_head;
+          float* dst = qs.data() + (i * gh + h) * d;
+          for (int64_t c = 0; c < d; ++c) dst[c] = to_f(src[c]) * scale;
+        }
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.f);
-      const int64_t num_blocks = pos / bs + 1;
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const int64_t n = std::min(bs, pos + 1 - b * bs);
-        const bool sealed = (b + 1) * bs <= seq_len;
-        const uint8_t *kb = nullptr, *vb = nullptr;
-        const int8_t *ks = nullptr, *vs = nullptr;
-        if (sealed) {
+      std::fill(acc.begin(), acc.begin() + rows * gh * d, 0.f);
+      std::fill(m.begin(), m.begin() + rows * gh, -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.begin() + rows * gh, 0.f);
+      const int64_t last_pos = first_pos + r1 - 1;
+      for (int64_t b = 0; b * bs <= last_pos; ++b) {
+        const int64_t n = std::min(bs, last_pos + 1 - b * bs);
+        if ((b + 1) * bs <= seq_len) {
           const int64_t off = tables[s * width + b] * args.cache_block_stride +
                               kh * args.cache_head_stride;
-          kb = args.k_cache + off;
-          vb = args.v_cache + off;
+          dequantize_block(args, args.k_cache + off, args.v_cache + off, nullptr, nullptr, n,
+                           kt.data(), vt.data());
         } else {
           TORCH_CHECK(slots[s] >= 0, "paged_attention_int4: an open block without a slot");
           const int64_t off = slots[s] * args.stage_slot_stride + kh * args.stage_head_stride;
-          ks = args.k_stage + off;
-          vs = args.v_stage + off;
+          dequantize_block(args, nullptr, nullptr, args.k_stage + off, args.v_stage + off, n,
+                           kt.data(), vt.data());
         }
-        block_scores(args, kb, ks, qs.data(), n, scores.data());
-        // Online softmax: rescale what was accumulated when the running maximum grows.
-        for (int64_t h = 0; h < gh; ++h) {
-          float* sc = scores.data() + h * bs;
-          float mx = m[h];
-          for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sc[t]);
-          const float correction = std::exp(m[h] - mx);
-          float sum = 0.f;
-          for (int64_t t = 0; t < n; ++t) {
-            sc[t] = std::exp(sc[t] - mx);
-            sum += sc[t];
-          }
-          l[h] = l[h] * correction + sum;
-          m[h] = mx;
-          if (correction != 1.f) {
-            for (int64_t c = 0; c < d; ++c) acc[h * d + c] *= correction;
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t pos = first_pos + r0 + i;
+          const int64_t ni = std::min(n, pos + 1 - b * bs);  // causal
+          if (ni <= 0) continue;
+          for (int64_t h = 0; h < gh; ++h) {
+            const int64_t rh = i * gh + h;
+            const float* qv = qs.data() + rh * d;
+            float mx = m[rh];
+            for (int64_t t = 0; t < ni; ++t) {
+              p[t] = dot(qv, kt.data() + t * d, d);
+              mx = std::max(mx, p[t]);
+            }
+            // Online softmax: rescale what was accumulated when the running maximum grows.
+            const float correction = std::exp(m[rh] - mx);
+            float sum = 0.f;
+            for (int64_t t = 0; t < ni; ++t) {
+              p[t] = std::exp(p[t] - mx);
+              sum += p[t];
+            }
+            l[rh] = l[rh] * correction + sum;
+            m[rh] = mx;
+            float* a = acc.data() + rh * d;
+            if (correction != 1.f) {
+              for (int64_t c = 0; c < d; ++c) a[c] *= correction;
+            }
+            for (int64_t t = 0; t < ni; ++t) {
+              const float w = p[t];
+              const float* vrow = vt.data() + t * d;
+              for (int64_t c = 0; c < d; ++c) a[c] += w * vrow[c];
+            }
           }
         }
-        block_values(args, vb, vs, scores.data(), n, acc.data());
       }
-      for (int64_t h = 0; h < gh; ++h) {
-        T* dst = op + r * out_row + (kh * gh + h) * d;
-        const float inv = 1.f / l[h];
-        for (int64_t c = 0; c < d; ++c) dst[c] = from_f<T>(acc[h * d + c] * inv);
+      for (int64_t i = 0; i < rows; ++i) {
+        for (int64_t h = 0; h < gh; ++h) {
+          const int64_t rh = i * gh + h;
+          T* dst = op + (r0 + i) * out_row + (kh * gh + h) * d;
+          const float inv = 1.f / l[rh];
+          for (int64_t c = 0; c < d; ++c) dst[c] = from_f<T>(acc[rh * d + c] * inv);
+        }
       }
     }
   });
@@ -205,7 +202,7 @@ void check_view(const at::Tensor& t, const char* name, at::ScalarType dtype, int
 // that the range still fits, codes rounded half to even like torch.round).
 inline float half_round(float x) { return static_cast<float>(at::Half(x)); }
 
-// n values at stride `stride` -> 4-bit codes (one per value) and the float16 scale and low.
+// n values rh stride `stride` -> 4-bit codes (one per value) and the float16 scale and low.
 void quantize4(const float* x, int64_t n, int64_t stride, uint8_t* codes, at::Half* scale_out,
                at::Half* low_out) {
   float lo = x[0], hi = x[0];
@@ -224,7 +221,7 @@ void quantize4(const float* x, int64_t n, int64_t stride, uint8_t* codes, at::Ha
   *low_out = at::Half(low);
 }
 
-// One token's n values -> int8 at out[i * out_stride], its float16 scale and int8 zero point.
+// One token's n values -> int8 rh out[i * out_stride], its float16 scale and int8 zero point.
 void quantize8(const float* x, int64_t n, int8_t* out, int64_t out_stride, at::Half* scale_out,
                int8_t* zero_out) {
   float lo = 0.f, hi = 0.f;
@@ -253,7 +250,7 @@ void paged_attention_int4(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::
   const int64_t head_dim = q.size(2), kv_heads = k_cache.size(1);
   TORCH_CHECK(block_size % 2 == 0 && head_dim % 2 == 0 && q.size(1) % kv_heads == 0 &&
                   q.size(1) / kv_heads <= kMaxGroupHeads,
-              "paged_attention_int4: even block_size and head_dim, at most ", kMaxGroupHeads,
+              "paged_attention_int4: even block_size and head_dim, rh most ", kMaxGroupHeads,
               " query heads per kv head");
   const int64_t elems = block_size * head_dim / 2 + 4 * std::max(block_size, head_dim);
   check_view(k_cache, "k_cache", at::kByte, elems);
