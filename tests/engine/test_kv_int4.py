@@ -254,3 +254,15 @@ def test_int4_kv_engine_greedy_mostly_agrees_with_the_model_dtype(
     prefix = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
               for x, y in zip(got, want, strict=True)]
     assert sum(prefix) / (len(prompts) * params.max_tokens) >= 0.6, prefix
+
+
+def test_int4_prefix_reuse_shares_sealed_blocks(smol_f32: LoadedModel) -> None:
+    """A repeated prompt reuses the first request's sealed blocks and continues alike."""
+    tok = smol_f32.tokenizer
+    prompt = tok.encode(PROMPTS[3] * 8, add_special_tokens=True)[:150]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm = LLM(smol_f32, dtype="float32", kv_dtype="int4", num_kv_blocks=16, max_model_len=512)
+    first = llm.generate([prompt], params)[0]
+    second = llm.generate([prompt], params)[0]
+    assert second.num_cached_tokens == 2 * G  # both full blocks of the prompt
+    assert second.output_token_ids == first.output_token_ids
