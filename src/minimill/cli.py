@@ -52,7 +52,8 @@ DTYPE_HELP = ("auto (bfloat16 where the chip computes it natively: GPUs, CPUs wi
               "or AMX; else float32), bfloat16, float16 or float32.")
 DbOption = typer.Option(None, "--db", help="Store URL (sqlite:///... or postgresql://...). "
                         "Default: SQLite under MINIMILL_HOME.")
-KV_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32", "int8")
+KV_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32", "int8",
+             "int4")
 
 
 def _kv_dtype(value: str) -> str:
@@ -62,8 +63,10 @@ def _kv_dtype(value: str) -> str:
     return value
 
 
-KV_DTYPE_HELP = ("KV cache dtype: auto (the engine dtype), bf16, fp32, or int8 (per-token "
-                 "asymmetric scales: about half the bytes, twice the sequences).")
+KV_DTYPE_HELP = ("KV cache dtype: auto (the engine dtype), bf16, fp32, int8 (per-token "
+                 "asymmetric scales: about half the bytes, twice the sequences), or int4 "
+                 "(64-token groups, keys per channel, values per token, the open block in "
+                 "int8: about 3.5x fewer bytes).")
 
 
 KvCacheGbOption = typer.Option(None, "--kv-cache-gb", help="Builtin engine: the device KV pool "
@@ -298,8 +301,9 @@ def bench_kv(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
     model: str = typer.Option(DEFAULT_MODEL, help="Model name or path."),
     dtype: str = typer.Option("auto", help="Engine dtype: " + DTYPE_HELP),
-    kv_dtypes: str = typer.Option("int8", help="Compressed KV dtypes to measure, comma-separated "
-                                  "(the model dtype is always measured as the reference)."),
+    kv_dtypes: str = typer.Option("int8,int4", help="Compressed KV dtypes to measure, "
+                                  "comma-separated (the model dtype is always measured as the "
+                                  "reference)."),
     perplexity_tokens: int = typer.Option(16384, help="Tokens of the text for perplexity."),
     prompts: int = typer.Option(64, help="Prompts for the greedy agreement."),
     new_tokens: int = typer.Option(128, help="Tokens generated per prompt."),

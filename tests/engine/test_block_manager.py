@@ -105,3 +105,21 @@ def test_prefix_caching_off_never_hits() -> None:
     a = make_seq("a", list(range(9)))
     compute(bm, a, 9)
     assert bm.find_cached_prefix(make_seq("b", list(range(9)))) == []
+
+
+def test_int4_staging_slots_follow_open_blocks() -> None:
+    """With staging slots (int4 KV), a sequence takes one when it first has an open block,
+    keeps it, and gives it back when freed; with none left, allocation fails unchanged."""
+    bm = BlockManager(num_blocks=8, block_size=4, num_stage_slots=1)
+    a, b = make_seq("a", list(range(8))), make_seq("b", list(range(9)))
+    compute(bm, a, 8)
+    assert a.stage_slot == -1  # two full blocks: nothing open
+    compute(bm, b, 9)
+    assert b.stage_slot == 0
+    a.append_token(8)
+    blocks = bm.num_free_blocks
+    assert not bm.allocate_slots(a, 1)  # a's 9th token opens a block: no slot is free
+    assert a.stage_slot == -1 and len(a.block_table) == 2 and bm.num_free_blocks == blocks
+    bm.free(b)
+    assert b.stage_slot == -1
+    assert bm.allocate_slots(a, 1) and a.stage_slot == 0

@@ -25,9 +25,10 @@ def test_generate_prints_the_answer(minimill_home: Path) -> None:
     assert "Paris" in result.stdout
 
 
-def test_generate_with_an_int8_kv_cache(minimill_home: Path) -> None:
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_generate_with_a_quantized_kv_cache(minimill_home: Path, kv_dtype: str) -> None:
     result = run_cli(["generate", "What is the capital of France?", "--max-tokens", "16",
-                      "--dtype", "float32", "--kv-dtype", "int8"], minimill_home)
+                      "--dtype", "float32", "--kv-dtype", kv_dtype], minimill_home)
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
 

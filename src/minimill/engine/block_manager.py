@@ -68,8 +68,12 @@ class BlockManager:
     """Owns every KV block; sequences hold block ids in `seq.block_table`."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 tiers: KvTiers | None = None) -> None:
+                 tiers: KvTiers | None = None, num_stage_slots: int = 0) -> None:
         self.block_size = block_size
+        # int4 cache: staging slots for open blocks (attention.py); a sequence takes one when
+        # it first has an open block and keeps it until freed. 0: not used.
+        self.num_stage_slots = num_stage_slots
+        self._free_stage: list[int] = list(range(num_stage_slots - 1, -1, -1))
         self.enable_prefix_caching = enable_prefix_caching
         self.tiers = tiers if enable_prefix_caching and tiers is not None \
             and tiers.enabled else None
@@ -152,6 +156,10 @@ class BlockManager:
         num_reclaimed = sum(1 for b in cached.block_ids if self.blocks[b].ref_count == 0)
         if num_new_blocks + num_reclaimed > len(self._free):
             return False
+        if self.num_stage_slots and seq.stage_slot < 0 and total % self.block_size:
+            if not self._free_stage:
+                return False
+            seq.stage_slot = self._free_stage.pop()
         if cached.num_blocks:
             hashes = self._seq_hashes.setdefault(seq.request_id, [])
             for block_id in cached.block_ids:
@@ -215,6 +223,9 @@ class BlockManager:
             if block.ref_count == 0:
                 self._free[block_id] = None
         seq.block_table = []
+        if seq.stage_slot >= 0:
+            self._free_stage.append(seq.stage_slot)
+            seq.stage_slot = -1
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
         self._seq_hashes.pop(seq.request_id, None)

@@ -24,6 +24,11 @@ _CPU_KV_FRACTION = 0.15
 _CPU_KV_MAX_BYTES = 2 << 30
 # On an accelerator the KV pool takes most of what is free once the weights are loaded.
 _GPU_KV_FRACTION = 0.85
+# int4: the share of the KV budget given to staging slots (the open block of each running
+# sequence, kept in int8 until it fills; attention.py). A slot costs about two int4 blocks,
+# and a running sequence holds one slot and a few blocks, so about 40% keeps both in step.
+_INT4_STAGE_FRACTION = 0.4
+KV_DTYPE_NAMES = ("int8", "int4")
 
 
 @dataclass(slots=True)
@@ -36,14 +41,18 @@ class EngineConfig:
     device: str = "auto"  # "auto": cuda if available, else cpu
     # "auto": minimill's compiled kernels where they apply, else portable PyTorch (kernels.py).
     kernels: str = "auto"
-    # KV cache: "auto" (the model dtype) or "int8" (per-token scales, about half the bytes:
-    # twice the sequences in the same pool). A float name must be the model dtype.
+    # KV cache: "auto" (the model dtype), "int8" (per-token scales, about half the bytes:
+    # twice the sequences in the same pool) or "int4" (group-wise, KIVI-style, about 3.5x
+    # fewer bytes; attention.py). A float name must be the model dtype.
     kv_dtype: str = "auto"
-    block_size: int = 16  # tokens per KV block
+    block_size: int = 16  # tokens per KV block (int4: always attention.INT4_GROUP)
     max_num_seqs: int = 256  # most requests decoding together
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
     kv_cache_memory_bytes: int | None = None  # KV pool size; None: a share of free memory
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_bytes (tests give tiny pools)
+    # int4 only: staging slots for open blocks; None: a share of the budget (or, with
+    # num_kv_blocks given, one per block up to max_num_seqs). 0 for other dtypes.
+    num_kv_stage_slots: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     # KV tiers under the device pool (kv_tiers.py), used with prefix caching: host RAM, then
@@ -73,10 +82,15 @@ class EngineConfig:
         self.kv_dtype = aliases.get(self.kv_dtype, self.kv_dtype)
         if self.kv_dtype == "auto":
             self.kv_dtype = self.dtype
-        if self.kv_dtype not in ("int8", self.dtype):
+        if self.kv_dtype not in (*KV_DTYPE_NAMES, self.dtype):
             raise InvalidRequestError(
-                f"kv_dtype must be auto, int8 or the model dtype ({self.dtype}), "
+                f"kv_dtype must be auto, int8, int4 or the model dtype ({self.dtype}), "
                 f"got {self.kv_dtype!r}")
+        if self.kv_dtype == "int4":
+            from minimill.engine.attention import INT4_GROUP
+
+            # One block is one quantization group (the per-channel K ranges span it).
+            self.block_size = INT4_GROUP
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be at least 1")
@@ -88,9 +102,19 @@ class EngineConfig:
             return
         if self.max_model_len is None:
             self.max_model_len = model_config.max_position_embeddings
+        if self.kv_dtype != "int4":
+            self.num_kv_stage_slots = 0
         if self.num_kv_blocks is None:
             budget = self.kv_cache_memory_bytes or self._default_kv_bytes()
+            if self.num_kv_stage_slots is None:
+                slot_bytes = self.kv_stage_slot_bytes(model_config)
+                self.num_kv_stage_slots = max(1, min(
+                    self.max_num_seqs, int(budget * _INT4_STAGE_FRACTION) // slot_bytes))
+            # Staging comes out of the same budget: the pool's bytes stay what was asked.
+            budget -= self.num_kv_stage_slots * self.kv_stage_slot_bytes(model_config)
             self.num_kv_blocks = max(1, budget // self.kv_block_bytes(model_config))
+        elif self.num_kv_stage_slots is None:
+            self.num_kv_stage_slots = max(1, min(self.max_num_seqs, self.num_kv_blocks))
         # One request alone must always fit, or preemption could never make room for it.
         self.max_model_len = min(self.max_model_len, self.num_kv_blocks * self.block_size)
         # Every running request must be able to decode in the same step.
@@ -102,7 +126,11 @@ class EngineConfig:
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:
-        return torch.int8 if self.kv_dtype == "int8" else DTYPES[self.kv_dtype]
+        if self.kv_dtype == "int8":
+            return torch.int8
+        if self.kv_dtype == "int4":
+            return torch.uint8  # two 4-bit values per byte, with float16 ranges
+        return DTYPES[self.kv_dtype]
 
     def kv_block_bytes(self, model_config: ModelConfig) -> int:
         """Bytes of one KV block across all layers (K and V, values and scales)."""
@@ -113,7 +141,18 @@ class EngineConfig:
                 * block_elems(self.block_size, model_config.head_dim, dtype) * dtype.itemsize)
 
     def kv_bytes_per_token(self, model_config: ModelConfig) -> float:
+        """Bytes per token of full blocks (int4: sealed; open blocks' staging is counted per
+        running sequence, kv_stage_slot_bytes, and taken out of the same budget)."""
         return self.kv_block_bytes(model_config) / self.block_size
+
+    def kv_stage_slot_bytes(self, model_config: ModelConfig) -> int:
+        """Bytes of one int4 staging slot across all layers (0 unless kv_dtype is int4)."""
+        if self.kv_dtype != "int4":
+            return 0
+        from minimill.engine.attention import stage_elems
+
+        return (model_config.num_hidden_layers * 2 * model_config.num_key_value_heads
+                * stage_elems(self.block_size, model_config.head_dim))
 
     def _default_kv_bytes(self) -> int:
         if self.device.startswith("cuda") and torch.cuda.is_available():

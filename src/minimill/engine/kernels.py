@@ -15,7 +15,9 @@ import torch.nn.functional as F
 
 from minimill.engine.attention import (
     AttentionMetadata,
+    paged_attention_int4_reference,
     paged_attention_reference,
+    write_kv_int4_reference,
     write_kv_reference,
 )
 from minimill.engine.sampler import Adjustments, reference_logprobs, reference_sample
@@ -59,6 +61,15 @@ class TorchKernels:
                         num_kv_heads: int, block_size: int) -> torch.Tensor:
         """Rotate q and k (in float32, HF's rotate_half), write k and v into the cache;
         returns q [num_tokens, heads, head_dim]."""
+        q, k, v = self._rotate(qkv, positions, cos_sin, num_heads, num_kv_heads)
+        write_kv_reference(k_cache, v_cache, k, v, slot_mapping, block_size)
+        return q
+
+    @staticmethod
+    def _rotate(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                num_heads: int, num_kv_heads: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q rotated in the model dtype, k rotated in float32, v), each [tokens, heads, d]."""
         num_tokens = qkv.shape[0]
         head_dim = cos_sin.shape[1]
         half = head_dim // 2
@@ -72,8 +83,24 @@ class TorchKernels:
         start = (num_heads + num_kv_heads) * head_dim
         v = qkv[:, start:start + num_kv_heads * head_dim].view(num_tokens, num_kv_heads,
                                                                head_dim)
-        write_kv_reference(k_cache, v_cache, k, v, slot_mapping, block_size)
+        return q, k, v
+
+    def rotary_kv_write_int4(self, qkv: torch.Tensor, positions: torch.Tensor,
+                             cos_sin: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, k_stage: torch.Tensor,
+                             v_stage: torch.Tensor, meta: AttentionMetadata, num_heads: int,
+                             num_kv_heads: int) -> torch.Tensor:
+        """rotary_kv_write for an int4 cache (attention.py: sealing and staging)."""
+        q, k, v = self._rotate(qkv, positions, cos_sin, num_heads, num_kv_heads)
+        write_kv_int4_reference(k_cache, v_cache, k_stage, v_stage, k, v, meta)
         return q
+
+    def paged_attention_int4(self, q: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, k_stage: torch.Tensor,
+                             v_stage: torch.Tensor, meta: AttentionMetadata,
+                             scale: float) -> torch.Tensor:
+        return paged_attention_int4_reference(q, k_cache, v_cache, k_stage, v_stage, meta,
+                                              scale)
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -172,6 +199,32 @@ class CpuKernels(TorchKernels):
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         self._ops.paged_attention(out, q, k_cache, v_cache, meta.block_tables,
                                   meta.query_start, meta.seq_lens, scale, meta.block_size)
+        return out
+
+    def rotary_kv_write_int4(self, qkv: torch.Tensor, positions: torch.Tensor,
+                             cos_sin: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, k_stage: torch.Tensor,
+                             v_stage: torch.Tensor, meta: AttentionMetadata, num_heads: int,
+                             num_kv_heads: int) -> torch.Tensor:
+        """Rotary in PyTorch (as the reference), sealing and staging in C++."""
+        step = meta.int4
+        assert step is not None
+        q, k, v = self._rotate(qkv, positions, cos_sin, num_heads, num_kv_heads)
+        self._ops.kv_int4_write(k.contiguous(), v.float().contiguous(), k_cache, v_cache,
+                                k_stage, v_stage, step.stage_tokens, step.stage_mapping,
+                                step.seal_blocks, step.seal_stage, step.seal_tokens,
+                                step.seal_rows, step.seal_offsets, meta.block_size)
+        return q
+
+    def paged_attention_int4(self, q: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, k_stage: torch.Tensor,
+                             v_stage: torch.Tensor, meta: AttentionMetadata,
+                             scale: float) -> torch.Tensor:
+        assert meta.int4 is not None
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        self._ops.paged_attention_int4(out, q, k_cache, v_cache, k_stage, v_stage,
+                                       meta.block_tables, meta.int4.stage_slots,
+                                       meta.query_start, meta.seq_lens, scale, meta.block_size)
         return out
 
     def sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

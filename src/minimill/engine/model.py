@@ -98,10 +98,18 @@ class DecoderModel:
                 x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, eps)
             qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
             k_cache, v_cache = layer_views(kv_cache, i)
-            q = ops.rotary_kv_write(qkv, positions, cos_sin, k_cache, v_cache,
-                                    meta.slot_mapping, self.num_heads, self.num_kv_heads,
-                                    meta.block_size)
-            attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
+            if meta.int4 is not None:
+                k_stage, v_stage = layer_views(meta.int4.kv_stage, i)
+                q = ops.rotary_kv_write_int4(qkv, positions, cos_sin, k_cache, v_cache,
+                                             k_stage, v_stage, meta, self.num_heads,
+                                             self.num_kv_heads)
+                attn = ops.paged_attention_int4(q, k_cache, v_cache, k_stage, v_stage, meta,
+                                                self.scale)
+            else:
+                q = ops.rotary_kv_write(qkv, positions, cos_sin, k_cache, v_cache,
+                                        meta.slot_mapping, self.num_heads, self.num_kv_heads,
+                                        meta.block_size)
+                attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
             hidden = ops.linear(attn, layer.o)
             x, residual = ops.add_rms_norm(hidden, residual, layer.post_norm, eps)
             hidden = ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up)), layer.down)

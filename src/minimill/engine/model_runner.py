@@ -56,6 +56,13 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(config.num_kv_blocks, mc.num_hidden_layers,
                                           mc.num_key_value_heads, config.block_size,
                                           mc.head_dim, config.kv_torch_dtype, self.device)
+        # int4: the staging slots of open blocks, int8 blocks of the same size in tokens.
+        self.kv_stage: torch.Tensor | None = None
+        if config.kv_dtype == "int4":
+            self.kv_stage = allocate_kv_cache(config.num_kv_stage_slots or 1,
+                                              mc.num_hidden_layers, mc.num_key_value_heads,
+                                              config.block_size, mc.head_dim, torch.int8,
+                                              self.device)
         # Set to a list to record every step's shape (benchmarks); None costs nothing.
         self.step_log: list[StepShape] | None = None
 
@@ -67,6 +74,7 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         tables: list[list[int]] = []
+        stage_slots: list[int] = []
         logits_rows: list[int] = []
         for e in output.scheduled:
             seq = e.seq
@@ -76,6 +84,7 @@ class ModelRunner:
             query_lens.append(e.num_new_tokens)
             seq_lens.append(end)
             tables.append(seq.block_table)
+            stage_slots.append(seq.stage_slot)
             if e.sample:
                 logits_rows.append(len(input_ids) - 1)
         dev = self.device
@@ -86,7 +95,8 @@ class ModelRunner:
                                                                  strict=True))
             self.step_log.append(StepShape(len(input_ids), len(logits_rows), len(seq_lens),
                                            sum(seq_lens), pairs))
-        meta = build_metadata(query_lens, seq_lens, tables, self.config.block_size, dev)
+        meta = build_metadata(query_lens, seq_lens, tables, self.config.block_size, dev,
+                              stage_slots, self.kv_stage)
         logits = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),

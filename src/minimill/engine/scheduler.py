@@ -62,7 +62,8 @@ class Scheduler:
         self.config = config
         self.max_model_len = config.max_model_len
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
-                                          config.enable_prefix_caching, tiers)
+                                          config.enable_prefix_caching, tiers,
+                                          num_stage_slots=config.num_kv_stage_slots or 0)
         # request_id -> hashes of the full prompt blocks it is computing (not cached yet).
         self._inflight: dict[str, list[int]] = {}
         self.waiting: deque[Sequence] = deque()

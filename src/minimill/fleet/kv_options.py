@@ -17,7 +17,7 @@ class KvOptions:
     flash_dir: str | None = None  # flash tier directory; None: none
     flash_gb: float = 8.0  # flash tier bound (with flash_dir)
     prefix_caching: bool = True  # reuse computed prefixes (needed by the tiers)
-    dtype: str = "auto"  # the KV cache dtype (auto: the engine dtype; int8)
+    dtype: str = "auto"  # the KV cache dtype (auto: the engine dtype; int8; int4)
 
     def check(self) -> None:
         """Raise ValueError for options no engine could take."""

@@ -52,6 +52,13 @@ TORCH_LIBRARY(minimill, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor query_start, Tensor seq_lens, float scale, "
         "int block_size) -> ()");
+  m.def("paged_attention_int4(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor k_stage, Tensor v_stage, Tensor block_tables, Tensor stage_slots, "
+        "Tensor query_start, Tensor seq_lens, float scale, int block_size) -> ()");
+  m.def("kv_int4_write(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor(c!) k_stage, Tensor(d!) v_stage, Tensor stage_tokens, Tensor stage_mapping, "
+        "Tensor seal_blocks, Tensor seal_stage, Tensor seal_tokens, Tensor seal_rows, "
+        "Tensor seal_offsets, int block_size) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minimill, CompositeExplicitAutograd, m) {
@@ -64,6 +71,8 @@ TORCH_LIBRARY_IMPL(minimill, CPU, m) {
   m.impl("silu_and_mul", &minimill::silu_and_mul);
   m.impl("rotary_kv_write", &minimill::rotary_kv_write);
   m.impl("paged_attention", &minimill::paged_attention);
+  m.impl("paged_attention_int4", &minimill::paged_attention_int4);
+  m.impl("kv_int4_write", &minimill::kv_int4_write);
   m.impl("sample_tokens", &minimill::sample_tokens);
   m.impl("token_logprobs", &minimill::token_logprobs);
 }

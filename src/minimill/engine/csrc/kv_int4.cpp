@@ -1,0 +1,408 @@
+// Attention over an int4 KV cache (attention.py has the layout and the reference path).
+//
+// Sealed blocks hold 4-bit codes with float16 ranges, K per channel over the block's tokens
+// and V per token; each sequence's open last block is read from its staging slot (the int8
+// layout of attention.cpp). Codes are dequantized as they are read, never into a copy of the
+// cache: a work item (up to 16 query rows of one sequence and one kv head) dequantizes one
+// block at a time into a float tile of block_size x head_dim that stays in L1, and every row
+// and query head of the group scores and accumulates from it, with an online softmax.
+
+#include <array>
+
+#include "ops.h"
+#include "vec.h"
+
+namespace minimill {
+namespace {
+
+constexpr int64_t kMaxGroupHeads = 16;
+
+inline float half_at(const uint8_t* p, int64_t i) {
+  return static_cast<float>(reinterpret_cast<const at::Half*>(p)[i]);
+}
+
+struct Int4Args {
+  const uint8_t* k_cache;
+  const uint8_t* v_cache;
+  const int8_t* k_stage;
+  const int8_t* v_stage;
+  int64_t cache_block_stride, cache_head_stride;
+  int64_t stage_slot_stride, stage_head_stride;
+  int64_t block_size, head_dim, group_heads;
+};
+
+// One block of one kv head, K and V, dequantized into float tiles [n][d] (a few KiB that stay
+// in L1, shared by every query row and head of the work item): sealed int4 or staged int8.
+void dequantize_block(const Int4Args& a, const uint8_t* kblock, const uint8_t* vblock,
+                      const int8_t* kstage, const int8_t* vstage, int64_t n, float* kt,
+                      float* vt) {
+  const int64_t bs = a.block_size, d = a.head_dim;
+  if (kblock != nullptr) {
+    const uint8_t* kmeta = kblock + bs * d / 2;
+    for (int64_t c = 0; c < d; ++c) {
+      const float scale = half_at(kmeta, c), low = half_at(kmeta, d + c);
+      const uint8_t* row = kblock + c * (bs / 2);
+      for (int64_t j = 0; 2 * j < n; ++j) {
+        kt[2 * j * d + c] = low + scale * static_cast<float>(row[j] & 15);
+        if (2 * j + 1 < n) kt[(2 * j + 1) * d + c] = low + scale * static_cast<float>(row[j] >> 4);
+      }
+    }
+    const uint8_t* vmeta = vblock + bs * d / 2;
+    for (int64_t t = 0; t < n; ++t) {
+      const float scale = half_at(vmeta, t), low = half_at(vmeta, bs + t);
+      const uint8_t* row = vblock + t * (d / 2);
+      float* dst = vt + t * d;
+      for (int64_t j = 0; j < d / 2; ++j) {
+        dst[2 * j] = low + scale * static_cast<float>(row[j] & 15);
+        dst[2 * j + 1] = low + scale * static_cast<float>(row[j] >> 4);
+      }
+    }
+  } else {
+    // int8 staging: K [d][bs], V [bs][d], each then bs float16 scales and bs int8 zeros.
+    const auto* kscales = reinterpret_cast<const at::Half*>(kstage + bs * d);
+    const int8_t* kzeros = kstage + bs * d + 2 * bs;
+    const auto* vscales = reinterpret_cast<const at::Half*>(vstage + bs * d);
+    const int8_t* vzeros = vstage + bs * d + 2 * bs;
+    for (int64_t t = 0; t < n; ++t) {
+      const float ks = static_cast<float>(kscales[t]), kz = kzeros[t];
+      const float vs = static_cast<float>(vscales[t]), vz = vzeros[t];
+      for (int64_t c = 0; c < d; ++c) {
+        kt[t * d + c] = (static_cast<float>(kstage[c * bs + t]) - kz) * ks;
+        vt[t * d + c] = (static_cast<float>(vstage[t * d + c]) - vz) * vs;
+      }
+    }
+  }
+}
+
+inline float dot(const float* x, const float* y, int64_t d) {
+  if (d % kVec == 0) {
+    fVec sum(0.f);
+    for (int64_t c = 0; c < d; c += kVec) sum = at::vec::fmadd(load_f(x + c), load_f(y + c), sum);
+    return at::vec::vec_reduce_all<float>([](fVec& u, fVec& w) { return u + w; }, sum);
+  }
+  float sum = 0.f;
+  for (int64_t c = 0; c < d; ++c) sum += x[c] * y[c];
+  return sum;
+}
+
+// Query rows per work item: each block is dequantized once for this many rows.
+constexpr int64_t kRowsPerItem = 16;
+
+template <typename T>
+void attention_int4_impl(at::Tensor& out, const at::Tensor& q, const Int4Args& args,
+                         const at::Tensor& block_tables, const at::Tensor& stage_slots,
+                         const at::Tensor& query_start, const at::Tensor& seq_lens,
+                         float scale) {
+  const int64_t num_seqs = seq_lens.size(0);
+  const int64_t num_heads = q.size(1), d = args.head_dim, bs = args.block_size;
+  const int64_t gh = args.group_heads, kv_heads = num_heads / gh;
+  const int64_t width = block_tables.size(1);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* slots = stage_slots.data_ptr<int32_t>();
+  const int32_t* starts = query_start.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t q_row = q.stride(0), q_head = q.stride(1), out_row = out.stride(0);
+  // Work items: (sequence, run of up to kRowsPerItem query rows, kv head).
+  std::vector<std::array<int64_t, 3>> items;  // sequence, first row, end row
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t r = starts[s]; r < starts[s + 1]; r += kRowsPerItem) {
+      items.push_back({s, r, std::min<int64_t>(r + kRowsPerItem, starts[s + 1])});
+    }
+  }
+  const int64_t num_items = static_cast<int64_t>(items.size()) * kv_heads;
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qs(kRowsPerItem * gh * d), acc(kRowsPerItem * gh * d);
+    std::vector<float> kt(bs * d), vt(bs * d), p(bs);
+    std::vector<float> m(kRowsPerItem * gh), l(kRowsPerItem * gh);
+    for (int64_t item = begin; item < end; ++item) {
+      const auto& [s, r0, r1] = items[item / kv_heads];
+      const int64_t kh = item % kv_heads;
+      const int64_t seq_len = lens[s], q_len = starts[s + 1] - starts[s];
+      const int64_t first_pos = seq_len - q_len - starts[s];  // + row = position
+      const int64_t rows = r1 - r0;
+      for (int64_t i = 0; i < rows; ++i) {
+        for (int64_t h = 0; h < gh; ++h) {
+          const T* src = qp + (r0 + i) * q_row + (kh * gh + h) * q_head;
+          float* dst = qs.data() + (i * gh + h) * d;
+          for (int64_t c = 0; c < d; ++c) dst[c] = to_f(src[c]) * scale;
+        }
+      }
+      std::fill(acc.begin(), acc.begin() + rows * gh * d, 0.f);
+      std::fill(m.begin(), m.begin() + rows * gh, -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.begin() + rows * gh, 0.f);
+      const int64_t last_pos = first_pos + r1 - 1;
+      for (int64_t b = 0; b * bs <= last_pos; ++b) {
+        const int64_t n = std::min(bs, last_pos + 1 - b * bs);
+        if ((b + 1) * bs <= seq_len) {
+          const int64_t off = tables[s * width + b] * args.cache_block_stride +
+                              kh * args.cache_head_stride;
+          dequantize_block(args, args.k_cache + off, args.v_cache + off, nullptr, nullptr, n,
+                           kt.data(), vt.data());
+        } else {
+          TORCH_CHECK(slots[s] >= 0, "paged_attention_int4: an open block without a slot");
+          const int64_t off = slots[s] * args.stage_slot_stride + kh * args.stage_head_stride;
+          dequantize_block(args, nullptr, nullptr, args.k_stage + off, args.v_stage + off, n,
+                           kt.data(), vt.data());
+        }
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t pos = first_pos + r0 + i;
+          const int64_t ni = std::min(n, pos + 1 - b * bs);  // causal
+          if (ni <= 0) continue;
+          for (int64_t h = 0; h < gh; ++h) {
+            const int64_t rh = i * gh + h;
+            const float* qv = qs.data() + rh * d;
+            float mx = m[rh];
+            for (int64_t t = 0; t < ni; ++t) {
+              p[t] = dot(qv, kt.data() + t * d, d);
+              mx = std::max(mx, p[t]);
+            }
+            // Online softmax: rescale what was accumulated when the running maximum grows.
+            const float correction = std::exp(m[rh] - mx);
+            float sum = 0.f;
+            for (int64_t t = 0; t < ni; ++t) {
+              p[t] = std::exp(p[t] - mx);
+              sum += p[t];
+            }
+            l[rh] = l[rh] * correction + sum;
+            m[rh] = mx;
+            float* a = acc.data() + rh * d;
+            if (correction != 1.f) {
+              for (int64_t c = 0; c < d; ++c) a[c] *= correction;
+            }
+            for (int64_t t = 0; t < ni; ++t) {
+              const float w = p[t];
+              const float* vrow = vt.data() + t * d;
+              for (int64_t c = 0; c < d; ++c) a[c] += w * vrow[c];
+            }
+          }
+        }
+      }
+      for (int64_t i = 0; i < rows; ++i) {
+        for (int64_t h = 0; h < gh; ++h) {
+          const int64_t rh = i * gh + h;
+          T* dst = op + (r0 + i) * out_row + (kh * gh + h) * d;
+          const float inv = 1.f / l[rh];
+          for (int64_t c = 0; c < d; ++c) dst[c] = from_f<T>(acc[rh * d + c] * inv);
+        }
+      }
+    }
+  });
+}
+
+void check_view(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t elems) {
+  TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1 && t.size(2) == elems &&
+                  t.scalar_type() == dtype && t.device().is_cpu(),
+              "int4 KV: ", name, " must be a CPU ", dtype,
+              " [blocks, kv_heads, ", elems, "] view with contiguous rows");
+}
+
+// Quantizers, as attention.py's quantize_int4 and quantize_int8 (float16 ranges rounded so
+// that the range still fits, codes rounded half to even like torch.round).
+inline float half_round(float x) { return static_cast<float>(at::Half(x)); }
+
+// n values rh stride `stride` -> 4-bit codes (one per value) and the float16 scale and low.
+void quantize4(const float* x, int64_t n, int64_t stride, uint8_t* codes, at::Half* scale_out,
+               at::Half* low_out) {
+  float lo = x[0], hi = x[0];
+  for (int64_t i = 1; i < n; ++i) {
+    lo = std::min(lo, x[i * stride]);
+    hi = std::max(hi, x[i * stride]);
+  }
+  const float low = half_round(lo);
+  const float span = hi - low;
+  const float scale = span > 0.f ? half_round(span / 15.f * (1.f + 1.f / 1024.f)) : 1.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float q = std::nearbyint((x[i * stride] - low) / scale);
+    codes[i] = static_cast<uint8_t>(std::max(0.f, std::min(15.f, q)));
+  }
+  *scale_out = at::Half(scale);
+  *low_out = at::Half(low);
+}
+
+// One token's n values -> int8 rh out[i * out_stride], its float16 scale and int8 zero point.
+void quantize8(const float* x, int64_t n, int8_t* out, int64_t out_stride, at::Half* scale_out,
+               int8_t* zero_out) {
+  float lo = 0.f, hi = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    lo = std::min(lo, x[i]);
+    hi = std::max(hi, x[i]);
+  }
+  const float span = hi - lo;
+  const float scale = span > 0.f ? half_round(span / 255.f * (1.f + 1.f / 1024.f)) : 1.f;
+  const float zero = std::max(-128.f, std::min(127.f, std::nearbyint(-lo / scale) - 128.f));
+  for (int64_t i = 0; i < n; ++i) {
+    const float q = std::nearbyint(x[i] / scale) + zero;
+    out[i * out_stride] = static_cast<int8_t>(std::max(-128.f, std::min(127.f, q)));
+  }
+  *scale_out = at::Half(scale);
+  *zero_out = static_cast<int8_t>(zero);
+}
+
+}  // namespace
+
+void paged_attention_int4(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                          at::Tensor k_stage, at::Tensor v_stage, at::Tensor block_tables,
+                          at::Tensor stage_slots, at::Tensor query_start, at::Tensor seq_lens,
+                          double scale, int64_t block_size) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_attention_int4: q [tokens, heads, d]");
+  const int64_t head_dim = q.size(2), kv_heads = k_cache.size(1);
+  TORCH_CHECK(block_size % 2 == 0 && head_dim % 2 == 0 && q.size(1) % kv_heads == 0 &&
+                  q.size(1) / kv_heads <= kMaxGroupHeads,
+              "paged_attention_int4: even block_size and head_dim, rh most ", kMaxGroupHeads,
+              " query heads per kv head");
+  const int64_t elems = block_size * head_dim / 2 + 4 * std::max(block_size, head_dim);
+  check_view(k_cache, "k_cache", at::kByte, elems);
+  check_view(v_cache, "v_cache", at::kByte, elems);
+  TORCH_CHECK(k_cache.strides() == v_cache.strides(), "paged_attention_int4: K and V views");
+  check_view(k_stage, "k_stage", at::kChar, block_size * (head_dim + 3));
+  check_view(v_stage, "v_stage", at::kChar, block_size * (head_dim + 3));
+  TORCH_CHECK(k_stage.strides() == v_stage.strides(), "paged_attention_int4: staging views");
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) == q.size(0) &&
+                  out.size(1) == q.size(1) * head_dim && out.scalar_type() == q.scalar_type(),
+              "paged_attention_int4: out [tokens, heads * d] in q's dtype");
+  for (const auto* t : {&block_tables, &stage_slots, &query_start, &seq_lens}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() && t->device().is_cpu(),
+                "paged_attention_int4: metadata must be contiguous int32 CPU tensors");
+  }
+  Int4Args args{k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(),
+                k_stage.data_ptr<int8_t>(),  v_stage.data_ptr<int8_t>(),
+                k_cache.stride(0),          k_cache.stride(1),
+                k_stage.stride(0),          k_stage.stride(1),
+                block_size,                 head_dim,
+                q.size(1) / kv_heads};
+  const float s = static_cast<float>(scale);
+  if (q.scalar_type() == at::kFloat) {
+    attention_int4_impl<float>(out, q, args, block_tables, stage_slots, query_start, seq_lens, s);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    attention_int4_impl<BFloat16>(out, q, args, block_tables, stage_slots, query_start,
+                                  seq_lens, s);
+  } else {
+    TORCH_CHECK(false, "paged_attention_int4: float32 or bfloat16 queries, got ",
+                q.scalar_type());
+  }
+}
+
+}  // namespace minimill
+
+namespace minimill {
+
+// attention.py's write_kv_int4_reference: blocks that fill this step are sealed from their
+// staged tokens and the new ones (K per channel, V per token); every other new token is
+// quantized to int8 into its sequence's staging slot. Sealing runs first and completes
+// before staging starts, as a sequence's next open block reuses the slot just read.
+void kv_int4_write(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
+                   at::Tensor k_stage, at::Tensor v_stage, at::Tensor stage_tokens,
+                   at::Tensor stage_mapping, at::Tensor seal_blocks, at::Tensor seal_stage,
+                   at::Tensor seal_tokens, at::Tensor seal_rows, at::Tensor seal_offsets,
+                   int64_t block_size) {
+  TORCH_CHECK(k.dim() == 3 && k.is_contiguous() && v.is_contiguous() &&
+                  k.sizes() == v.sizes() && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat,
+              "kv_int4_write: k and v contiguous float32 [tokens, kv_heads, d]");
+  const int64_t heads = k.size(1), d = k.size(2), bs = block_size;
+  const int64_t elems = bs * d / 2 + 4 * std::max(bs, d);
+  check_view(k_cache, "k_cache", at::kByte, elems);
+  check_view(v_cache, "v_cache", at::kByte, elems);
+  check_view(k_stage, "k_stage", at::kChar, bs * (d + 3));
+  check_view(v_stage, "v_stage", at::kChar, bs * (d + 3));
+  TORCH_CHECK(k_cache.strides() == v_cache.strides() && k_stage.strides() == v_stage.strides() &&
+                  k_cache.size(1) == heads && bs % 2 == 0 && d % 2 == 0,
+              "kv_int4_write: K and V views alike, kv_heads as k, even sizes");
+  for (const auto* t : {&stage_tokens, &stage_mapping, &seal_blocks, &seal_stage, &seal_tokens,
+                        &seal_rows, &seal_offsets}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
+                "kv_int4_write: indices must be contiguous int64 CPU tensors");
+  }
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  uint8_t* kc = k_cache.data_ptr<uint8_t>();
+  uint8_t* vc = v_cache.data_ptr<uint8_t>();
+  int8_t* ks = k_stage.data_ptr<int8_t>();
+  int8_t* vs = v_stage.data_ptr<int8_t>();
+  const int64_t cb = k_cache.stride(0), ch = k_cache.stride(1);
+  const int64_t sb = k_stage.stride(0), sh = k_stage.stride(1);
+  const int64_t tok = heads * d;  // stride of a token in k and v
+
+  const int64_t num_seals = seal_blocks.size(0);
+  if (num_seals > 0) {
+    const int64_t* blocks = seal_blocks.data_ptr<int64_t>();
+    const int64_t* slots = seal_stage.data_ptr<int64_t>();
+    const int64_t* tokens = seal_tokens.data_ptr<int64_t>();
+    const int64_t* rows = seal_rows.data_ptr<int64_t>();
+    const int64_t* offsets = seal_offsets.data_ptr<int64_t>();
+    // Each sealed block's new tokens: rows are in order, so one range per block.
+    std::vector<int64_t> first(num_seals + 1, seal_tokens.size(0));
+    for (int64_t i = seal_tokens.size(0) - 1; i >= 0; --i) first[rows[i]] = i;
+    for (int64_t m = num_seals - 1; m >= 0; --m) first[m] = std::min(first[m], first[m + 1]);
+    at::parallel_for(0, num_seals * heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> xk(bs * d), xv(bs * d);
+      std::vector<uint8_t> codes(bs * d);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t m = item / heads, h = item % heads;
+        // Staged tokens, dequantized (int8: K [d][bs], V [bs][d], then scales and zeros).
+        const int8_t* kst = ks + slots[m] * sb + h * sh;
+        const int8_t* vst = vs + slots[m] * sb + h * sh;
+        const auto* k_scales = reinterpret_cast<const at::Half*>(kst + bs * d);
+        const auto* v_scales = reinterpret_cast<const at::Half*>(vst + bs * d);
+        const int8_t* k_zeros = kst + bs * d + 2 * bs;
+        const int8_t* v_zeros = vst + bs * d + 2 * bs;
+        for (int64_t t = 0; t < bs; ++t) {
+          const float kscale = static_cast<float>(k_scales[t]), kzero = k_zeros[t];
+          const float vscale = static_cast<float>(v_scales[t]), vzero = v_zeros[t];
+          for (int64_t c = 0; c < d; ++c) {
+            xk[t * d + c] = (static_cast<float>(kst[c * bs + t]) - kzero) * kscale;
+            xv[t * d + c] = (static_cast<float>(vst[t * d + c]) - vzero) * vscale;
+          }
+        }
+        for (int64_t i = first[m]; i < first[m + 1]; ++i) {
+          std::memcpy(&xk[offsets[i] * d], kp + tokens[i] * tok + h * d, d * sizeof(float));
+          std::memcpy(&xv[offsets[i] * d], vp + tokens[i] * tok + h * d, d * sizeof(float));
+        }
+        uint8_t* kdst = kc + blocks[m] * cb + h * ch;
+        uint8_t* vdst = vc + blocks[m] * cb + h * ch;
+        auto* kmeta = reinterpret_cast<at::Half*>(kdst + bs * d / 2);
+        auto* vmeta = reinterpret_cast<at::Half*>(vdst + bs * d / 2);
+        // K: per channel over the block's tokens; codes [d][bs] packed by token pairs.
+        for (int64_t c = 0; c < d; ++c) {
+          quantize4(xk.data() + c, bs, d, codes.data() + c * bs, kmeta + c, kmeta + d + c);
+        }
+        for (int64_t c = 0; c < d; ++c) {
+          for (int64_t j = 0; j < bs / 2; ++j) {
+            kdst[c * (bs / 2) + j] = codes[c * bs + 2 * j] | (codes[c * bs + 2 * j + 1] << 4);
+          }
+        }
+        // V: per token; codes [bs][d] packed by channel pairs.
+        for (int64_t t = 0; t < bs; ++t) {
+          quantize4(xv.data() + t * d, d, 1, codes.data() + t * d, vmeta + t, vmeta + bs + t);
+          for (int64_t j = 0; j < d / 2; ++j) {
+            vdst[t * (d / 2) + j] = codes[t * d + 2 * j] | (codes[t * d + 2 * j + 1] << 4);
+          }
+        }
+      }
+    });
+  }
+
+  const int64_t num_staged = stage_tokens.size(0);
+  if (num_staged > 0) {
+    const int64_t* tokens = stage_tokens.data_ptr<int64_t>();
+    const int64_t* mapping = stage_mapping.data_ptr<int64_t>();
+    at::parallel_for(0, num_staged * heads, grain_rows(2 * d), [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t i = item / heads, h = item % heads;
+        const int64_t slot = mapping[i] / bs, offset = mapping[i] % bs;
+        int8_t* kst = ks + slot * sb + h * sh;
+        int8_t* vst = vs + slot * sb + h * sh;
+        auto* k_scales = reinterpret_cast<at::Half*>(kst + bs * d);
+        auto* v_scales = reinterpret_cast<at::Half*>(vst + bs * d);
+        quantize8(kp + tokens[i] * tok + h * d, d, kst + offset, bs, k_scales + offset,
+                  kst + bs * d + 2 * bs + offset);
+        quantize8(vp + tokens[i] * tok + h * d, d, vst + offset * d, 1, v_scales + offset,
+                  vst + bs * d + 2 * bs + offset);
+      }
+    });
+  }
+}
+
+}  // namespace minimill

@@ -1,0 +1,268 @@
+"""The int4 KV cache: quantization error, sealing and staging, the compiled attention against
+the reference, and engines with int4 KV against the model-dtype cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import PROMPTS
+
+from minimill.engine.attention import (
+    INT4_GROUP,
+    _attend,
+    allocate_kv_cache,
+    build_metadata,
+    dequantize_int4_k,
+    dequantize_int4_v,
+    layer_views,
+    paged_attention_int4_reference,
+    quantize_int4,
+    write_kv_int4_reference,
+)
+from minimill.engine.config import EngineConfig
+from minimill.engine.kernels import CpuKernels
+from minimill.engine.llm import LLM
+from minimill.engine.native import load_cpu_kernels
+from minimill.engine.params import InvalidRequestError, SamplingParams
+from minimill.models.types import LoadedModel
+
+CPU = torch.device("cpu")
+G = INT4_GROUP
+
+
+def test_int4_quantization_error_is_within_half_a_step() -> None:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(200, 3, 64, generator=g) * torch.rand(200, 3, 1, generator=g) * 10
+    x[0, 0] = 1.5  # a constant vector keeps a usable scale and comes back exactly
+    for dim in (-1, -2):
+        codes, scales, lows = quantize_int4(x, dim)
+        assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
+        assert scales.dtype == lows.dtype == torch.float16
+        restored = lows.float().unsqueeze(dim) + scales.float().unsqueeze(dim) * codes.float()
+        step = scales.float().unsqueeze(dim)
+        # Half a step, plus the float16 rounding of the minimum.
+        bound = step / 2 + lows.float().abs().unsqueeze(dim) * 2**-11 + 1e-6
+        assert ((restored - x).abs() <= bound).all()
+        # 15 steps span the range (up to float16 rounding of the step and the minimum).
+        span = x.amax(dim, keepdim=True) - x.amin(dim, keepdim=True)
+        slack = lows.float().abs().unsqueeze(dim) * 2**-10
+        assert ((step * 15 <= span * (1 + 2**-9) + slack) | (span == 0)).all()
+    codes, scales, lows = quantize_int4(x, -1)
+    assert torch.equal(lows[0, 0].float() + scales[0, 0].float() * codes[0, 0].float(),
+                       torch.full((64,), 1.5))
+
+
+class Int4Cache:
+    """One layer of an int4 pool with its staging slots, fed sequences step by step; keeps
+    the exact K/V written so far to compare with."""
+
+    def __init__(self, tables: list[list[int]], slots: list[int], kv_heads: int,
+                 head_dim: int, seed: int, native: CpuKernels | None = None) -> None:
+        self.native = native
+        num_blocks = max(b for t in tables for b in t) + 1
+        self.pool = allocate_kv_cache(num_blocks, 1, kv_heads, G, head_dim, torch.uint8, CPU)
+        self.stage = allocate_kv_cache(max(slots) + 1, 1, kv_heads, G, head_dim, torch.int8,
+                                       CPU)
+        self.tables, self.slots = tables, slots
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        self.g = torch.Generator().manual_seed(seed)
+        self.k: list[torch.Tensor] = [torch.empty(0, kv_heads, head_dim) for _ in tables]
+        self.v: list[torch.Tensor] = [torch.empty(0, kv_heads, head_dim) for _ in tables]
+        # Keys get per-channel offsets, as real keys have, which is what per-channel ranges
+        # are for.
+        self.offsets = torch.randn(kv_heads, head_dim, generator=self.g) * 4
+
+    def step(self, query_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """Write this many new tokens per sequence; returns (new k, new v, metadata)."""
+        seq_lens = [len(k) + q for k, q in zip(self.k, query_lens, strict=True)]
+        meta = build_metadata(query_lens, seq_lens, self.tables, G, CPU, self.slots,
+                              self.stage)
+        shape = (sum(query_lens), self.kv_heads, self.head_dim)
+        k = torch.randn(shape, generator=self.g) + self.offsets
+        v = torch.randn(shape, generator=self.g)
+        k_cache, v_cache = layer_views(self.pool, 0)
+        k_stage, v_stage = layer_views(self.stage, 0)
+        if self.native is None:
+            write_kv_int4_reference(k_cache, v_cache, k_stage, v_stage, k, v, meta)
+        else:
+            step = meta.int4
+            assert step is not None
+            self.native._ops.kv_int4_write(
+                k, v, k_cache, v_cache, k_stage, v_stage, step.stage_tokens,
+                step.stage_mapping, step.seal_blocks, step.seal_stage, step.seal_tokens,
+                step.seal_rows, step.seal_offsets, G)
+        start = 0
+        for i, q in enumerate(query_lens):
+            self.k[i] = torch.cat((self.k[i], k[start:start + q]))
+            self.v[i] = torch.cat((self.v[i], v[start:start + q]))
+            start += q
+        return k, v, meta
+
+
+# Prompt chunks that end inside a block, exactly at its end, and span several blocks; decodes
+# that seal a block and that open one.
+STEPS = [[50, 64, 1, 130], [30, 1, 63, 1], [1, 1, 1, 1], [100, 62, 1, 17]]
+TABLES = [[5, 2, 7, 11], [1, 3], [9, 4], [0, 6, 8, 10, 12]]
+SLOTS = [2, 0, 3, 1]
+
+
+def test_sealed_blocks_hold_each_group_within_its_ranges() -> None:
+    cache = Int4Cache(TABLES, SLOTS, kv_heads=3, head_dim=64, seed=1)
+    for query_lens in STEPS:
+        cache.step(query_lens)
+    k_cache, v_cache = layer_views(cache.pool, 0)
+    checked = 0
+    for table, k, v in zip(cache.tables, cache.k, cache.v, strict=True):
+        for b in range(len(k) // G):
+            for blocks, exact, dequantize, dim in (
+                    (k_cache, k, dequantize_int4_k, 1), (v_cache, v, dequantize_int4_v, -1)):
+                x = exact[b * G:(b + 1) * G].transpose(0, 1)  # [heads, G, d]
+                got = dequantize(blocks[table[b]], G, 64)
+                step = (x.amax(dim, keepdim=True) - x.amin(dim, keepdim=True)) / 15
+                # Tokens staged before the block filled went through int8 first: half an
+                # int8 step of the token's range (with 0) more, and float16 rounding.
+                token_range = x.clamp(min=0).amax(-1, keepdim=True) \
+                    - x.clamp(max=0).amin(-1, keepdim=True)
+                bound = step / 2 + token_range / 510 * 1.2 + x.abs() * 2**-10 + 1e-4
+                assert ((got - x).abs() <= bound).all()
+                assert (got - x).abs().mean() < step.mean() / 3.5
+            checked += 1
+    assert checked == sum(len(k) // G for k in cache.k) >= 6
+
+
+def _exact_attention(cache: Int4Cache, q: torch.Tensor, meta: object) -> torch.Tensor:
+    width = meta.block_tables.shape[1]  # type: ignore[attr-defined]
+    keys = torch.zeros(len(cache.k), cache.kv_heads, width * G, cache.head_dim)
+    values = torch.zeros_like(keys)
+    for i, (k, v) in enumerate(zip(cache.k, cache.v, strict=True)):
+        keys[i, :, :len(k)] = k.transpose(0, 1)
+        values[i, :, :len(v)] = v.transpose(0, 1)
+    return _attend(q, keys, values, meta, 0.125)  # type: ignore[arg-type]
+
+
+def test_reference_attention_reads_sealed_and_staged_tokens() -> None:
+    """Attention over the int4 cache stays near attention over the exact K/V; the newest
+    tokens (staged in int8) are read at int8 accuracy."""
+    cache = Int4Cache(TABLES, SLOTS, kv_heads=3, head_dim=64, seed=2)
+    g = torch.Generator().manual_seed(7)
+    for query_lens in STEPS:
+        _k, _v, meta = cache.step(query_lens)
+        q = torch.randn(sum(query_lens), 9, 64, generator=g)
+        k_cache, v_cache = layer_views(cache.pool, 0)
+        k_stage, v_stage = layer_views(cache.stage, 0)
+        got = paged_attention_int4_reference(q, k_cache, v_cache, k_stage, v_stage,
+                                             meta, 0.125)  # type: ignore[arg-type]
+        want = _exact_attention(cache, q, meta)
+        assert (got - want).abs().max() < 0.4
+        assert (got - want).abs().mean() < 0.03
+    # With only open blocks (every token staged in int8) attention is int8-accurate.
+    cache = Int4Cache([[0], [1]], [0, 1], kv_heads=3, head_dim=64, seed=3)
+    _k, _v, meta = cache.step([40, 63])
+    q = torch.randn(103, 9, 64, generator=g)
+    k_cache, v_cache = layer_views(cache.pool, 0)
+    k_stage, v_stage = layer_views(cache.stage, 0)
+    got = paged_attention_int4_reference(q, k_cache, v_cache, k_stage, v_stage, meta,
+                                         0.125)  # type: ignore[arg-type]
+    error = (got - _exact_attention(cache, q, meta)).abs()
+    assert error.max() < 0.1 and error.mean() < 0.008
+
+
+@pytest.fixture(scope="module")
+def native() -> CpuKernels:
+    state = load_cpu_kernels()
+    if not state.available:
+        pytest.skip(f"compiled kernels unavailable: {state.reason}")
+    return CpuKernels()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128)])
+def test_native_int4_attention_matches_the_reference(native: CpuKernels, dtype: torch.dtype,
+                                                     heads: int, kv_heads: int,
+                                                     head_dim: int) -> None:
+    cache = Int4Cache(TABLES, SLOTS, kv_heads=kv_heads, head_dim=head_dim, seed=4)
+    g = torch.Generator().manual_seed(8)
+    for query_lens in STEPS:  # decodes, prompt chunks and block seals in mixed steps
+        _k, _v, meta = cache.step(query_lens)
+        q = torch.randn(sum(query_lens), heads, head_dim, generator=g).to(dtype)
+        k_cache, v_cache = layer_views(cache.pool, 0)
+        k_stage, v_stage = layer_views(cache.stage, 0)
+        scale = head_dim ** -0.5
+        want = paged_attention_int4_reference(q, k_cache, v_cache, k_stage, v_stage, meta,
+                                              scale)  # type: ignore[arg-type]
+        got = native.paged_attention_int4(q, k_cache, v_cache, k_stage, v_stage, meta,
+                                          scale)  # type: ignore[arg-type]
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_native_int4_write_matches_the_reference(native: CpuKernels) -> None:
+    """Sealing and staging in C++ store what the reference stores: the same ranges, and
+    codes at most one step apart (a value on a rounding boundary may go either way)."""
+    ref = Int4Cache(TABLES, SLOTS, kv_heads=3, head_dim=64, seed=6)
+    nat = Int4Cache(TABLES, SLOTS, kv_heads=3, head_dim=64, seed=6, native=native)
+    for query_lens in STEPS:
+        ref.step(query_lens)
+        nat.step(query_lens)
+        for a, b in ((ref.pool, nat.pool), (ref.stage, nat.stage)):
+            if a.dtype == torch.uint8:
+                nbytes = G * 64 // 2
+                codes_a = torch.stack((a[..., :nbytes] & 15, a[..., :nbytes] >> 4)).int()
+                codes_b = torch.stack((b[..., :nbytes] & 15, b[..., :nbytes] >> 4)).int()
+                assert (codes_a - codes_b).abs().max() <= 1
+                assert (codes_a != codes_b).float().mean() < 1e-3
+                assert torch.equal(a[..., nbytes:], b[..., nbytes:])
+            else:
+                assert (a.float() - b.float()).abs()[..., :G * 64].max() <= 1
+                assert torch.equal(a[..., G * 64:], b[..., G * 64:])
+
+
+def test_int4_config_sizes_blocks_and_staging_from_one_budget(smol_f32: LoadedModel) -> None:
+    mc = smol_f32.config
+    budget = 48 << 20
+    bf16 = EngineConfig(dtype="bfloat16", kv_cache_memory_bytes=budget, model_config=mc)
+    int4 = EngineConfig(dtype="bfloat16", kv_dtype="int4", kv_cache_memory_bytes=budget,
+                        model_config=mc)
+    assert int4.block_size == G and int4.kv_torch_dtype == torch.uint8
+    # 30 layers x 2 x 3 heads x (64 x 64 / 2 + 4 x 64) bytes per 64 tokens: 6480 B/token,
+    # ranges included, against bf16's 23040.
+    assert int4.kv_bytes_per_token(mc) == 6480
+    assert bf16.kv_bytes_per_token(mc) / int4.kv_bytes_per_token(mc) >= 3.5
+    assert int4.num_kv_stage_slots and int4.num_kv_stage_slots >= 1
+    used = (int4.num_kv_blocks * int4.kv_block_bytes(mc)  # type: ignore[operator]
+            + int4.num_kv_stage_slots * int4.kv_stage_slot_bytes(mc))
+    assert budget - int4.kv_block_bytes(mc) < used <= budget
+    assert bf16.num_kv_stage_slots == 0
+    with pytest.raises(InvalidRequestError, match="int4"):
+        EngineConfig(dtype="bfloat16", kv_dtype="int3", model_config=mc)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_int4_kv_engine_greedy_mostly_agrees_with_the_model_dtype(
+        smol_f32: LoadedModel, kernels: str) -> None:
+    """Prompts past one block (sealed groups), decoding into staged tokens: greedy tokens
+    with int4 KV agree with a float32 cache for most of their length."""
+    tok = smol_f32.tokenizer
+    prompts = [tok.encode(p * 4, add_special_tokens=True)[:90] for p in PROMPTS[:3]]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    base = LLM(smol_f32, dtype="float32", num_kv_blocks=64, max_model_len=512)
+    want = [o.output_token_ids for o in base.generate(prompts, params)]
+    llm = LLM(smol_f32, dtype="float32", kv_dtype="int4", kernels=kernels, num_kv_blocks=16,
+              max_model_len=512)
+    assert llm.engine.runner.kv_cache.dtype == torch.uint8
+    got = [o.output_token_ids for o in llm.generate(prompts, params)]
+    prefix = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
+              for x, y in zip(got, want, strict=True)]
+    assert sum(prefix) / (len(prompts) * params.max_tokens) >= 0.6, prefix
+
+
+def test_int4_prefix_reuse_shares_sealed_blocks(smol_f32: LoadedModel) -> None:
+    """A repeated prompt reuses the first request's sealed blocks and continues alike."""
+    tok = smol_f32.tokenizer
+    prompt = tok.encode(PROMPTS[3] * 8, add_special_tokens=True)[:150]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm = LLM(smol_f32, dtype="float32", kv_dtype="int4", num_kv_blocks=16, max_model_len=512)
+    first = llm.generate([prompt], params)[0]
+    second = llm.generate([prompt], params)[0]
+    assert second.num_cached_tokens == 2 * G  # both full blocks of the prompt
+    assert second.output_token_ids == first.output_token_ids
