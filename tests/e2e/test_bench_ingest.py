@@ -33,3 +33,13 @@ def test_bench_ingest_prints_memory_and_heartbeat_figures(e2e_home: Path) -> Non
     by_phase = report["longest_heartbeat_gap_by_phase_s"]
     assert {"ingest", "serve_and_finalize"} <= set(by_phase)
     assert max(by_phase.values()) == report["longest_heartbeat_gap_s"]
+
+
+def test_a_phase_shorter_than_a_heartbeat_gets_the_gap_it_fell_in() -> None:
+    from minimill.bench.ingest_bench import _longest_gaps
+
+    marks = [("upload", 10.0), ("ingest", 11.0), ("serve_and_finalize", 11.2)]
+    # Answers at 10.5, 11.5 (the 0.5 s before it covers all of the 0.2 s ingest), 13.0.
+    gaps = [(10.5, 0.5), (11.5, 0.5), (13.0, 1.5)]
+    assert _longest_gaps(gaps, marks) == {"upload": 0.5, "ingest": 0.5,
+                                          "serve_and_finalize": 1.5}

@@ -354,14 +354,17 @@ def run(tmp: Path, interval_s: float = HEARTBEAT_INTERVAL_S,
 
 def _longest_gaps(gaps: list[tuple[float, float]],
                   marks: list[tuple[str, float]]) -> dict[str, float]:
-    """The longest heartbeat gap that ended in each phase (before the first: "idle")."""
+    """The longest heartbeat gap that overlapped each phase (before the first: "idle"). A gap
+    counts for every phase it overlaps: a phase shorter than the heartbeat interval (a small
+    batch's ingest) still gets the gap it happened in."""
+    bounds = [("idle", float("-inf")), *marks]
     out: dict[str, float] = {}
     for at, gap in gaps:
-        phase = "idle"
-        for name, began in marks:
-            if at >= began:
-                phase = name
-        out[phase] = max(out.get(phase, 0.0), gap)
+        start = at - gap
+        for i, (name, began) in enumerate(bounds):
+            ended = bounds[i + 1][1] if i + 1 < len(bounds) else float("inf")
+            if start < ended and at >= began:
+                out[name] = max(out.get(name, 0.0), gap)
     return out
 
 
