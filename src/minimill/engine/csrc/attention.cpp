@@ -3,6 +3,7 @@
 
 #include <atomic>
 
+#include "kv_int8.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -43,14 +44,6 @@ inline int64_t block_elems(int64_t block_size, int64_t head_dim) {
   }
 }
 
-inline const at::Half* int8_scales(const int8_t* block, int64_t block_size, int64_t head_dim) {
-  return reinterpret_cast<const at::Half*>(block + block_size * head_dim);
-}
-
-inline const int8_t* int8_zeros(const int8_t* block, int64_t block_size, int64_t head_dim) {
-  return block + block_size * (head_dim + 2);
-}
-
 // kVec int8 values as floats.
 inline fVec load_i8(const int8_t* p) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -70,29 +63,6 @@ inline fVec load_half(const at::Half* p) {
   fVec out;
   at::vec::load_to_float<at::Half>(p, out);
   return out;
-}
-
-// One token's head_dim values as asymmetric int8: writes the values and its zero point,
-// returns its scale (float16, and used as rounded, so that dequantizing gives exactly what
-// attention reads). The range holds 0, so the zero point fits in int8.
-inline at::Half quantize_i8(const float* x, int64_t n, int8_t* out, int64_t out_stride,
-                            int8_t* zero_out) {
-  float low = 0.f, high = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
-    low = std::min(low, x[i]);
-    high = std::max(high, x[i]);
-  }
-  const float span = high - low;
-  // Rounded up to float16, so that the range fits in 255 steps and nothing is clipped.
-  const at::Half scale(span > 0.f ? span / 255.f * (1.f + 1.f / 1024.f) : 1.f);
-  const float s = static_cast<float>(scale);
-  const float zero = std::max(-128.f, std::min(127.f, std::nearbyint(-low / s) - 128.f));
-  for (int64_t i = 0; i < n; ++i) {
-    const float q = std::nearbyint(x[i] / s) + zero;
-    out[i * out_stride] = static_cast<int8_t>(std::max(-128.f, std::min(127.f, q)));
-  }
-  *zero_out = static_cast<int8_t>(zero);
-  return scale;
 }
 
 template <typename T>
@@ -193,10 +163,10 @@ void rotary_kv_write_impl(const at::Tensor& qkv, const at::Tensor& positions,
         const T* v = row + (num_heads + num_kv_heads + g) * head_dim;
         C* vdst = vc + block * vb + g * vh;
         if constexpr (std::is_same_v<C, int8_t>) {
-          auto* k_scales = const_cast<at::Half*>(int8_scales(kdst, block_size, head_dim));
-          auto* v_scales = const_cast<at::Half*>(int8_scales(vdst, block_size, head_dim));
-          auto* k_zeros = const_cast<int8_t*>(int8_zeros(kdst, block_size, head_dim));
-          auto* v_zeros = const_cast<int8_t*>(int8_zeros(vdst, block_size, head_dim));
+          at::Half* k_scales = int8_scales(kdst, block_size, head_dim);
+          at::Half* v_scales = int8_scales(vdst, block_size, head_dim);
+          int8_t* k_zeros = int8_zeros(kdst, block_size, head_dim);
+          int8_t* v_zeros = int8_zeros(vdst, block_size, head_dim);
           k_scales[offset] = quantize_i8(rotated, head_dim, kdst + offset, block_size,
                                          k_zeros + offset);
           float vf[kMaxHeadDim];

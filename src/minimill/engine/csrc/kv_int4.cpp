@@ -9,6 +9,7 @@
 
 #include <array>
 
+#include "kv_int8.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -58,19 +59,7 @@ void dequantize_block(const Int4Args& a, const uint8_t* kblock, const uint8_t* v
       }
     }
   } else {
-    // int8 staging: K [d][bs], V [bs][d], each then bs float16 scales and bs int8 zeros.
-    const auto* kscales = reinterpret_cast<const at::Half*>(kstage + bs * d);
-    const int8_t* kzeros = kstage + bs * d + 2 * bs;
-    const auto* vscales = reinterpret_cast<const at::Half*>(vstage + bs * d);
-    const int8_t* vzeros = vstage + bs * d + 2 * bs;
-    for (int64_t t = 0; t < n; ++t) {
-      const float ks = static_cast<float>(kscales[t]), kz = kzeros[t];
-      const float vs = static_cast<float>(vscales[t]), vz = vzeros[t];
-      for (int64_t c = 0; c < d; ++c) {
-        kt[t * d + c] = (static_cast<float>(kstage[c * bs + t]) - kz) * ks;
-        vt[t * d + c] = (static_cast<float>(vstage[t * d + c]) - vz) * vs;
-      }
-    }
+    dequantize_int8_rows(kstage, vstage, n, bs, d, kt, vt);  // staged (open) block
   }
 }
 
@@ -221,25 +210,6 @@ void quantize4(const float* x, int64_t n, int64_t stride, uint8_t* codes, at::Ha
   *low_out = at::Half(low);
 }
 
-// One token's n values -> int8 rh out[i * out_stride], its float16 scale and int8 zero point.
-void quantize8(const float* x, int64_t n, int8_t* out, int64_t out_stride, at::Half* scale_out,
-               int8_t* zero_out) {
-  float lo = 0.f, hi = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
-    lo = std::min(lo, x[i]);
-    hi = std::max(hi, x[i]);
-  }
-  const float span = hi - lo;
-  const float scale = span > 0.f ? half_round(span / 255.f * (1.f + 1.f / 1024.f)) : 1.f;
-  const float zero = std::max(-128.f, std::min(127.f, std::nearbyint(-lo / scale) - 128.f));
-  for (int64_t i = 0; i < n; ++i) {
-    const float q = std::nearbyint(x[i] / scale) + zero;
-    out[i * out_stride] = static_cast<int8_t>(std::max(-128.f, std::min(127.f, q)));
-  }
-  *scale_out = at::Half(scale);
-  *zero_out = static_cast<int8_t>(zero);
-}
-
 }  // namespace
 
 void paged_attention_int4(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
@@ -344,18 +314,7 @@ void kv_int4_write(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_
         // Staged tokens, dequantized (int8: K [d][bs], V [bs][d], then scales and zeros).
         const int8_t* kst = ks + slots[m] * sb + h * sh;
         const int8_t* vst = vs + slots[m] * sb + h * sh;
-        const auto* k_scales = reinterpret_cast<const at::Half*>(kst + bs * d);
-        const auto* v_scales = reinterpret_cast<const at::Half*>(vst + bs * d);
-        const int8_t* k_zeros = kst + bs * d + 2 * bs;
-        const int8_t* v_zeros = vst + bs * d + 2 * bs;
-        for (int64_t t = 0; t < bs; ++t) {
-          const float kscale = static_cast<float>(k_scales[t]), kzero = k_zeros[t];
-          const float vscale = static_cast<float>(v_scales[t]), vzero = v_zeros[t];
-          for (int64_t c = 0; c < d; ++c) {
-            xk[t * d + c] = (static_cast<float>(kst[c * bs + t]) - kzero) * kscale;
-            xv[t * d + c] = (static_cast<float>(vst[t * d + c]) - vzero) * vscale;
-          }
-        }
+        dequantize_int8_rows(kst, vst, bs, bs, d, xk.data(), xv.data());
         for (int64_t i = first[m]; i < first[m + 1]; ++i) {
           std::memcpy(&xk[offsets[i] * d], kp + tokens[i] * tok + h * d, d * sizeof(float));
           std::memcpy(&xv[offsets[i] * d], vp + tokens[i] * tok + h * d, d * sizeof(float));
@@ -394,12 +353,10 @@ void kv_int4_write(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_
         const int64_t slot = mapping[i] / bs, offset = mapping[i] % bs;
         int8_t* kst = ks + slot * sb + h * sh;
         int8_t* vst = vs + slot * sb + h * sh;
-        auto* k_scales = reinterpret_cast<at::Half*>(kst + bs * d);
-        auto* v_scales = reinterpret_cast<at::Half*>(vst + bs * d);
-        quantize8(kp + tokens[i] * tok + h * d, d, kst + offset, bs, k_scales + offset,
-                  kst + bs * d + 2 * bs + offset);
-        quantize8(vp + tokens[i] * tok + h * d, d, vst + offset * d, 1, v_scales + offset,
-                  vst + bs * d + 2 * bs + offset);
+        int8_scales(kst, bs, d)[offset] = quantize_i8(
+            kp + tokens[i] * tok + h * d, d, kst + offset, bs, int8_zeros(kst, bs, d) + offset);
+        int8_scales(vst, bs, d)[offset] = quantize_i8(
+            vp + tokens[i] * tok + h * d, d, vst + offset * d, 1, int8_zeros(vst, bs, d) + offset);
       }
     });
   }
