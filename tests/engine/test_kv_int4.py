@@ -8,19 +8,21 @@ import torch
 from engine_helpers import PROMPTS
 
 from minimill.engine.attention import (
-    INT4_GROUP,
-    _attend,
     allocate_kv_cache,
+    attend_gathered,
     build_metadata,
+    layer_views,
+)
+from minimill.engine.config import EngineConfig
+from minimill.engine.kernels import CpuKernels
+from minimill.engine.kv_int4 import (
+    INT4_GROUP,
     dequantize_int4_k,
     dequantize_int4_v,
-    layer_views,
     paged_attention_int4_reference,
     quantize_int4,
     write_kv_int4_reference,
 )
-from minimill.engine.config import EngineConfig
-from minimill.engine.kernels import CpuKernels
 from minimill.engine.llm import LLM
 from minimill.engine.native import load_cpu_kernels
 from minimill.engine.params import InvalidRequestError, SamplingParams
@@ -137,7 +139,7 @@ def _exact_attention(cache: Int4Cache, q: torch.Tensor, meta: object) -> torch.T
     for i, (k, v) in enumerate(zip(cache.k, cache.v, strict=True)):
         keys[i, :, :len(k)] = k.transpose(0, 1)
         values[i, :, :len(v)] = v.transpose(0, 1)
-    return _attend(q, keys, values, meta, 0.125)  # type: ignore[arg-type]
+    return attend_gathered(q, keys, values, meta, 0.125)  # type: ignore[arg-type]
 
 
 def test_reference_attention_reads_sealed_and_staged_tokens() -> None:

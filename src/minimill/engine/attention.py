@@ -13,23 +13,8 @@ and V [block_size, head_dim] as int8, each followed by block_size float16 scales
 block_size int8 zero points, one of each per token (value = scale * (int8 - zero), over the
 token's head_dim values, asymmetric: a range [min(x, 0), max(x, 0)] in 255 steps, so a
 lopsided vector keeps up to twice the resolution of a symmetric one): about half the bytes of
-bf16. Attention dequantizes as it reads, never into a copy.
-
-An int4 cache (kv_dtype "int4", a uint8 pool) is group-wise, as in KIVI: one block is one group
-of G = block_size tokens (INT4_GROUP). A sealed (full) block holds, per layer and kv head,
-    K: 4-bit values [head_dim, G / 2] bytes (channel-major; token 2j in the low nibble, 2j + 1
-       in the high one), then head_dim float16 scales and head_dim float16 minimums: one
-       range per channel over the block's G tokens (keys have per-channel outliers, which a
-       per-token range would spread over every other channel)
-    V: 4-bit values [G, head_dim / 2] (token-major; channel 2j low, 2j + 1 high), then G
-       float16 scales and G float16 minimums: one range per token
-with value = minimum + scale * q, q in 0..15; each region is padded to the same size,
-G * head_dim / 2 + 4 * max(G, head_dim) bytes. The open (not yet full) last block of a
-sequence keeps its tokens in a staging slot instead, in the int8 layout above (about 4x the
-resolution), until its last token arrives: then the block is quantized as a whole ("sealed")
-and the staging slot's contents are no longer read. Staging slots come out of the same memory
-budget as the blocks (config.py), one per running sequence that has an open block
-(block_manager.py). Prefix caching only shares full blocks, so only sealed blocks are shared.
+bf16. Attention dequantizes as it reads, never into a copy. An int4 cache (a uint8 pool) has
+its own layout, its staging of open blocks and its reference path in kv_int4.py.
 
 A step's tokens are the new tokens of every scheduled sequence back to back (decodes and prompt
 chunks in any order). Sequence s owns query rows [query_start[s], query_start[s + 1]) and, once
@@ -40,33 +25,13 @@ seq_len - q_len + j and attends causally to keys 0..position.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-# Tokens per int4 group (= block): 64 keeps the per-channel ranges' cost at 4 bytes per
-# channel per 64 tokens (3.56x fewer bytes than bf16 for a 64-dim head); 32 would not reach
-# 3.5x.
-INT4_GROUP = 64
-
-
-@dataclass(slots=True)
-class Int4Step:
-    """What an int4 cache's writes and reads need beyond the slot mapping, built with the
-    metadata (indices into the step's tokens, the pool and the staging slots)."""
-
-    kv_stage: torch.Tensor  # [stage slots, layers, 2, kv_heads, int8 block elements] int8
-    stage_slots: torch.Tensor  # [num_seqs] int32: each sequence's staging slot (-1: none)
-    stage_tokens: torch.Tensor  # [n] int64: tokens written into an open block's staging
-    stage_mapping: torch.Tensor  # [n] int64: stage slot * block_size + offset of each
-    seal_blocks: torch.Tensor  # [m] int64: pool blocks that fill (and are sealed) this step
-    seal_stage: torch.Tensor  # [m] int64: staging slot holding their earlier tokens
-    seal_tokens: torch.Tensor  # [k] int64: this step's tokens that land in sealed blocks
-    seal_rows: torch.Tensor  # [k] int64: ... index into seal_blocks
-    seal_offsets: torch.Tensor  # [k] int64: ... offset in the block
-    open_seqs: torch.Tensor  # [o] int64: sequences whose last block is open after the writes
-    open_blocks: torch.Tensor  # [o] int64: ... its index in the block table
-
+if TYPE_CHECKING:
+    from minimill.engine.kv_int4 import Int4Step
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -79,7 +44,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
-    int4: Int4Step | None = None  # set for an int4 cache
+    int4: Int4Step | None = None  # set for an int4 cache (kv_int4.py)
 
 
 def build_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
@@ -103,7 +68,9 @@ def build_metadata(query_lens: list[int], seq_lens: list[int], block_tables: lis
     int4 = None
     if kv_stage is not None:
         assert stage_slots is not None
-        int4 = _int4_step(query_lens, seq_lens, block_tables, block_size, stage_slots,
+        from minimill.engine.kv_int4 import int4_step
+
+        int4 = int4_step(query_lens, seq_lens, block_tables, block_size, stage_slots,
                           kv_stage, device)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
@@ -114,72 +81,14 @@ def build_metadata(query_lens: list[int], seq_lens: list[int], block_tables: lis
         block_size=block_size, int4=int4)
 
 
-def _int4_step(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-               block_size: int, stage_slots: list[int], kv_stage: torch.Tensor,
-               device: torch.device) -> Int4Step:
-    """Where each new token goes in an int4 cache: a block that fills this step is sealed
-    from its staged tokens plus the new ones; tokens of a block still open go to staging."""
-    bs = block_size
-    stage_tokens: list[int] = []
-    stage_mapping: list[int] = []
-    seal_blocks: list[int] = []
-    seal_stage: list[int] = []
-    seal_tokens: list[int] = []
-    seal_rows: list[int] = []
-    seal_offsets: list[int] = []
-    open_seqs: list[int] = []
-    open_blocks: list[int] = []
-    token = 0
-    for s, (q_len, seq_len, table) in enumerate(zip(query_lens, seq_lens, block_tables,
-                                                      strict=True)):
-        slot = stage_slots[s]
-        for pos in range(seq_len - q_len, seq_len):
-            b, offset = pos // bs, pos % bs
-            if (b + 1) * bs <= seq_len:  # the block is full once this step is written
-                if offset == 0 or pos == seq_len - q_len:
-                    seal_blocks.append(table[b])
-                    # Tokens before this step's first come from staging (a block begun
-                    # this step has none there: any slot will do, all are overwritten).
-                    seal_stage.append(max(slot, 0))
-                seal_tokens.append(token)
-                seal_rows.append(len(seal_blocks) - 1)
-                seal_offsets.append(offset)
-            else:
-                if slot < 0:
-                    raise ValueError("an open int4 block needs a staging slot")
-                stage_tokens.append(token)
-                stage_mapping.append(slot * bs + offset)
-            token += 1
-        if seq_len % bs:
-            open_seqs.append(s)
-            open_blocks.append(seq_len // bs)
-
-    def longs(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
-    return Int4Step(
-        kv_stage=kv_stage,
-        stage_slots=torch.tensor(stage_slots, dtype=torch.int32, device=device),
-        stage_tokens=longs(stage_tokens), stage_mapping=longs(stage_mapping),
-        seal_blocks=longs(seal_blocks), seal_stage=longs(seal_stage),
-        seal_tokens=longs(seal_tokens), seal_rows=longs(seal_rows),
-        seal_offsets=longs(seal_offsets), open_seqs=longs(open_seqs),
-        open_blocks=longs(open_blocks))
-
-
 def block_elems(block_size: int, head_dim: int, kv_dtype: torch.dtype) -> int:
     """Elements of one block of one layer, K or V, and kv head (int8: values, scales, zero
     points)."""
     if kv_dtype == torch.int8:
         return block_size * (head_dim + 3)
-    if kv_dtype == torch.uint8:  # int4: packed values, then two float16 per channel/token
+    if kv_dtype == torch.uint8:  # int4 (kv_int4.py): packed values, two float16 per range
         return block_size * head_dim // 2 + 4 * max(block_size, head_dim)
     return block_size * head_dim
-
-
-def stage_elems(block_size: int, head_dim: int) -> int:
-    """Elements (int8) of one int4 staging slot of one layer, K or V, and kv head."""
-    return block_elems(block_size, head_dim, torch.int8)
 
 
 def allocate_kv_cache(num_blocks: int, num_layers: int, num_kv_heads: int, block_size: int,
@@ -232,7 +141,7 @@ def _dequantized(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
     return (values.float() - zeros.float()[..., None]) * scales.float()[..., None]
 
 
-def _unpacked_k(k_blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+def unpacked_k(k_blocks: torch.Tensor, block_size: int) -> torch.Tensor:
     """[..., kv_heads, block elements] in the K layout -> [..., kv_heads, bs, d]."""
     if k_blocks.dtype == torch.int8:
         values, scales, zeros = _int8_parts(k_blocks, block_size)
@@ -245,7 +154,7 @@ def _unpacked_k(k_blocks: torch.Tensor, block_size: int) -> torch.Tensor:
     return k.movedim(-2, -3).flatten(-2)  # [..., bs, d/p, p] -> [..., bs, d]
 
 
-def _unpacked_v(v_blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+def unpacked_v(v_blocks: torch.Tensor, block_size: int) -> torch.Tensor:
     """[..., kv_heads, block elements] in the V layout -> [..., kv_heads, bs, d]."""
     if v_blocks.dtype == torch.int8:
         values, scales, zeros = _int8_parts(v_blocks, block_size)
@@ -318,14 +227,14 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     # An int8 cache is dequantized to float32, and attention runs in float32, as it does in
     # the CPU kernel.
     compute = torch.float32 if k_cache.dtype == torch.int8 else q.dtype
-    keys = _unpacked_k(k_cache[tables], block_size).transpose(1, 2).reshape(
+    keys = unpacked_k(k_cache[tables], block_size).transpose(1, 2).reshape(
         num_seqs, kv_heads, -1, head_dim).to(compute)
-    values = _unpacked_v(v_cache[tables], block_size).transpose(1, 2).reshape(
+    values = unpacked_v(v_cache[tables], block_size).transpose(1, 2).reshape(
         num_seqs, kv_heads, -1, head_dim).to(compute)
-    return _attend(q, keys, values, meta, scale)
+    return attend_gathered(q, keys, values, meta, scale)
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+def attend_gathered(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
             meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal, length-aware SDPA of the step's queries over keys and values gathered per
     sequence ([seqs, kv_heads, width * block_size, d], in the compute dtype)."""
@@ -351,114 +260,3 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     result = q.new_empty(num_tokens, num_heads * head_dim)
     result[rows[valid]] = out[valid].to(q.dtype)
     return result
-
-
-def quantize_int4(x: torch.Tensor, dim: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric 4-bit over `dim`: (uint8 codes 0..15, float16 scales, float16 minimums),
-    value ~ minimum + scale * code. Codes are computed from the float16 minimum and scale, so
-    dequantizing gives what attention reads."""
-    x = x.float()
-    low = x.amin(dim, keepdim=True).to(torch.float16).float()
-    span = x.amax(dim, keepdim=True) - low
-    # A step 2^-10 larger, then rounded to float16: the range still fits in 15 steps.
-    scale = torch.where(span > 0, span / 15 * (1 + 2**-10), torch.ones_like(span))
-    scale = scale.to(torch.float16).float()
-    codes = torch.round((x - low) / scale).clamp_(0, 15).to(torch.uint8)
-    return codes, scale.to(torch.float16).squeeze(dim), low.to(torch.float16).squeeze(dim)
-
-
-def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """[..., 2n] codes 0..15 -> [..., n] bytes, element 2j in the low nibble."""
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
-
-
-def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """[..., n] bytes -> [..., 2n] float32 codes."""
-    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2).float()
-
-
-def _int4_meta(blocks: torch.Tensor, values_bytes: int, n: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float32 scales [..., n], float32 minimums [..., n]) after the packed values."""
-    meta = blocks[..., values_bytes:values_bytes + 4 * n].contiguous().view(torch.float16)
-    return meta[..., :n].float(), meta[..., n:].float()
-
-
-def dequantize_int4_k(blocks: torch.Tensor, block_size: int, head_dim: int) -> torch.Tensor:
-    """Sealed int4 K blocks [..., block elements] -> float32 [..., block_size, head_dim]."""
-    nbytes = block_size * head_dim // 2
-    codes = _unpack_nibbles(blocks[..., :nbytes].unflatten(-1, (head_dim, block_size // 2)))
-    scales, lows = _int4_meta(blocks, nbytes, head_dim)  # per channel
-    return (lows[..., :, None] + scales[..., :, None] * codes).transpose(-1, -2)
-
-
-def dequantize_int4_v(blocks: torch.Tensor, block_size: int, head_dim: int) -> torch.Tensor:
-    """Sealed int4 V blocks [..., block elements] -> float32 [..., block_size, head_dim]."""
-    nbytes = block_size * head_dim // 2
-    codes = _unpack_nibbles(blocks[..., :nbytes].unflatten(-1, (block_size, head_dim // 2)))
-    scales, lows = _int4_meta(blocks, nbytes, block_size)  # per token
-    return lows[..., :, None] + scales[..., :, None] * codes
-
-
-def seal_int4(k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor) -> None:
-    """Quantize whole groups k, v [m, kv_heads, block_size, head_dim] into pool blocks."""
-    _m, _heads, block_size, head_dim = k.shape
-    nbytes = block_size * head_dim // 2
-    codes, scales, lows = quantize_int4(k, dim=-2)  # per channel over the block's tokens
-    packed = _pack_nibbles(codes.transpose(-1, -2))  # [m, heads, d, bs / 2]
-    k_cache[blocks, :, :nbytes] = packed.flatten(-2)
-    k_cache[blocks, :, nbytes:nbytes + 4 * head_dim] = torch.cat(
-        (scales, lows), dim=-1).view(torch.uint8)
-    codes, scales, lows = quantize_int4(v, dim=-1)  # per token
-    v_cache[blocks, :, :nbytes] = _pack_nibbles(codes).flatten(-2)
-    v_cache[blocks, :, nbytes:nbytes + 4 * block_size] = torch.cat(
-        (scales, lows), dim=-1).view(torch.uint8)
-
-
-def write_kv_int4_reference(k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            k_stage: torch.Tensor, v_stage: torch.Tensor, k: torch.Tensor,
-                            v: torch.Tensor, meta: AttentionMetadata) -> None:
-    """k, v: [num_tokens, kv_heads, head_dim] into one layer's int4 cache: blocks that fill
-    this step are sealed, the other tokens go to their sequence's staging slot."""
-    step = meta.int4
-    assert step is not None
-    bs = meta.block_size
-    # Sealing first: it reads the staged tokens of a block that this step's tokens of the
-    # sequence's next (open) block then overwrite in the same staging slot.
-    if step.seal_blocks.numel():
-        group_k = _unpacked_k(k_stage[step.seal_stage], bs)  # [m, heads, bs, d] float32
-        group_v = _unpacked_v(v_stage[step.seal_stage], bs)
-        group_k[step.seal_rows, :, step.seal_offsets] = k[step.seal_tokens].float()
-        group_v[step.seal_rows, :, step.seal_offsets] = v[step.seal_tokens].float()
-        seal_int4(k_cache, v_cache, step.seal_blocks, group_k, group_v)
-    if step.stage_tokens.numel():
-        write_kv_reference(k_stage, v_stage, k[step.stage_tokens], v[step.stage_tokens],
-                           step.stage_mapping, bs)
-
-
-def paged_attention_int4_reference(q: torch.Tensor, k_cache: torch.Tensor,
-                                   v_cache: torch.Tensor, k_stage: torch.Tensor,
-                                   v_stage: torch.Tensor, meta: AttentionMetadata,
-                                   scale: float) -> torch.Tensor:
-    """paged_attention_reference over an int4 cache: sealed blocks from the pool, each
-    sequence's open last block from its staging slot, all in float32."""
-    step = meta.int4
-    assert step is not None
-    num_tokens, num_heads, head_dim = q.shape
-    num_seqs = meta.block_tables.shape[0]
-    kv_heads = k_cache.shape[1]
-    bs = meta.block_size
-    if num_seqs == 0:
-        return q.new_empty(num_tokens, num_heads * head_dim)
-    tables = meta.block_tables.long()
-    keys = dequantize_int4_k(k_cache[tables], bs, head_dim)  # [seqs, width, heads, bs, d]
-    values = dequantize_int4_v(v_cache[tables], bs, head_dim)
-    if step.open_seqs.numel():
-        slots = step.stage_slots.long()[step.open_seqs]
-        keys[step.open_seqs, step.open_blocks] = _unpacked_k(k_stage[slots], bs)
-        values[step.open_seqs, step.open_blocks] = _unpacked_v(v_stage[slots], bs)
-    keys = keys.transpose(1, 2).reshape(num_seqs, kv_heads, -1, head_dim)
-    values = values.transpose(1, 2).reshape(num_seqs, kv_heads, -1, head_dim)
-    return _attend(q, keys, values, meta, scale)

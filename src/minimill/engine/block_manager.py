@@ -70,7 +70,7 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  tiers: KvTiers | None = None, num_stage_slots: int = 0) -> None:
         self.block_size = block_size
-        # int4 cache: staging slots for open blocks (attention.py); a sequence takes one when
+        # int4 cache: staging slots for open blocks (kv_int4.py); a sequence takes one when
         # it first has an open block and keeps it until freed. 0: not used.
         self.num_stage_slots = num_stage_slots
         self._free_stage: list[int] = list(range(num_stage_slots - 1, -1, -1))

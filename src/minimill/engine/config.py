@@ -25,7 +25,7 @@ _CPU_KV_MAX_BYTES = 2 << 30
 # On an accelerator the KV pool takes most of what is free once the weights are loaded.
 _GPU_KV_FRACTION = 0.85
 # int4: the share of the KV budget given to staging slots (the open block of each running
-# sequence, kept in int8 until it fills; attention.py). A slot costs about two int4 blocks,
+# sequence, kept in int8 until it fills; kv_int4.py). A slot costs about two int4 blocks,
 # and a running sequence holds one slot and a few blocks, so about 40% keeps both in step.
 _INT4_STAGE_FRACTION = 0.4
 KV_DTYPE_NAMES = ("int8", "int4")
@@ -43,9 +43,9 @@ class EngineConfig:
     kernels: str = "auto"
     # KV cache: "auto" (the model dtype), "int8" (per-token scales, about half the bytes:
     # twice the sequences in the same pool) or "int4" (group-wise, KIVI-style, about 3.5x
-    # fewer bytes; attention.py). A float name must be the model dtype.
+    # fewer bytes; kv_int4.py). A float name must be the model dtype.
     kv_dtype: str = "auto"
-    block_size: int = 16  # tokens per KV block (int4: always attention.INT4_GROUP)
+    block_size: int = 16  # tokens per KV block (int4: always kv_int4.INT4_GROUP)
     max_num_seqs: int = 256  # most requests decoding together
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
     kv_cache_memory_bytes: int | None = None  # KV pool size; None: a share of free memory
@@ -87,7 +87,7 @@ class EngineConfig:
                 f"kv_dtype must be auto, int8, int4 or the model dtype ({self.dtype}), "
                 f"got {self.kv_dtype!r}")
         if self.kv_dtype == "int4":
-            from minimill.engine.attention import INT4_GROUP
+            from minimill.engine.kv_int4 import INT4_GROUP
 
             # One block is one quantization group (the per-channel K ranges span it).
             self.block_size = INT4_GROUP
@@ -149,7 +149,7 @@ class EngineConfig:
         """Bytes of one int4 staging slot across all layers (0 unless kv_dtype is int4)."""
         if self.kv_dtype != "int4":
             return 0
-        from minimill.engine.attention import stage_elems
+        from minimill.engine.kv_int4 import stage_elems
 
         return (model_config.num_hidden_layers * 2 * model_config.num_key_value_heads
                 * stage_elems(self.block_size, model_config.head_dim))

@@ -15,11 +15,10 @@ import torch.nn.functional as F
 
 from minimill.engine.attention import (
     AttentionMetadata,
-    paged_attention_int4_reference,
     paged_attention_reference,
-    write_kv_int4_reference,
     write_kv_reference,
 )
+from minimill.engine.kv_int4 import paged_attention_int4_reference, write_kv_int4_reference
 from minimill.engine.sampler import Adjustments, reference_logprobs, reference_sample
 
 log = logging.getLogger(__name__)
@@ -90,7 +89,7 @@ class TorchKernels:
                              v_cache: torch.Tensor, k_stage: torch.Tensor,
                              v_stage: torch.Tensor, meta: AttentionMetadata, num_heads: int,
                              num_kv_heads: int) -> torch.Tensor:
-        """rotary_kv_write for an int4 cache (attention.py: sealing and staging)."""
+        """rotary_kv_write for an int4 cache (kv_int4.py: sealing and staging)."""
         q, k, v = self._rotate(qkv, positions, cos_sin, num_heads, num_kv_heads)
         write_kv_int4_reference(k_cache, v_cache, k_stage, v_stage, k, v, meta)
         return q

@@ -187,7 +187,7 @@ void check_view(const at::Tensor& t, const char* name, at::ScalarType dtype, int
               " [blocks, kv_heads, ", elems, "] view with contiguous rows");
 }
 
-// Quantizers, as attention.py's quantize_int4 and quantize_int8 (float16 ranges rounded so
+// Quantizers, as kv_int4.py's quantize_int4 and attention.py's quantize_int8 (float16 ranges rounded so
 // that the range still fits, codes rounded half to even like torch.round).
 inline float half_round(float x) { return static_cast<float>(at::Half(x)); }
 
@@ -258,7 +258,7 @@ void paged_attention_int4(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::
 
 namespace minimill {
 
-// attention.py's write_kv_int4_reference: blocks that fill this step are sealed from their
+// kv_int4.py's write_kv_int4_reference: blocks that fill this step are sealed from their
 // staged tokens and the new ones (K per channel, V per token); every other new token is
 // quantized to int8 into its sequence's staging slot. Sealing runs first and completes
 // before staging starts, as a sequence's next open block reuses the slot just read.
