@@ -20,8 +20,8 @@ from minimill.engine.attention import AttentionMetadata
 from minimill.engine.kernels import TorchKernels
 from minimill.engine.model_runner import ModelRunner
 
-_TIMED = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_kv_write", "sample",
-          "token_logprobs")
+_TIMED = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_kv_write", "rotary_kv_write_int4",
+          "sample", "token_logprobs")
 
 
 class TimedKernels:
@@ -37,40 +37,41 @@ class TimedKernels:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
 
+    def _timed(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        start = self._clock()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.seconds[name] += self._clock() - start
+            self.calls[name] += 1
+
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._inner, name)
         if name not in _TIMED:
             return attr
+        return lambda *args, **kwargs: self._timed(name, attr, *args, **kwargs)
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = self._clock()
-            try:
-                return attr(*args, **kwargs)
-            finally:
-                self.seconds[name] += self._clock() - start
-                self.calls[name] += 1
-        return timed
+    @staticmethod
+    def _attention_name(meta: AttentionMetadata) -> str:
+        # Decode-only steps and steps with prompt chunks stress attention differently.
+        return "paged_attention." + ("decode" if meta.max_query_len == 1 else "with_prompts")
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        # Decode-only steps and steps with prompt chunks stress attention differently.
-        name = "paged_attention." + ("decode" if meta.max_query_len == 1 else "with_prompts")
-        start = self._clock()
-        try:
-            return self._inner.paged_attention(q, k_cache, v_cache, meta, scale)
-        finally:
-            self.seconds[name] += self._clock() - start
-            self.calls[name] += 1
+        return self._timed(self._attention_name(meta), self._inner.paged_attention, q,
+                           k_cache, v_cache, meta, scale)
+
+    def paged_attention_int4(self, q: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, k_stage: torch.Tensor,
+                             v_stage: torch.Tensor, meta: AttentionMetadata,
+                             scale: float) -> torch.Tensor:
+        return self._timed(self._attention_name(meta), self._inner.paged_attention_int4, q,
+                           k_cache, v_cache, k_stage, v_stage, meta, scale)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-        name = "linear." + self._weight_names.get(id(weight), "other")
-        start = self._clock()
-        try:
-            return self._inner.linear(x, weight, bias)
-        finally:
-            self.seconds[name] += self._clock() - start
-            self.calls[name] += 1
+        return self._timed("linear." + self._weight_names.get(id(weight), "other"),
+                           self._inner.linear, x, weight, bias)
 
 
 def instrument(runner: ModelRunner,
