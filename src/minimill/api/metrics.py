@@ -77,17 +77,19 @@ class _Measure:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = int(message["status"])
-                route = scope.get("route")
-                path = getattr(route, "path", "unmatched")
-                self.latency.labels(scope["method"], path).observe(time.perf_counter() - start)
+                self.latency.labels(scope["method"], _route_path(scope)).observe(
+                    time.perf_counter() - start)
             await send(message)
 
         try:
             await self.app(scope, receive, send_measured)
         finally:
-            route = scope.get("route")
-            self.requests.labels(scope["method"], getattr(route, "path", "unmatched"),
-                                 str(status)).inc()
+            self.requests.labels(scope["method"], _route_path(scope), str(status)).inc()
+
+
+def _route_path(scope: Scope) -> str:
+    """The matched route's template (`/v1/batches/{batch_id}`), so labels stay few."""
+    return str(getattr(scope.get("route"), "path", "unmatched"))
 
 
 def install(app: FastAPI, store: Store) -> CollectorRegistry:

@@ -58,7 +58,7 @@ def tick(store: Store, now: float, config: ControlConfig,
 def finalize_ready(store: Store, now: float, config: ControlConfig) -> int:
     """Write the files of every batch whose rows are all terminal; returns how many."""
     # Each batch ends at the time it is finalized, never before: `now` may be from before an
-    # ingest that took seconds, and a cancel that came meanwhile must not end after the batch.
+    # ingest that took seconds, and a batch cancelled meanwhile must not end before its cancel.
     return sum(finalize(store, batch_id, max(now, time.time()), config.finalize_claim_ttl_s,
                         config.file_expires_after_s)
                for batch_id in finishable(store, now, config.finalize_claim_ttl_s))
