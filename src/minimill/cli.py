@@ -5,20 +5,27 @@ Imports are inside the commands so that `minimill --help` stays fast (no torch i
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
 
 from minimill.agent_cli import agent_app
+from minimill.bench_cli import bench_app
 from minimill.box_cli import box_app
+from minimill.cli_options import (
+    DEFAULT_MODEL,
+    DTYPE_HELP,
+    KV_DTYPE_HELP,
+    DbOption,
+    check_kv_dtype,
+    open_store_or_exit,
+    print_table,
+)
+from minimill.sites_cli import sites_app
 
 if TYPE_CHECKING:
-    from minimill.control.site_view import SiteStatus
-    from minimill.control.store import Store
     from minimill.fleet.kv_options import KvOptions
 
 app = typer.Typer(
@@ -28,10 +35,6 @@ app = typer.Typer(
 )
 keys_app = typer.Typer(help="API keys: tenants' and operators'.", no_args_is_help=True)
 batch_app = typer.Typer(help="Submit and follow Batch API jobs.", no_args_is_help=True)
-bench_app = typer.Typer(help="Benchmarks that print JSON figures.", no_args_is_help=True)
-sites_app = typer.Typer(help="Sites of the fleet (mini mills).", no_args_is_help=True)
-outage_app = typer.Typer(help="Planned or forecast outages of a site.", no_args_is_help=True)
-site_price_app = typer.Typer(help="A site's price schedule (hourly $/h).", no_args_is_help=True)
 prices_app = typer.Typer(help="The price list: what tenants are billed per model and tier.",
                          no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
@@ -44,29 +47,6 @@ webhooks_app = typer.Typer(help="Webhook endpoints: where response and batch eve
                            no_args_is_help=True)
 app.add_typer(prices_app, name="prices")
 app.add_typer(webhooks_app, name="webhooks")
-sites_app.add_typer(outage_app, name="outage")
-sites_app.add_typer(site_price_app, name="price")
-
-DEFAULT_MODEL = "smollm2-135m"
-DTYPE_HELP = ("auto (bfloat16 where the chip computes it natively: GPUs, CPUs with AVX-512 BF16 "
-              "or AMX; else float32), bfloat16, float16 or float32.")
-DbOption = typer.Option(None, "--db", help="Store URL (sqlite:///... or postgresql://...). "
-                        "Default: SQLite under MINIMILL_HOME.")
-KV_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32", "int8",
-             "int4")
-
-
-def _kv_dtype(value: str) -> str:
-    """A KV dtype the engine knows, refused at once rather than by a worker that restarts."""
-    if value not in KV_DTYPES:
-        raise typer.BadParameter(f"must be one of {', '.join(KV_DTYPES)}")
-    return value
-
-
-KV_DTYPE_HELP = ("KV cache dtype: auto (the engine dtype), bf16, fp32, int8 (per-token "
-                 "asymmetric scales: about half the bytes, twice the sequences), or int4 "
-                 "(64-token groups, keys per channel, values per token, the open block in "
-                 "int8: about 3.5x fewer bytes).")
 
 
 KvCacheGbOption = typer.Option(None, "--kv-cache-gb", help="Builtin engine: the device KV pool "
@@ -116,7 +96,7 @@ def generate(
     temperature: float = typer.Option(0.0, help="0 is greedy."),
     seed: int | None = typer.Option(None, help="Sampling seed."),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
-    kv_dtype: str = typer.Option("auto", help=KV_DTYPE_HELP, callback=_kv_dtype),
+    kv_dtype: str = typer.Option("auto", help=KV_DTYPE_HELP, callback=check_kv_dtype),
 ) -> None:
     """Generate one chat answer offline with the builtin engine and print it."""
     from minimill.engine.llm import generate_chat_cli
@@ -132,7 +112,7 @@ def serve(
     db: str | None = DbOption,
     model: str = typer.Option(DEFAULT_MODEL, help="Model the local worker serves."),
     dtype: str = typer.Option("auto", help="Engine dtype of the local worker: " + DTYPE_HELP),
-    kv_dtype: str = typer.Option("auto", help=KV_DTYPE_HELP, callback=_kv_dtype),
+    kv_dtype: str = typer.Option("auto", help=KV_DTYPE_HELP, callback=check_kv_dtype),
     local_worker: bool = typer.Option(True, help="Start one local worker process."),
     price_per_hour: float = typer.Option(
         0.10, help="What the local site costs in $/hour (cost only; tenants are billed by "
@@ -174,7 +154,7 @@ def keys_create(
 
     if operator == (tenant is not None):
         raise SystemExit("error: give --tenant NAME or --operator")
-    with _store(db) as store:
+    with open_store_or_exit(db) as store:
         typer.echo(create_operator_key(store) if tenant is None else create_key(store, tenant))
 
 
@@ -224,168 +204,6 @@ def batch_cancel(batch_id: str, base_url: str = BaseUrlOption,
     cancel(batch_id, base_url=base_url, api_key=api_key)
 
 
-@bench_app.callback()
-def bench_callback() -> None:
-    """Benchmarks that print JSON figures."""
-    from minimill.lifetime import exit_on_sigterm
-
-    # A benchmark stopped by a timeout (SIGTERM) stops the processes it started on its way out.
-    exit_on_sigterm()
-
-
-WorkloadOption = typer.Option(Path("../shared/workloads/throughput-256.jsonl"),
-                              help="Batch-format JSONL workload.")
-
-
-@bench_app.command("engine")
-def bench_engine(
-    workload: Path = WorkloadOption,
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    model: str = typer.Option(DEFAULT_MODEL, help="Model name or path."),
-    dtype: str = typer.Option("auto", help="Engine dtype: " + DTYPE_HELP),
-    limit: int | None = typer.Option(None, help="Use only the first N requests."),
-    skip_hf: bool = typer.Option(False, help="Skip the HF transformers baseline."),
-    shape: str | None = typer.Option(
-        None, help="Measure a named model shape instead of --model (e.g. llama3-8b, "
-        "qwen2.5-7b, llama3-70b, smollm2-135m); needs --random-weights."),
-    config: Path | None = typer.Option(
-        None, exists=True, dir_okay=False,
-        help="An HF config.json whose shape to measure; needs --random-weights."),
-    random_weights: bool = typer.Option(
-        False, help="Random weights of the shape: measures the chip without downloading."),
-    kernels: str = typer.Option("auto", help="auto, native or torch (the portable path)."),
-    kv_dtype: str = typer.Option("auto", help=KV_DTYPE_HELP, callback=_kv_dtype),
-    peer: str | None = typer.Option(None, help="Also measure this engine: vllm."),
-    peer_python: str | None = typer.Option(
-        None, help="Python of the environment where the peer is installed."),
-) -> None:
-    """Offline engine throughput vs the speed of light, HF transformers and (optionally) vLLM."""
-    from minimill.bench.engine_bench import EngineBenchOptions, run_engine_bench
-
-    run_engine_bench(EngineBenchOptions(
-        workload=workload, json_out=json_out, model=model, dtype=dtype, limit=limit,
-        skip_hf=skip_hf, shape=shape, config=config, random_weights=random_weights,
-        kernels=kernels, kv_dtype=kv_dtype, peer=peer, peer_python=peer_python))
-
-
-@bench_app.command("sessions")
-def bench_sessions(
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    model: str = typer.Option(DEFAULT_MODEL, help="Model name or path."),
-    dtype: str = typer.Option("auto", help="Engine dtype: " + DTYPE_HELP),
-    sessions: int = typer.Option(64, help="Agent sessions running at once."),
-    turns: int = typer.Option(8, help="Turns per session."),
-    tool_tokens: int = typer.Option(300, help="About this many tokens of tool output a turn."),
-    max_tokens: int = typer.Option(16, help="Answer tokens a turn."),
-    kv_cache_gb: float | None = typer.Option(
-        None, help="Device KV pool, GiB (default: a quarter of what the sessions hold)."),
-    kv_host_gb: float = typer.Option(0.5, help="Host RAM KV tier, GiB."),
-    kv_flash_gb: float = typer.Option(8.0, help="Flash KV tier bound, GiB (a temp dir)."),
-    restart_after: int = typer.Option(
-        4, help="Restart serve after this turn in the restart run (0: no restart run)."),
-    probe_tokens: int = typer.Option(1024, help="Prompt tokens of the restore vs recompute "
-                                     "probe."),
-) -> None:
-    """Agent sessions through serve: prefix reuse + KV tiers on vs off, and across a restart."""
-    from minimill.bench.sessions_bench import SessionsBenchOptions, run_sessions_bench
-
-    run_sessions_bench(SessionsBenchOptions(
-        json_out=json_out, model=model, dtype=dtype, sessions=sessions, turns=turns,
-        tool_tokens=tool_tokens, max_tokens=max_tokens, kv_cache_gb=kv_cache_gb,
-        kv_host_gb=kv_host_gb, kv_flash_gb=kv_flash_gb, restart_after=restart_after,
-        probe_tokens=probe_tokens))
-
-
-@bench_app.command("kv")
-def bench_kv(
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    model: str = typer.Option(DEFAULT_MODEL, help="Model name or path."),
-    dtype: str = typer.Option("auto", help="Engine dtype: " + DTYPE_HELP),
-    kv_dtypes: str = typer.Option("int8,int4", help="Compressed KV dtypes to measure, "
-                                  "comma-separated (the model dtype is always measured as the "
-                                  "reference)."),
-    perplexity_tokens: int = typer.Option(16384, help="Tokens of the text for perplexity."),
-    prompts: int = typer.Option(64, help="Prompts for the greedy agreement."),
-    new_tokens: int = typer.Option(128, help="Tokens generated per prompt."),
-    budget_mb: float = typer.Option(48.0, help="The fixed KV memory budget, MB."),
-) -> None:
-    """KV cache dtypes: bytes/token, perplexity, greedy agreement, throughput at one budget."""
-    from minimill.bench.kv_bench import KvBenchOptions, run_kv_bench
-
-    run_kv_bench(KvBenchOptions(
-        json_out=json_out, model=model, dtype=dtype,
-        kv_dtypes=tuple(k.strip() for k in kv_dtypes.split(",") if k.strip()),
-        perplexity_tokens=perplexity_tokens, prompts=prompts, new_tokens=new_tokens,
-        budget_mb=budget_mb))
-
-
-@bench_app.command("batch")
-def bench_batch(
-    workload: Path = WorkloadOption,
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    model: str = typer.Option(DEFAULT_MODEL, help="Model name or path."),
-    limit: int | None = typer.Option(None, help="Use only the first N requests."),
-) -> None:
-    """Batch API throughput of a fresh serve vs the offline engine, plus ingest speed."""
-    from minimill.bench.batch_bench import run_batch_bench
-
-    run_batch_bench(workload, json_out=json_out, model=model, limit=limit)
-
-
-@bench_app.command("fleet")
-def bench_fleet(
-    workload: Path = WorkloadOption,
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    kill_every_s: float = typer.Option(10.0, help="Kill a random worker this often."),
-    limit: int | None = typer.Option(None, help="Use only the first N requests."),
-) -> None:
-    """Goodput of 3 local workers with one killed every few seconds vs no kills."""
-    from minimill.bench.fleet_bench import run_fleet_bench
-
-    run_fleet_bench(workload, json_out=json_out, kill_every_s=kill_every_s, limit=limit)
-
-
-@bench_app.command("ingest")
-def bench_ingest(
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    heartbeat_interval_s: float = typer.Option(0.5, help="The heartbeating client's interval."),
-    lines: int = typer.Option(50_000, help="Lines of ~4 KB in the batch (a quick check: fewer)."),
-) -> None:
-    """Control-plane peak RSS while a 50,000-line ~200 MB batch is ingested and finalized,
-    and the longest gap of a worker's heartbeats meanwhile."""
-    import json
-
-    from minimill.bench.ingest_bench import run_ingest_bench
-    from minimill.bench.local_fleet import BenchError
-
-    try:
-        report = run_ingest_bench(heartbeat_interval_s, lines)
-    except (BenchError, RuntimeError, TimeoutError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from exc
-    if json_out:
-        typer.echo(json.dumps(report))
-        return
-    for key, value in report.items():
-        typer.echo(f"{key:>32}: {value}")
-
-
-@bench_app.command("agents")
-def bench_agents(
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    model: str = typer.Option(DEFAULT_MODEL, help="Model to serve."),
-    dtype: str = typer.Option("auto", help="Engine dtype: " + DTYPE_HELP),
-    docs: int = typer.Option(1000, min=100, help="Documents in the generated corpus."),
-    docs_per_subagent: int = typer.Option(10, min=1, help="Documents each subagent reads."),
-) -> None:
-    """The deep-research example: subagents, tokens, batching, tok/s vs the engine alone,
-    and the same with the runner killed twice."""
-    from minimill.bench.agents_bench import run_agents_bench
-
-    run_agents_bench(model=model, dtype=dtype, json_out=json_out, docs=docs,
-                     docs_per_subagent=docs_per_subagent)
-
-
 @app.command()
 def sim(
     scenario: Path = typer.Argument(..., exists=True, dir_okay=False,
@@ -420,7 +238,7 @@ def sim(
              str(p["p50_completion_s"]), str(p["p99_completion_s"]), str(p["deadline_misses"]),
              str(p["lease_expiries"]), str(p["handbacks"]))
             for name, p in report["policies"].items()]
-    _table("minimill sim", columns, rows, left=("policy",))
+    print_table("minimill sim", columns, rows, left=("policy",))
 
 
 @app.command()
@@ -480,7 +298,7 @@ def worker(
                                "'none' (a box host serving no tokens)."),
     model: str = typer.Option(DEFAULT_MODEL, help="Model to serve."),
     dtype: str = typer.Option("auto", help="Builtin engine dtype: " + DTYPE_HELP),
-    kv_dtype: str = typer.Option("auto", help=KV_DTYPE_HELP, callback=_kv_dtype),
+    kv_dtype: str = typer.Option("auto", help=KV_DTYPE_HELP, callback=check_kv_dtype),
     capacity: int = typer.Option(256, help="Most requests in flight."),
     boxes: int = typer.Option(0, min=0, help="Boxes (sandboxes) this site holds at once."),
     box_dir: Path | None = typer.Option(None, help="Where box workspaces live (default: "
@@ -513,98 +331,6 @@ def worker(
                agents=agents)
 
 
-@sites_app.command("create")
-def sites_create(
-    name: str = typer.Argument(..., help="Site name."),
-    price_per_hour: float = typer.Option(0.10, help="What the site costs in $/hour."),
-    chip: str = typer.Option("cpu", help="Chip name."),
-    db: str | None = DbOption,
-) -> None:
-    """Register a site and print its token."""
-    from minimill.control.sites import create_site
-
-    with _store(db) as store:
-        typer.echo(create_site(store, name, price_per_hour, chip))
-
-
-@sites_app.command("list")
-def sites_list(db: str | None = DbOption,
-               json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    """Show every site: health, throughput (reported and measured), cost, billed, margin."""
-    import time
-    from dataclasses import asdict
-
-    from minimill.control.site_view import list_sites
-
-    with _store(db) as store:
-        statuses = list_sites(store, time.time())
-    if json_out:
-        typer.echo(json.dumps([asdict(s) for s in statuses], indent=2))
-        return
-    columns = ("site", "status", "chip", "$/h now", "tok/s said", "tok/s measured", "uptime",
-               "cost $/Mtok", "eff $/Mtok", "in flight", "free", "leases", "expired", "stale",
-               "wasted tok", "billed $", "cost $", "margin $", "next outage (UTC)")
-    rows = [(s.name, s.status, s.chip, f"{s.price_now:.4f}", _num(s.tokens_per_s, ".1f"),
-             _num(s.measured_tokens_per_s, ".1f"), _num(s.uptime, ".1%"),
-             _num(s.cost_usd_per_mtok, ".4f"), f"{s.effective_usd_per_mtok:.4f}",
-             str(s.in_flight), str(s.free_capacity), str(s.leases_granted),
-             str(s.leases_expired), str(s.stale_completions), str(s.wasted_tokens),
-             f"{s.billed_usd:.6f}", f"{s.cost_usd:.6f}", f"{s.margin_usd:.6f}", _next_outage(s))
-            for s in statuses]
-    _table("minimill sites", columns, rows, left=("site", "status", "chip",
-                                                   "next outage (UTC)"))
-    billed, cost = sum(s.billed_usd for s in statuses), sum(s.cost_usd for s in statuses)
-    typer.echo(f"billed ${billed:.6f}, cost ${cost:.6f}, margin ${billed - cost:.6f}")
-
-
-@outage_app.command("add")
-def outage_add(
-    site: str = typer.Argument(..., help="Site name."),
-    start: str = typer.Option(..., "--from", help="Start, ISO 8601."),
-    end: str = typer.Option(..., "--to", help="End, ISO 8601."),
-    db: str | None = DbOption,
-) -> None:
-    """Announce a planned or forecast outage of a site."""
-    from minimill.control.sites import add_outage, parse_time
-
-    with _store(db) as store:
-        outage_id = add_outage(store, site, parse_time(start, "from"), parse_time(end, "to"))
-    typer.echo(f"outage {outage_id} of {site} from {start} to {end} recorded")
-
-
-@site_price_app.command("set")
-def site_price_set(
-    site: str = typer.Argument(..., help="Site name."),
-    schedule: Path | None = typer.Option(
-        None, "--schedule", help="JSON or YAML file: a list of hourly $/h from the start of "
-        "today (UTC), repeating, or {start_at, hourly_usd, repeat}."),
-    clear: bool = typer.Option(False, "--clear", help="Back to the flat price_per_hour."),
-    db: str | None = DbOption,
-) -> None:
-    """Make a site's price follow an hourly schedule; background work with a deadline is
-    placed into its cheapest hours that still meet it (realtime is never deferred)."""
-    import time
-
-    import yaml
-
-    from minimill.control.price_schedule import parse, utc_day_start
-    from minimill.control.sites import set_price_schedule
-
-    if clear == (schedule is not None):
-        raise typer.BadParameter("give --schedule FILE or --clear")
-    parsed = None
-    if schedule is not None:
-        try:
-            parsed = parse(yaml.safe_load(schedule.read_text()), utc_day_start(time.time()))
-        except (OSError, ValueError, yaml.YAMLError) as e:
-            raise typer.BadParameter(f"{schedule}: {e}") from e
-    with _store(db) as store:
-        set_price_schedule(store, site, parsed)
-    typer.echo(f"{site}: flat price" if parsed is None else
-               f"{site}: {len(parsed.hourly_usd)} hourly prices from {_moment(parsed.start_at)}"
-               f"{', repeating' if parsed.repeat else ''}")
-
-
 TierOption = typer.Option("realtime", "--tier", help="realtime or background (default: "
                           "realtime; background is realtime times the discount unless set).")
 
@@ -622,7 +348,7 @@ def prices_set(
     """Set what tenants are billed for a model and tier (create or replace the entry)."""
     from minimill.control.prices import set_price
 
-    with _store(db) as store:
+    with open_store_or_exit(db) as store:
         quoted = set_price(store, model, tier, input_price, output_price, cached_input)
     p = quoted.price
     typer.echo(f"{quoted.model} {quoted.tier}: input {p.input_usd_per_mtok:g}, cached input "
@@ -635,7 +361,7 @@ def prices_delete(model: str = typer.Argument(..., help="Model name, or '*'."),
     """Remove an entry: the model and tier fall back to the next rule (see prices list)."""
     from minimill.control.prices import delete_price
 
-    with _store(db) as store:
+    with open_store_or_exit(db) as store:
         delete_price(store, model, tier)
     typer.echo(f"{model} {tier}: entry removed")
 
@@ -648,7 +374,7 @@ def prices_list(db: str | None = DbOption,
     from minimill.control.prices import read_price_list
 
     factor = Settings().background_price_factor
-    with _store(db) as store:
+    with open_store_or_exit(db) as store:
         table = read_price_list(store).table(factor)
     if json_out:
         typer.echo(json.dumps([{"model": q.model, "tier": q.tier.value, "entry": q.entry,
@@ -662,7 +388,7 @@ def prices_list(db: str | None = DbOption,
              f"{q.price.cached_input_usd_per_mtok:g}", f"{q.price.output_usd_per_mtok:g}",
              q.source + (f" x {factor:g}" if q.discounted else ""))
             for q in table]
-    _table("minimill prices ($ per million tokens)",
+    print_table("minimill prices ($ per million tokens)",
            ("model", "tier", "input", "cached input", "output", "from entry"), rows,
            left=("model", "tier", "from entry"))
 
@@ -685,7 +411,7 @@ def webhooks_create(
 
     if fleet == (tenant is not None):
         raise SystemExit("error: give --tenant NAME or --fleet")
-    with _store(db) as store:
+    with open_store_or_exit(db) as store:
         owner = ensure_tenant(store, tenant).id if tenant is not None else None
         endpoint, secret = create_endpoint(store, owner, name or url, url,
                                            list(event) or list(EVENT_TYPES))
@@ -700,7 +426,7 @@ def webhooks_list(db: str | None = DbOption,
     from minimill.control.webhook_events import delivery_counts
     from minimill.control.webhooks import EVENT_TYPES, all_endpoints
 
-    with _store(db) as store:
+    with open_store_or_exit(db) as store:
         endpoints, counts = all_endpoints(store), delivery_counts(store)
     if json_out:
         typer.echo(json.dumps([
@@ -712,7 +438,7 @@ def webhooks_list(db: str | None = DbOption,
              "all" if set(e.event_types) == set(EVENT_TYPES) else ",".join(e.event_types),
              *(str(counts.get(e.id, {}).get(s, 0)) for s in ("pending", "delivered", "failed")))
             for e, tenant_name in endpoints]
-    _table("minimill webhooks", ("id", "tenant", "url", "events", "pending", "delivered",
+    print_table("minimill webhooks", ("id", "tenant", "url", "events", "pending", "delivered",
                                  "failed"), rows, left=("id", "tenant", "url", "events"))
 
 
@@ -722,104 +448,9 @@ def webhooks_delete(endpoint_id: str = typer.Argument(..., help="The endpoint's 
     """Delete an endpoint; its undelivered events are dropped."""
     from minimill.control.webhooks import delete_any_endpoint
 
-    with _store(db) as store:
+    with open_store_or_exit(db) as store:
         delete_any_endpoint(store, endpoint_id)
     typer.echo(f"{endpoint_id} deleted")
-
-
-@contextlib.contextmanager
-def _store(db: str | None) -> Iterator[Store]:
-    """The store at `db`; its errors and domain errors end the command with a message."""
-    from minimill.control.errors import ControlError
-    from minimill.control.store import StoreError, open_store
-
-    try:
-        store = open_store(db)
-    except StoreError as exc:
-        raise SystemExit(f"error: {exc}") from None
-    try:
-        yield store
-    except ControlError as exc:
-        raise SystemExit(f"error: {exc.message}") from None
-    finally:
-        store.close()
-
-
-def _num(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _next_outage(status: SiteStatus) -> str:
-    from datetime import UTC, datetime
-
-    if not status.outages:
-        return "-"
-    first = min(status.outages, key=lambda o: o["start_at"])
-
-    def moment(t: float) -> str:
-        return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M")
-
-    return f"{moment(first['start_at'])} to {moment(first['end_at'])}"
-
-
-def _table(title: str, columns: tuple[str, ...], rows: Sequence[Sequence[str]],
-           left: tuple[str, ...]) -> None:
-    import sys
-
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title)
-    for column in columns:
-        table.add_column(column, no_wrap=True, justify="left" if column in left else "right")
-    for row in rows:
-        table.add_row(*row)
-    # Piped output is not cut to 80 columns: every row stays on one line.
-    Console(width=None if sys.stdout.isatty() else 300).print(table)
-
-
-@outage_app.command("list")
-def outage_list(
-    site: str | None = typer.Argument(None, help="Only this site's outages."),
-    include_past: bool = typer.Option(False, "--all", help="Past outages too."),
-    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
-    db: str | None = DbOption,
-) -> None:
-    """List announced outages (those not over yet) with their ids."""
-    import time
-    from dataclasses import asdict
-
-    from minimill.control.sites import list_outages
-
-    with _store(db) as store:
-        records = list_outages(store, time.time(), site, include_past=include_past)
-    if json_out:
-        typer.echo(json.dumps([asdict(r) for r in records], indent=2))
-        return
-    if not records:
-        typer.echo("no outages announced" + (f" for {site}" if site else ""))
-    for r in records:
-        typer.echo(f"{r.id:>6}  {r.site}  {_moment(r.start_at)} to {_moment(r.end_at)} UTC")
-
-
-@outage_app.command("remove")
-def outage_remove(
-    outage_id: int = typer.Argument(..., help="The outage's id (see `sites outage list`)."),
-    db: str | None = DbOption,
-) -> None:
-    """Withdraw an announced outage: the site gets work for that time again."""
-    from minimill.control.sites import remove_outage
-
-    with _store(db) as store:
-        record = remove_outage(store, outage_id)
-    typer.echo(f"outage {record.id} of {record.site} ({_moment(record.start_at)} to "
-               f"{_moment(record.end_at)} UTC) removed")
-
-
-def _moment(t: float) -> str:
-    from datetime import UTC, datetime
-
-    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,173 @@
+"""`minimill bench ...`: the benchmarks, each printing its figures beside their targets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from minimill.cli_options import DEFAULT_MODEL, DTYPE_HELP, KV_DTYPE_HELP, check_kv_dtype
+
+bench_app = typer.Typer(help="Benchmarks that print JSON figures.", no_args_is_help=True)
+
+
+@bench_app.callback()
+def bench_callback() -> None:
+    """Benchmarks that print JSON figures."""
+    from minimill.lifetime import exit_on_sigterm
+
+    # A benchmark stopped by a timeout (SIGTERM) stops the processes it started on its way out.
+    exit_on_sigterm()
+
+
+WorkloadOption = typer.Option(Path("../shared/workloads/throughput-256.jsonl"),
+                              help="Batch-format JSONL workload.")
+
+
+@bench_app.command("engine")
+def bench_engine(
+    workload: Path = WorkloadOption,
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    model: str = typer.Option(DEFAULT_MODEL, help="Model name or path."),
+    dtype: str = typer.Option("auto", help="Engine dtype: " + DTYPE_HELP),
+    limit: int | None = typer.Option(None, help="Use only the first N requests."),
+    skip_hf: bool = typer.Option(False, help="Skip the HF transformers baseline."),
+    shape: str | None = typer.Option(
+        None, help="Measure a named model shape instead of --model (e.g. llama3-8b, "
+        "qwen2.5-7b, llama3-70b, smollm2-135m); needs --random-weights."),
+    config: Path | None = typer.Option(
+        None, exists=True, dir_okay=False,
+        help="An HF config.json whose shape to measure; needs --random-weights."),
+    random_weights: bool = typer.Option(
+        False, help="Random weights of the shape: measures the chip without downloading."),
+    kernels: str = typer.Option("auto", help="auto, native or torch (the portable path)."),
+    kv_dtype: str = typer.Option("auto", help=KV_DTYPE_HELP, callback=check_kv_dtype),
+    peer: str | None = typer.Option(None, help="Also measure this engine: vllm."),
+    peer_python: str | None = typer.Option(
+        None, help="Python of the environment where the peer is installed."),
+) -> None:
+    """Offline engine throughput vs the speed of light, HF transformers and (optionally) vLLM."""
+    from minimill.bench.engine_bench import EngineBenchOptions, run_engine_bench
+
+    run_engine_bench(EngineBenchOptions(
+        workload=workload, json_out=json_out, model=model, dtype=dtype, limit=limit,
+        skip_hf=skip_hf, shape=shape, config=config, random_weights=random_weights,
+        kernels=kernels, kv_dtype=kv_dtype, peer=peer, peer_python=peer_python))
+
+
+@bench_app.command("sessions")
+def bench_sessions(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    model: str = typer.Option(DEFAULT_MODEL, help="Model name or path."),
+    dtype: str = typer.Option("auto", help="Engine dtype: " + DTYPE_HELP),
+    sessions: int = typer.Option(64, help="Agent sessions running at once."),
+    turns: int = typer.Option(8, help="Turns per session."),
+    tool_tokens: int = typer.Option(300, help="About this many tokens of tool output a turn."),
+    max_tokens: int = typer.Option(16, help="Answer tokens a turn."),
+    kv_cache_gb: float | None = typer.Option(
+        None, help="Device KV pool, GiB (default: a quarter of what the sessions hold)."),
+    kv_host_gb: float = typer.Option(0.5, help="Host RAM KV tier, GiB."),
+    kv_flash_gb: float = typer.Option(8.0, help="Flash KV tier bound, GiB (a temp dir)."),
+    restart_after: int = typer.Option(
+        4, help="Restart serve after this turn in the restart run (0: no restart run)."),
+    probe_tokens: int = typer.Option(1024, help="Prompt tokens of the restore vs recompute "
+                                     "probe."),
+) -> None:
+    """Agent sessions through serve: prefix reuse + KV tiers on vs off, and across a restart."""
+    from minimill.bench.sessions_bench import SessionsBenchOptions, run_sessions_bench
+
+    run_sessions_bench(SessionsBenchOptions(
+        json_out=json_out, model=model, dtype=dtype, sessions=sessions, turns=turns,
+        tool_tokens=tool_tokens, max_tokens=max_tokens, kv_cache_gb=kv_cache_gb,
+        kv_host_gb=kv_host_gb, kv_flash_gb=kv_flash_gb, restart_after=restart_after,
+        probe_tokens=probe_tokens))
+
+
+@bench_app.command("kv")
+def bench_kv(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    model: str = typer.Option(DEFAULT_MODEL, help="Model name or path."),
+    dtype: str = typer.Option("auto", help="Engine dtype: " + DTYPE_HELP),
+    kv_dtypes: str = typer.Option("int8,int4", help="Compressed KV dtypes to measure, "
+                                  "comma-separated (the model dtype is always measured as the "
+                                  "reference)."),
+    perplexity_tokens: int = typer.Option(16384, help="Tokens of the text for perplexity."),
+    prompts: int = typer.Option(64, help="Prompts for the greedy agreement."),
+    new_tokens: int = typer.Option(128, help="Tokens generated per prompt."),
+    budget_mb: float = typer.Option(48.0, help="The fixed KV memory budget, MB."),
+) -> None:
+    """KV cache dtypes: bytes/token, perplexity, greedy agreement, throughput at one budget."""
+    from minimill.bench.kv_bench import KvBenchOptions, run_kv_bench
+
+    run_kv_bench(KvBenchOptions(
+        json_out=json_out, model=model, dtype=dtype,
+        kv_dtypes=tuple(k.strip() for k in kv_dtypes.split(",") if k.strip()),
+        perplexity_tokens=perplexity_tokens, prompts=prompts, new_tokens=new_tokens,
+        budget_mb=budget_mb))
+
+
+@bench_app.command("batch")
+def bench_batch(
+    workload: Path = WorkloadOption,
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    model: str = typer.Option(DEFAULT_MODEL, help="Model name or path."),
+    limit: int | None = typer.Option(None, help="Use only the first N requests."),
+) -> None:
+    """Batch API throughput of a fresh serve vs the offline engine, plus ingest speed."""
+    from minimill.bench.batch_bench import run_batch_bench
+
+    run_batch_bench(workload, json_out=json_out, model=model, limit=limit)
+
+
+@bench_app.command("fleet")
+def bench_fleet(
+    workload: Path = WorkloadOption,
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    kill_every_s: float = typer.Option(10.0, help="Kill a random worker this often."),
+    limit: int | None = typer.Option(None, help="Use only the first N requests."),
+) -> None:
+    """Goodput of 3 local workers with one killed every few seconds vs no kills."""
+    from minimill.bench.fleet_bench import run_fleet_bench
+
+    run_fleet_bench(workload, json_out=json_out, kill_every_s=kill_every_s, limit=limit)
+
+
+@bench_app.command("ingest")
+def bench_ingest(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    heartbeat_interval_s: float = typer.Option(0.5, help="The heartbeating client's interval."),
+    lines: int = typer.Option(50_000, help="Lines of ~4 KB in the batch (a quick check: fewer)."),
+) -> None:
+    """Control-plane peak RSS while a 50,000-line ~200 MB batch is ingested and finalized,
+    and the longest gap of a worker's heartbeats meanwhile."""
+    import json
+
+    from minimill.bench.ingest_bench import run_ingest_bench
+    from minimill.bench.local_fleet import BenchError
+
+    try:
+        report = run_ingest_bench(heartbeat_interval_s, lines)
+    except (BenchError, RuntimeError, TimeoutError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    if json_out:
+        typer.echo(json.dumps(report))
+        return
+    for key, value in report.items():
+        typer.echo(f"{key:>32}: {value}")
+
+
+@bench_app.command("agents")
+def bench_agents(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    model: str = typer.Option(DEFAULT_MODEL, help="Model to serve."),
+    dtype: str = typer.Option("auto", help="Engine dtype: " + DTYPE_HELP),
+    docs: int = typer.Option(1000, min=100, help="Documents in the generated corpus."),
+    docs_per_subagent: int = typer.Option(10, min=1, help="Documents each subagent reads."),
+) -> None:
+    """The deep-research example: subagents, tokens, batching, tok/s vs the engine alone,
+    and the same with the runner killed twice."""
+    from minimill.bench.agents_bench import run_agents_bench
+
+    run_agents_bench(model=model, dtype=dtype, json_out=json_out, docs=docs,
+                     docs_per_subagent=docs_per_subagent)

@@ -1,0 +1,78 @@
+"""Options and helpers the `minimill` command groups share (cli.py, bench_cli.py,
+sites_cli.py): model and dtype options, the store a command opens, and tables."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import typer
+
+if TYPE_CHECKING:
+    from minimill.control.store import Store
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+DTYPE_HELP = ("auto (bfloat16 where the chip computes it natively: GPUs, CPUs with AVX-512 BF16 "
+              "or AMX; else float32), bfloat16, float16 or float32.")
+
+
+DbOption = typer.Option(None, "--db", help="Store URL (sqlite:///... or postgresql://...). "
+                        "Default: SQLite under MINIMILL_HOME.")
+
+
+KV_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32", "int8",
+             "int4")
+
+
+def check_kv_dtype(value: str) -> str:
+    """A KV dtype the engine knows, refused at once rather than by a worker that restarts."""
+    if value not in KV_DTYPES:
+        raise typer.BadParameter(f"must be one of {', '.join(KV_DTYPES)}")
+    return value
+
+
+KV_DTYPE_HELP = ("KV cache dtype: auto (the engine dtype), bf16, fp32, int8 (per-token "
+                 "asymmetric scales: about half the bytes, twice the sequences), or int4 "
+                 "(64-token groups, keys per channel, values per token, the open block in "
+                 "int8: about 3.5x fewer bytes).")
+
+
+@contextlib.contextmanager
+def open_store_or_exit(db: str | None) -> Iterator[Store]:
+    """The store at `db`; its errors and domain errors end the command with a message."""
+    from minimill.control.errors import ControlError
+    from minimill.control.store import StoreError, open_store
+
+    try:
+        store = open_store(db)
+    except StoreError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    try:
+        yield store
+    except ControlError as exc:
+        raise SystemExit(f"error: {exc.message}") from None
+    finally:
+        store.close()
+
+
+def number_or_dash(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(title: str, columns: tuple[str, ...], rows: Sequence[Sequence[str]],
+           left: tuple[str, ...]) -> None:
+    import sys
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, no_wrap=True, justify="left" if column in left else "right")
+    for row in rows:
+        table.add_row(*row)
+    # Piped output is not cut to 80 columns: every row stays on one line.
+    Console(width=None if sys.stdout.isatty() else 300).print(table)
