@@ -1,7 +1,7 @@
 """A network partition: one worker is cut off from the control plane (its loopback proxy
 black-holes every request), then healed. Its leases expire and resume on the other worker from
-their checkpoints; after the heal its stale work is revoked or rejected, never counted twice,
-and it takes work again."""
+their checkpoints and end exactly as an uninterrupted run of the same requests does; after the
+heal its stale work is revoked or rejected, never counted twice, and it takes work again."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 from fleet_checks import accepted_checkpoints, batch_records, wait_until
 from proxy import fleet_proxy
-from serve_process import Serve, Worker, chat_line, free_port
+from resume_reference import assert_results_match_reference, finished_requests, rendered, trust_line
+from serve_process import Serve, Worker, free_port
+
+from minimill.control.records import Kind
 
 pytestmark = pytest.mark.slow
 NUM_LINES = 24
@@ -28,7 +31,7 @@ def test_partitioned_worker_loses_nothing_and_rejoins(fleet_home: Path, tmp_path
             workers.append(cut)
             path = tmp_path / "jobs.jsonl"
             path.write_text("\n".join(
-                chat_line(f"p-{i:02d}", f"Write a paragraph about river {i}.", max_tokens=40)
+                trust_line(f"p-{i:02d}", i, f"Write a paragraph about river {i}.", 40)
                 for i in range(NUM_LINES)) + "\n")
             client = serve.client()
             uploaded = client.files.create(file=path.open("rb"), purpose="batch")
@@ -58,9 +61,10 @@ def test_partitioned_worker_loses_nothing_and_rejoins(fleet_home: Path, tmp_path
             assert all(r["response"]["status_code"] == 200 for r in records)
             for record in records:
                 request_id = record["response"]["request_id"]
-                if request_id in checkpoints:
-                    text = record["response"]["body"]["choices"][0]["message"]["content"]
-                    assert text.startswith(checkpoints[request_id]["choices"][0]["text"])
+                for choice in checkpoints.get(request_id, {"choices": []})["choices"]:
+                    text = record["response"]["body"]["choices"][choice["index"]]["message"][
+                        "content"]
+                    assert text.startswith(choice["text"])
 
             # Healed: the cut-off worker talks to the control plane again.
             wait_until(lambda: any(e.path.endswith("/lease") and e.at > healed_at
@@ -69,6 +73,17 @@ def test_partitioned_worker_loses_nothing_and_rejoins(fleet_home: Path, tmp_path
         # for it to hear that its leases are gone.
         wait_until(lambda: "leases revoked" in cut.log_text() or "rejected" in cut.log_text(),
                    60, "the cut worker to learn its leases were revoked")
+
+        # Each result, those resumed on the other worker included, is what an uninterrupted
+        # run gives.
+        for worker in workers:
+            worker.stop()  # idle now; the reference run below gets the CPU
+        compared = assert_results_match_reference(finished_requests(serve.db_url(),
+                                                                    batch_id=batch.id))
+        assert compared.resumed
+        for record in records:
+            assert record["response"]["body"]["choices"] == rendered(
+                Kind.CHAT, compared.reference[record["response"]["request_id"]])
     finally:
         for worker in workers:
             worker.stop()
