@@ -42,6 +42,11 @@ def bench_engine(
         False, help="Random weights of the shape: measures the chip without downloading."),
     kernels: str = typer.Option("auto", help="auto, native or torch (the portable path)."),
     kv_dtype: str = typer.Option("auto", help=KV_DTYPE_HELP, callback=check_kv_dtype),
+    kv_prefault: bool = typer.Option(
+        True, "--kv-prefault/--no-kv-prefault",
+        help="Back the KV pool with memory before the run (as `serve --kv-prefault`, and as "
+        "an engine that allocates its cache up front): steady-state speed, not the OS "
+        "zeroing pages during the first pass."),
     peer: str | None = typer.Option(None, help="Also measure this engine: vllm."),
     peer_python: str | None = typer.Option(
         None, help="Python of the environment where the peer is installed."),
@@ -52,7 +57,8 @@ def bench_engine(
     run_engine_bench(EngineBenchOptions(
         workload=workload, json_out=json_out, model=model, dtype=dtype, limit=limit,
         skip_hf=skip_hf, shape=shape, config=config, random_weights=random_weights,
-        kernels=kernels, kv_dtype=kv_dtype, peer=peer, peer_python=peer_python))
+        kernels=kernels, kv_dtype=kv_dtype, kv_prefault=kv_prefault, peer=peer,
+        peer_python=peer_python))
 
 
 @bench_app.command("sessions")

@@ -62,11 +62,19 @@ PrefixCachingOption = typer.Option(True, "--prefix-caching/--no-prefix-caching",
                                    "computed before (the KV tiers need it).")
 
 
+KvPrefaultOption = typer.Option(False, "--kv-prefault/--no-kv-prefault",
+                                help="Builtin engine on CPU: back the whole KV pool with memory "
+                                "at start, so the first requests run at steady-state speed "
+                                "(a long-running factory wants this); costs start time and "
+                                "the pool's size in resident memory from the start.")
+
+
 def _kv_options(cache_gb: float | None, host_gb: float, flash_dir: str | None,
-                flash_gb: float, prefix_caching: bool, kv_dtype: str) -> KvOptions:
+                flash_gb: float, prefix_caching: bool, kv_dtype: str,
+                prefault: bool) -> KvOptions:
     from minimill.fleet.kv_options import KvOptions
 
-    kv = KvOptions(cache_gb, host_gb, flash_dir, flash_gb, prefix_caching, kv_dtype)
+    kv = KvOptions(cache_gb, host_gb, flash_dir, flash_gb, prefix_caching, kv_dtype, prefault)
     try:
         kv.check()
     except ValueError as exc:
@@ -130,12 +138,13 @@ def serve(
     kv_flash_dir: str | None = KvFlashDirOption,
     kv_flash_gb: float = KvFlashGbOption,
     prefix_caching: bool = PrefixCachingOption,
+    kv_prefault: bool = KvPrefaultOption,
 ) -> None:
     """Serve the OpenAI-compatible API (control plane) plus one local worker process."""
     from minimill.api.serve import run_serve
 
     kv = _kv_options(kv_cache_gb, kv_host_gb, kv_flash_dir, kv_flash_gb, prefix_caching,
-                     kv_dtype)
+                     kv_dtype, kv_prefault)
     run_serve(host=host, port=port, db=db, model=model, dtype=dtype, local_worker=local_worker,
               price_per_hour=price_per_hour, kv=kv, boxes=boxes,
               insecure_no_sandbox=insecure_no_sandbox, agents=agents)
@@ -316,13 +325,14 @@ def worker(
     kv_flash_dir: str | None = KvFlashDirOption,
     kv_flash_gb: float = KvFlashGbOption,
     prefix_caching: bool = PrefixCachingOption,
+    kv_prefault: bool = KvPrefaultOption,
 ) -> None:
     """Join a fleet: pull work from the control plane under leases and run it."""
     from minimill.boxes.host_setup import BoxOptions
     from minimill.fleet.worker import run_worker
 
     kv = _kv_options(kv_cache_gb, kv_host_gb, kv_flash_dir, kv_flash_gb, prefix_caching,
-                     kv_dtype)
+                     kv_dtype, kv_prefault)
     run_worker(server=server, site=site, token=token, price_per_hour=price_per_hour, chip=chip,
                engine=engine, model=model, dtype=dtype, capacity=capacity, kv=kv,
                boxes=BoxOptions(slots=boxes, box_dir=box_dir,

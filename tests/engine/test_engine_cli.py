@@ -95,6 +95,8 @@ def test_bench_engine_prints_figures_and_their_yardsticks(minimill_home: Path,
     assert report["hf_speedup"] == pytest.approx(
         report["output_tok_s"] / report["hf_output_tok_s"], rel=0.01)
     assert isinstance(report["meets_targets"], bool)
+    assert report["kv_prefault"] is True
+    assert 0 <= report["split_steps"] <= report["steps"]
 
 
 def test_bench_engine_measures_a_shape_with_random_weights(minimill_home: Path, workload: Path,

@@ -2,13 +2,16 @@
 
 `TimedKernels` wraps the kernels a model runs (engine.kernels) and adds each call's wall time
 to its operation's total; linear layers are told apart by their weight. On the CPU every
-kernel returns when its work is done, so a call's wall time is its cost. What the kernels do
-not account for (building the step's inputs, scheduling, detokenizing) is the run's time
-less their sum.
+kernel returns when its work is done, so a call's wall time is its cost. A call counts for the
+share of the engine's cores it ran on: a kernel spread over both of two cores counts whole, each
+of two groups run side by side on one core each (engine/core_split.py) counts half, so the
+totals stay comparable with the run's wall time. What the kernels do not account for (building
+the step's inputs, scheduling, detokenizing) is the run's time less their sum.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -36,14 +39,19 @@ class TimedKernels:
         self._weight_names = weight_names
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
+        self._cores = torch.get_num_threads()
+        self._lock = threading.Lock()  # groups on several cores report at once
 
     def _timed(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         start = self._clock()
         try:
             return fn(*args, **kwargs)
         finally:
-            self.seconds[name] += self._clock() - start
-            self.calls[name] += 1
+            share = min(1.0, torch.get_num_threads() / self._cores)
+            elapsed = (self._clock() - start) * share
+            with self._lock:
+                self.seconds[name] += elapsed
+                self.calls[name] += 1
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._inner, name)

@@ -46,6 +46,7 @@ class EngineBenchOptions:
     random_weights: bool = False
     kernels: str = "auto"
     kv_dtype: str = "auto"
+    kv_prefault: bool = True
     peer: str | None = None
     peer_python: str | None = None
 
@@ -142,7 +143,8 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
             tok.apply_chat_template(i.messages, add_generation_prompt=True),
             add_special_tokens=False)] for i in items]
         started = time.perf_counter()
-        llm = LLM(loaded, dtype=config.dtype, kernels=config.kernels, kv_dtype=config.kv_dtype)
+        llm = LLM(loaded, dtype=config.dtype, kernels=config.kernels, kv_dtype=config.kv_dtype,
+                  prefault_kv=options.kv_prefault)
         start_s = time.perf_counter() - started
     runner = llm.engine.runner
     params = [SamplingParams(max_tokens=i.max_tokens, temperature=i.temperature,
@@ -168,6 +170,8 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
     report: dict[str, Any] = {
         "model": measured, "random_weights": options.random_weights,
         "dtype": config.dtype, "dtype_reason": config.dtype_reason, "kv_dtype": config.kv_dtype,
+        "kv_prefault": options.kv_prefault,
+        "split_steps": runner.split_steps,
         "kernels": runner.kernels.name, "device": config.device,
         "cpu": cpu_report(),
         "torch": torch.__version__, "engine_start_s": round(start_s, 2),

@@ -62,6 +62,11 @@ class EngineConfig:
     kv_flash_bytes: int = 0
     num_threads: int | None = None  # CPU threads for torch; None: every core
     pin_threads: bool = True  # CPU: pin the intra-op threads to cores (kernels.py)
+    # CPU: back the whole KV pool with memory at start (attention.allocate_kv_cache), so
+    # the first requests run at steady-state speed; costs start time and resident memory.
+    prefault_kv: bool = False
+    # CPU: run a big step as groups of sequences, one group per core (core_split.py).
+    split_steps: bool = True
     dtype_reason: str = ""  # why this dtype (set when dtype was "auto")
     model_config: InitVar[ModelConfig | None] = None
 

@@ -105,6 +105,9 @@ class TorchKernels:
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention_reference(q, k_cache, v_cache, meta, scale)
 
+    def init_thread(self) -> None:
+        """Make this thread's first parallel call into the kernels (core_split.py)."""
+
     def pin_threads(self) -> list[int]:
         """Pin the intra-op threads to cores where the kernels know how; returns the CPU of
         each thread (-1: not pinned)."""
@@ -134,6 +137,11 @@ class CpuKernels(TorchKernels):
     def __init__(self) -> None:
         self._ops = torch.ops.minimill
         self._mkldnn = torch.backends.mkldnn.is_available()
+
+    def init_thread(self) -> None:
+        # The kernel library keeps its own once-per-thread set-up of the thread count.
+        x = torch.ones(1, 32)
+        self._ops.rms_norm(torch.empty_like(x), x, torch.ones(32), 1e-6)
 
     def pin_threads(self) -> list[int]:
         import os

@@ -7,17 +7,20 @@ block table, so no reordering or grouping is needed.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
 
 from minimill.engine.attention import allocate_kv_cache, build_metadata
 from minimill.engine.config import EngineConfig
+from minimill.engine.core_split import CoreWorkers, core_workers, plan_groups
 from minimill.engine.kernels import select_kernels
 from minimill.engine.model import DecoderModel
 from minimill.engine.sampler import sample
-from minimill.engine.scheduler import ModelOutput, SchedulerOutput
+from minimill.engine.scheduler import ModelOutput, ScheduledSequence, SchedulerOutput
 from minimill.models.types import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -55,7 +58,8 @@ class ModelRunner:
                                   release_weights=bool(loaded.extra.get("release_weights")))
         self.kv_cache = allocate_kv_cache(config.num_kv_blocks, mc.num_hidden_layers,
                                           mc.num_key_value_heads, config.block_size,
-                                          mc.head_dim, config.kv_torch_dtype, self.device)
+                                          mc.head_dim, config.kv_torch_dtype, self.device,
+                                          prefault=config.prefault_kv)
         # int4: the staging slots of open blocks, int8 blocks of the same size in tokens.
         self.kv_stage: torch.Tensor | None = None
         if config.kv_dtype == "int4":
@@ -65,10 +69,67 @@ class ModelRunner:
                                               self.device)
         # Set to a list to record every step's shape (benchmarks); None costs nothing.
         self.step_log: list[StepShape] | None = None
+        # CPU: big steps run as groups of sequences, one per core (core_split.py).
+        self.workers = self._core_workers()
+        self.split_steps = 0  # steps run that way (tests, logs)
+
+    def _core_workers(self) -> CoreWorkers | None:
+        threads = torch.get_num_threads()
+        if (self.device.type != "cpu" or not self.config.split_steps or threads < 2
+                or self.kernels.name != "native-cpu" or not hasattr(os, "sched_getaffinity")):
+            return None
+        cpus = sorted(os.sched_getaffinity(0))[:threads]
+        if len(cpus) < 2:
+            return None
+        return core_workers(cpus, self.config.pin_threads, self.kernels.init_thread)
+
+    def _groups(self, entries: list[ScheduledSequence]) -> list[list[int]] | None:
+        if self.workers is None:
+            return None
+        # Cost in rows through the linears; attention reads the KV (~1/1000 of a row's GEMM
+        # time per token of KV at this model's shape); a sampled row adds the vocabulary
+        # projection (~1/5 of a row through every layer).
+        costs = [e.num_new_tokens + 0.2 * e.sample
+                 + (e.seq.num_computed_tokens + e.num_new_tokens) / 1000 for e in entries]
+        return plan_groups(costs, [e.num_new_tokens for e in entries], len(self.workers.cpus))
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelOutput:
         """Compute the scheduled tokens' KV and sample for sequences that reached their end."""
+        entries = output.scheduled
+        if self.step_log is not None:
+            self.step_log.append(self._shape(entries))
+        groups = self._groups(entries)
+        if groups is None:
+            return self._run(entries)
+        assert self.workers is not None
+        parts = self.workers.map([functools.partial(self._run, [entries[i] for i in group])
+                                  for group in groups])
+        self.split_steps += 1
+        # Back into the step's order of sampling sequences.
+        sampled: dict[int, tuple[int, object]] = {}
+        for group, part in zip(groups, parts, strict=True):
+            rows = [i for i in group if entries[i].sample]
+            for i, token, logprob in zip(rows, part.sampled_token_ids, part.logprobs,
+                                         strict=True):
+                sampled[i] = (token, logprob)
+        order = [i for i, e in enumerate(entries) if e.sample]
+        return ModelOutput([sampled[i][0] for i in order],
+                           [sampled[i][1] for i in order])  # type: ignore[misc]
+
+    @staticmethod
+    def _shape(entries: list[ScheduledSequence]) -> StepShape:
+        # A query at position p scores p + 1 keys; a chunk of q rows ending at n scores
+        # q * n - q * (q - 1) / 2 pairs.
+        rows = pairs = kv = logits = 0
+        for e in entries:
+            q, n = e.num_new_tokens, e.seq.num_computed_tokens + e.num_new_tokens
+            rows, kv, logits = rows + q, kv + n, logits + e.sample
+            pairs += q * n - q * (q - 1) // 2
+        return StepShape(rows, logits, len(entries), kv, pairs)
+
+    def _run(self, entries: list[ScheduledSequence]) -> ModelOutput:
+        """Forward and sample these sequences (all of a step, or one core's group)."""
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -76,7 +137,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         stage_slots: list[int] = []
         logits_rows: list[int] = []
-        for e in output.scheduled:
+        for e in entries:
             seq = e.seq
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + e.num_new_tokens
             input_ids.extend(seq.token_ids[start:end])
@@ -88,13 +149,6 @@ class ModelRunner:
             if e.sample:
                 logits_rows.append(len(input_ids) - 1)
         dev = self.device
-        if self.step_log is not None:
-            # A query at position p scores p + 1 keys; a chunk of q rows ending at n scores
-            # q * n - q * (q - 1) / 2 pairs.
-            pairs = sum(q * n - q * (q - 1) // 2 for q, n in zip(query_lens, seq_lens,
-                                                                 strict=True))
-            self.step_log.append(StepShape(len(input_ids), len(logits_rows), len(seq_lens),
-                                           sum(seq_lens), pairs))
         meta = build_metadata(query_lens, seq_lens, tables, self.config.block_size, dev,
                               stage_slots, self.kv_stage)
         logits = self.model.forward(
@@ -103,7 +157,7 @@ class ModelRunner:
             meta, self.kv_cache, torch.tensor(logits_rows, dtype=torch.long, device=dev))
         if not logits_rows:
             return ModelOutput([], [])
-        sampling = [e.seq for e in output.scheduled if e.sample]
+        sampling = [e.seq for e in entries if e.sample]
         tokens, logprobs = sample(logits, [s.params for s in sampling],
                                   [s.seed for s in sampling],
                                   [s.num_output_tokens for s in sampling], self.kernels,

@@ -1,6 +1,6 @@
 """The builtin engine's KV cache options as `serve` and `worker` take them (`--kv-*` flags):
-the cache dtype, the device pool's size, prefix reuse, and the KV tiers below the pool (host
-RAM, flash)."""
+the cache dtype, the device pool's size and whether it is backed at start, prefix reuse, and
+the KV tiers below the pool (host RAM, flash)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ class KvOptions:
     flash_gb: float = 8.0  # flash tier bound (with flash_dir)
     prefix_caching: bool = True  # reuse computed prefixes (needed by the tiers)
     dtype: str = "auto"  # the KV cache dtype (auto: the engine dtype; int8; int4)
+    prefault: bool = False  # back the whole pool with memory at start (CPU)
 
     def check(self) -> None:
         """Raise ValueError for options no engine could take."""
@@ -32,7 +33,7 @@ class KvOptions:
         """EngineConfig fields for these options."""
         out: dict[str, Any] = {"enable_prefix_caching": self.prefix_caching,
                                "kv_host_bytes": int(self.host_gb * _GB),
-                               "kv_dtype": self.dtype}
+                               "kv_dtype": self.dtype, "prefault_kv": self.prefault}
         if self.cache_gb is not None:
             out["kv_cache_memory_bytes"] = int(self.cache_gb * _GB)
         if self.flash_dir:
@@ -50,4 +51,6 @@ class KvOptions:
             args += ["--kv-flash-dir", self.flash_dir]
         if not self.prefix_caching:
             args.append("--no-prefix-caching")
+        if self.prefault:
+            args.append("--kv-prefault")
         return args
