@@ -71,11 +71,13 @@ def test_workers_run_one_thread_each_and_raise_what_failed() -> None:
 
 
 @needs_two_cores
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "int4"])
 def test_split_steps_give_the_tokens_and_logprobs_of_whole_steps(
-        smol_f32: LoadedModel) -> None:
-    split = LLM(smol_f32, dtype="float32", num_kv_blocks=1024, max_model_len=1024)
-    whole = LLM(smol_f32, dtype="float32", num_kv_blocks=1024, max_model_len=1024,
-                split_steps=False)
+        smol_f32: LoadedModel, kv_dtype: str) -> None:
+    split = LLM(smol_f32, dtype="float32", kv_dtype=kv_dtype, num_kv_blocks=512,
+                max_model_len=1024)
+    whole = LLM(smol_f32, dtype="float32", kv_dtype=kv_dtype, num_kv_blocks=512,
+                max_model_len=1024, split_steps=False)
     if split.engine.runner.workers is None:
         pytest.skip(f"no split with kernels {split.engine.runner.kernels.name}")
     tok = split.tokenizer
