@@ -58,10 +58,13 @@ def build_metadata(query_lens: list[int], seq_lens: list[int], block_tables: lis
         for pos in range(seq_len - q_len, seq_len):
             slots.append(table[pos // block_size] * block_size + pos % block_size)
     width = max((-(-n // block_size) for n in seq_lens), default=1)
-    tables = torch.zeros(len(block_tables), width, dtype=torch.int32)
-    for i, table in enumerate(block_tables):
+    # One tensor from one flat list: a tensor per row costs more than the rows' Python.
+    padded: list[int] = []
+    for table in block_tables:
         used = table[:width]
-        tables[i, :len(used)] = torch.tensor(used, dtype=torch.int32)
+        padded.extend(used)
+        padded.extend([0] * (width - len(used)))
+    tables = torch.tensor(padded, dtype=torch.int32).view(len(block_tables), width)
     starts = [0]
     for q_len in query_lens:
         starts.append(starts[-1] + q_len)
