@@ -3,7 +3,9 @@
 The events are a pure function of the stored row (control/response_render.py), numbered from 0,
 so a stream sends whatever part of that list it has not sent yet each time the row changes, and
 a stream opened with `starting_after` (a client that lost its connection) starts after that
-number: no gap and no repeat, from any control-plane process, across restarts.
+number: no gap and no repeat, from any control-plane process, across restarts. On each wake a
+stream reads the row without its body and only the checkpoint chunks it has not read yet (as
+chat streams do), so a long answer costs its length once, not once per wake.
 
 A client that goes away cancels a response only when nobody else can come back for it: a
 foreground (not background) response it created. Background responses run on.
@@ -11,6 +13,7 @@ foreground (not background) response it created. Background responses run on.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import time
@@ -22,10 +25,11 @@ from starlette.requests import Request
 
 from minimill.api.progress import ProgressWatcher, Watch
 from minimill.api.streaming import WAKE_S
+from minimill.control.checkpoints import assemble
 from minimill.control.config import ControlConfig
 from minimill.control.errors import NotFoundError, RequestTimeoutError
 from minimill.control.records import RequestRecord
-from minimill.control.requests import cancel_request, get_request
+from minimill.control.requests import cancel_request, get_request, read_stream
 from minimill.control.response_render import response_events
 from minimill.control.store import Store
 
@@ -40,11 +44,13 @@ def _sse(event: dict[str, Any]) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
 
 
-async def _reload(store: Store, record: RequestRecord) -> RequestRecord | None:
-    """The row now; None once it is deleted."""
+async def _reload(store: Store, record: RequestRecord, whole: bool) -> RequestRecord | None:
+    """The row now (`whole`: with its body and checkpoint; else only its state, what a
+    waiter reads on every wake); None once it is deleted."""
     try:
         return await anyio.to_thread.run_sync(functools.partial(
-            get_request, store, record.tenant_id, record.id, with_checkpoint=True))
+            get_request, store, record.tenant_id, record.id, with_body=whole,
+            with_checkpoint=whole))
     except NotFoundError:
         return None
 
@@ -66,14 +72,16 @@ async def wait_for_end(request: Request, store: Store, watcher: ProgressWatcher,
             if await request.is_disconnected():
                 await _cancel(store, current, "the client went away")
                 return None
-            current = await _reload(store, current)
+            current = await _reload(store, current, whole=False)
             # The janitor expires the row at its deadline; this is the backstop without one.
             if current is not None and not current.terminal \
                     and time.time() > current.created_at + config.realtime_timeout_s + 5.0:
                 await _cancel(store, current, "no worker finished the response in time")
                 raise RequestTimeoutError("No worker finished the response in time; try "
                                           "again later.", code="timeout")
-        return current
+        if current is None or current is record:
+            return current
+        return await _reload(store, current, whole=True)  # once, to render it
     finally:
         watcher.unwatch(watch)
 
@@ -87,6 +95,27 @@ class ResponseEventStream:
         self.record = record
         self.next_seq = starting_after + 1
         self.cancel_on_disconnect = cancel_on_disconnect
+        # The checkpoint's chunks read so far, and the seq of the last (seqs only grow).
+        self._chunks: list[dict[str, Any]] = []
+        self._after_seq = 0
+
+    async def _advance(self) -> RequestRecord | None:
+        """The row now, its checkpoint assembled from the chunks read so far plus the new
+        ones; None once it is deleted."""
+        try:
+            row, new = await anyio.to_thread.run_sync(
+                read_stream, self.store, self.record.tenant_id, self.record.id,
+                self._after_seq)
+        except NotFoundError:
+            return None
+        for seq, chunk in new:
+            self._chunks.append(chunk)
+            self._after_seq = seq
+        checkpoint = None
+        if row.progress is not None and self._chunks:
+            checkpoint = assemble(self._chunks).model_dump(mode="json")
+        # The body (the response's parameters) never changes: kept from the first read.
+        return dataclasses.replace(row, body=self.record.body, checkpoint=checkpoint)
 
     async def events(self) -> AsyncIterator[str]:
         finished = False
@@ -102,7 +131,7 @@ class ResponseEventStream:
                 await watch.wait(WAKE_S)
                 if await self.request.is_disconnected():
                     return
-                current = await _reload(self.store, self.record)
+                current = await self._advance()
                 if current is None:
                     finished = True  # deleted: nothing left to stream or to cancel
                     return
