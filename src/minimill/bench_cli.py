@@ -6,7 +6,13 @@ from pathlib import Path
 
 import typer
 
-from minimill.cli_options import DEFAULT_MODEL, DTYPE_HELP, KV_DTYPE_HELP, check_kv_dtype
+from minimill.cli_options import (
+    DEFAULT_MODEL,
+    EngineDtypeOption,
+    JsonOption,
+    KvDtypeOption,
+    ModelOption,
+)
 
 bench_app = typer.Typer(help="Benchmarks that print JSON figures.", no_args_is_help=True)
 
@@ -27,9 +33,9 @@ WorkloadOption = typer.Option(Path("../shared/workloads/throughput-256.jsonl"),
 @bench_app.command("engine")
 def bench_engine(
     workload: Path = WorkloadOption,
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    model: str = typer.Option(DEFAULT_MODEL, help="Model name or path."),
-    dtype: str = typer.Option("auto", help="Engine dtype: " + DTYPE_HELP),
+    json_out: bool = JsonOption,
+    model: str = ModelOption,
+    dtype: str = EngineDtypeOption,
     limit: int | None = typer.Option(None, help="Use only the first N requests."),
     skip_hf: bool = typer.Option(False, help="Skip the HF transformers baseline."),
     shape: str | None = typer.Option(
@@ -41,7 +47,7 @@ def bench_engine(
     random_weights: bool = typer.Option(
         False, help="Random weights of the shape: measures the chip without downloading."),
     kernels: str = typer.Option("auto", help="auto, native or torch (the portable path)."),
-    kv_dtype: str = typer.Option("auto", help=KV_DTYPE_HELP, callback=check_kv_dtype),
+    kv_dtype: str = KvDtypeOption,
     kv_prefault: bool = typer.Option(
         True, "--kv-prefault/--no-kv-prefault",
         help="Back the KV pool with memory before the run (as `serve --kv-prefault`, and as "
@@ -63,9 +69,9 @@ def bench_engine(
 
 @bench_app.command("sessions")
 def bench_sessions(
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    model: str = typer.Option(DEFAULT_MODEL, help="Model name or path."),
-    dtype: str = typer.Option("auto", help="Engine dtype: " + DTYPE_HELP),
+    json_out: bool = JsonOption,
+    model: str = ModelOption,
+    dtype: str = EngineDtypeOption,
     sessions: int = typer.Option(64, help="Agent sessions running at once."),
     turns: int = typer.Option(8, help="Turns per session."),
     tool_tokens: int = typer.Option(300, help="About this many tokens of tool output a turn."),
@@ -91,9 +97,9 @@ def bench_sessions(
 
 @bench_app.command("kv")
 def bench_kv(
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    model: str = typer.Option(DEFAULT_MODEL, help="Model name or path."),
-    dtype: str = typer.Option("auto", help="Engine dtype: " + DTYPE_HELP),
+    json_out: bool = JsonOption,
+    model: str = ModelOption,
+    dtype: str = EngineDtypeOption,
     kv_dtypes: str = typer.Option("int8,int4", help="Compressed KV dtypes to measure, "
                                   "comma-separated (the model dtype is always measured as the "
                                   "reference)."),
@@ -115,8 +121,8 @@ def bench_kv(
 @bench_app.command("batch")
 def bench_batch(
     workload: Path = WorkloadOption,
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    model: str = typer.Option(DEFAULT_MODEL, help="Model name or path."),
+    json_out: bool = JsonOption,
+    model: str = ModelOption,
     limit: int | None = typer.Option(None, help="Use only the first N requests."),
 ) -> None:
     """Batch API throughput of a fresh serve vs the offline engine, plus ingest speed."""
@@ -128,7 +134,7 @@ def bench_batch(
 @bench_app.command("fleet")
 def bench_fleet(
     workload: Path = WorkloadOption,
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    json_out: bool = JsonOption,
     kill_every_s: float = typer.Option(10.0, help="Kill a random worker this often."),
     limit: int | None = typer.Option(None, help="Use only the first N requests."),
 ) -> None:
@@ -140,7 +146,7 @@ def bench_fleet(
 
 @bench_app.command("ingest")
 def bench_ingest(
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    json_out: bool = JsonOption,
     heartbeat_interval_s: float = typer.Option(0.5, help="The heartbeating client's interval."),
     lines: int = typer.Option(50_000, help="Lines of ~4 KB in the batch (a quick check: fewer)."),
 ) -> None:
@@ -165,9 +171,9 @@ def bench_ingest(
 
 @bench_app.command("agents")
 def bench_agents(
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    json_out: bool = JsonOption,
     model: str = typer.Option(DEFAULT_MODEL, help="Model to serve."),
-    dtype: str = typer.Option("auto", help="Engine dtype: " + DTYPE_HELP),
+    dtype: str = EngineDtypeOption,
     docs: int = typer.Option(1000, min=100, help="Documents in the generated corpus."),
     docs_per_subagent: int = typer.Option(10, min=1, help="Documents each subagent reads."),
 ) -> None:

@@ -17,9 +17,10 @@ from minimill.box_cli import box_app
 from minimill.cli_options import (
     DEFAULT_MODEL,
     DTYPE_HELP,
-    KV_DTYPE_HELP,
     DbOption,
-    check_kv_dtype,
+    JsonOption,
+    KvDtypeOption,
+    ModelOption,
     open_store_or_exit,
     print_table,
 )
@@ -99,12 +100,12 @@ def pull(name: str = typer.Argument(DEFAULT_MODEL, help="Model name, e.g. smollm
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="User message (sent through the chat template)."),
-    model: str = typer.Option(DEFAULT_MODEL, help="Model name or path."),
+    model: str = ModelOption,
     max_tokens: int = typer.Option(64, help="Most tokens to generate."),
     temperature: float = typer.Option(0.0, help="0 is greedy."),
     seed: int | None = typer.Option(None, help="Sampling seed."),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
-    kv_dtype: str = typer.Option("auto", help=KV_DTYPE_HELP, callback=check_kv_dtype),
+    kv_dtype: str = KvDtypeOption,
 ) -> None:
     """Generate one chat answer offline with the builtin engine and print it."""
     from minimill.engine.llm import generate_chat_cli
@@ -120,7 +121,7 @@ def serve(
     db: str | None = DbOption,
     model: str = typer.Option(DEFAULT_MODEL, help="Model the local worker serves."),
     dtype: str = typer.Option("auto", help="Engine dtype of the local worker: " + DTYPE_HELP),
-    kv_dtype: str = typer.Option("auto", help=KV_DTYPE_HELP, callback=check_kv_dtype),
+    kv_dtype: str = KvDtypeOption,
     local_worker: bool = typer.Option(True, help="Start one local worker process."),
     price_per_hour: float = typer.Option(
         0.10, help="What the local site costs in $/hour (cost only; tenants are billed by "
@@ -217,7 +218,7 @@ def batch_cancel(batch_id: str, base_url: str = BaseUrlOption,
 def sim(
     scenario: Path = typer.Argument(..., exists=True, dir_okay=False,
                                     help="Scenario file (YAML), e.g. examples/scenarios/*.yaml."),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    json_out: bool = JsonOption,
     plots: Path | None = typer.Option(None, "--plots", help="Write PNG plots to this folder."),
 ) -> None:
     """Simulate a fleet under a virtual clock with the control plane's own placement and lease
@@ -261,7 +262,7 @@ def cost(
     uptime: float = typer.Option(1.0, help="Fraction of paid hours it is up and busy."),
     reference: list[str] = typer.Option([], "--reference", help="A price to compare with, "
                                         "NAME=USD_PER_MTOK (repeatable)."),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    json_out: bool = JsonOption,
 ) -> None:
     """$ per million and per trillion output tokens from a chip's $/hour and measured
     tokens/s, beside reference prices."""
@@ -307,7 +308,7 @@ def worker(
                                "'none' (a box host serving no tokens)."),
     model: str = typer.Option(DEFAULT_MODEL, help="Model to serve."),
     dtype: str = typer.Option("auto", help="Builtin engine dtype: " + DTYPE_HELP),
-    kv_dtype: str = typer.Option("auto", help=KV_DTYPE_HELP, callback=check_kv_dtype),
+    kv_dtype: str = KvDtypeOption,
     capacity: int = typer.Option(256, help="Most requests in flight."),
     boxes: int = typer.Option(0, min=0, help="Boxes (sandboxes) this site holds at once."),
     box_dir: Path | None = typer.Option(None, help="Where box workspaces live (default: "
@@ -378,7 +379,7 @@ def prices_delete(model: str = typer.Argument(..., help="Model name, or '*'."),
 
 @prices_app.command("list")
 def prices_list(db: str | None = DbOption,
-                json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+                json_out: bool = JsonOption) -> None:
     """Show what tenants are billed: the default entry and each listed model, both tiers."""
     from minimill.api.settings import Settings
     from minimill.control.prices import read_price_list
@@ -431,7 +432,7 @@ def webhooks_create(
 
 @webhooks_app.command("list")
 def webhooks_list(db: str | None = DbOption,
-                  json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+                  json_out: bool = JsonOption) -> None:
     """Show every endpoint: whose events it gets, and its deliveries so far."""
     from minimill.control.webhook_events import delivery_counts
     from minimill.control.webhooks import EVENT_TYPES, all_endpoints

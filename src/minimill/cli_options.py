@@ -1,5 +1,5 @@
 """Options and helpers the `minimill` command groups share (cli.py, bench_cli.py,
-sites_cli.py): model and dtype options, the store a command opens, and tables."""
+sites_cli.py): --json, model and dtype options, the store a command opens, and tables."""
 
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ DEFAULT_MODEL = "smollm2-135m"
 DTYPE_HELP = ("auto (bfloat16 where the chip computes it natively: GPUs, CPUs with AVX-512 BF16 "
               "or AMX; else float32), bfloat16, float16 or float32.")
 
+
+JsonOption = typer.Option(False, "--json", help="Print one JSON object.")
+ModelOption = typer.Option(DEFAULT_MODEL, help="Model name or path.")
+EngineDtypeOption = typer.Option("auto", help="Engine dtype: " + DTYPE_HELP)
 
 DbOption = typer.Option(None, "--db", help="Store URL (sqlite:///... or postgresql://...). "
                         "Default: SQLite under MINIMILL_HOME.")
@@ -76,3 +80,5 @@ def print_table(title: str, columns: tuple[str, ...], rows: Sequence[Sequence[st
         table.add_row(*row)
     # Piped output is not cut to 80 columns: every row stays on one line.
     Console(width=None if sys.stdout.isatty() else 300).print(table)
+
+KvDtypeOption = typer.Option("auto", help=KV_DTYPE_HELP, callback=check_kv_dtype)

@@ -8,7 +8,13 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from minimill.cli_options import DbOption, number_or_dash, open_store_or_exit, print_table
+from minimill.cli_options import (
+    DbOption,
+    JsonOption,
+    number_or_dash,
+    open_store_or_exit,
+    print_table,
+)
 
 if TYPE_CHECKING:
     from minimill.control.site_view import SiteStatus
@@ -36,7 +42,7 @@ def sites_create(
 
 @sites_app.command("list")
 def sites_list(db: str | None = DbOption,
-               json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+               json_out: bool = JsonOption) -> None:
     """Show every site: health, throughput (reported and measured), cost, billed, margin."""
     import time
     from dataclasses import asdict
@@ -116,7 +122,7 @@ def site_price_set(
 def outage_list(
     site: str | None = typer.Argument(None, help="Only this site's outages."),
     include_past: bool = typer.Option(False, "--all", help="Past outages too."),
-    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    json_out: bool = JsonOption,
     db: str | None = DbOption,
 ) -> None:
     """List announced outages (those not over yet) with their ids."""
