@@ -5,7 +5,7 @@ so a stream sends whatever part of that list it has not sent yet each time the r
 a stream opened with `starting_after` (a client that lost its connection) starts after that
 number: no gap and no repeat, from any control-plane process, across restarts. On each wake a
 stream reads the row without its body and only the checkpoint chunks it has not read yet (as
-chat streams do), so a long answer costs its length once, not once per wake.
+chat streams do), so a long answer is read from the store once, not once per wake.
 
 A client that goes away cancels a response only when nobody else can come back for it: a
 foreground (not background) response it created. Background responses run on.

@@ -106,16 +106,15 @@ class ModelRunner:
         parts = self.workers.map([functools.partial(self._run, [entries[i] for i in group])
                                   for group in groups])
         self.split_steps += 1
-        # Back into the step's order of sampling sequences.
-        sampled: dict[int, tuple[int, object]] = {}
+        # Back into the step's order: entry i's sample is the k-th of the step's samples.
+        rank = {i: k for k, i in enumerate(i for i, e in enumerate(entries) if e.sample)}
+        out = ModelOutput([0] * len(rank), [None] * len(rank))
         for group, part in zip(groups, parts, strict=True):
-            rows = [i for i in group if entries[i].sample]
-            for i, token, logprob in zip(rows, part.sampled_token_ids, part.logprobs,
+            sampled = [rank[i] for i in group if entries[i].sample]
+            for k, token, logprob in zip(sampled, part.sampled_token_ids, part.logprobs,
                                          strict=True):
-                sampled[i] = (token, logprob)
-        order = [i for i, e in enumerate(entries) if e.sample]
-        return ModelOutput([sampled[i][0] for i in order],
-                           [sampled[i][1] for i in order])  # type: ignore[misc]
+                out.sampled_token_ids[k], out.logprobs[k] = token, logprob
+        return out
 
     @staticmethod
     def _shape(entries: list[ScheduledSequence]) -> StepShape:
