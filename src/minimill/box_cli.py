@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import typer
 
-from minimill.boxes.client import BoxError, Boxes
+from minimill.boxes.client import BoxError, Boxes, ExecEvent, ExecResult
 
 box_app = typer.Typer(help="Boxes: sandboxes without a lifetime limit (exec, files, "
                       "snapshots).", no_args_is_help=True)
@@ -73,16 +73,36 @@ def exec_(box_id: str = typer.Argument(..., help="The box."),
           command: list[str] = typer.Argument(..., help="The command and its arguments."),
           timeout_s: float | None = typer.Option(None, help="Wall clock for this exec."),
           stdin: bool = typer.Option(False, "--stdin", help="Send this program's stdin."),
+          stream: bool = typer.Option(False, "--stream", help="Print the command's output "
+                                      "as it comes, not once it has ended."),
           base_url: str = BaseUrl, api_key: str = ApiKey) -> None:
     """Run a command in the box; its output and exit code become this command's."""
     with _boxes(base_url, api_key) as boxes:
-        result = boxes.get(box_id).exec(command, timeout_s=timeout_s,
-                                        stdin=sys.stdin.read() if stdin else "")
-    sys.stdout.write(result.stdout)
-    sys.stderr.write(result.stderr)
+        box = boxes.get(box_id)
+        data = sys.stdin.read() if stdin else ""
+        if stream:
+            result = _print_stream(box.exec_stream(command, timeout_s=timeout_s, stdin=data))
+        else:
+            result = box.exec(command, timeout_s=timeout_s, stdin=data)
+            sys.stdout.write(result.stdout)
+            sys.stderr.write(result.stderr)
     if result.error:
         typer.echo(f"error: {result.error}", err=True)
     raise typer.Exit(result.exit_code)
+
+
+def _print_stream(events: Iterator[ExecEvent]) -> ExecResult:
+    for event in events:
+        if event.type in ("stdout", "stderr"):
+            out = sys.stdout if event.type == "stdout" else sys.stderr
+            out.write(event.data)
+            out.flush()
+        elif event.type == "restart":
+            typer.echo("\n[its host stopped before the command ended: it runs again from "
+                       "the start]", err=True)
+        elif event.result is not None:
+            return event.result
+    raise BoxError(502, "the stream ended before the exec did", "stream_incomplete")
 
 
 def _one(verb: Callable[[Boxes], Any], base_url: str, api_key: str) -> Any:

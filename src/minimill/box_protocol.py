@@ -5,8 +5,9 @@ A box host pulls, as a worker does: one long-polling call (`/poll`) extends the 
 boxes it holds, grants it new boxes for its free slots (each with a bumped fencing epoch and
 the snapshot to start from) and hands it the operations queued for its boxes. Results,
 snapshots and releases carry the box's epoch: a host whose lease lapsed (its box came back
-elsewhere) is refused. Routes are under `/v1/fleet/boxes`, authenticated with the site token.
-Times are Unix seconds from the control plane's clock.
+elsewhere) is refused. While an exec runs, its host also posts its output as it comes
+(`/output`), fenced the same way. Routes are under `/v1/fleet/boxes`, authenticated with the
+site token. Times are Unix seconds from the control plane's clock.
 """
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ from pydantic import BaseModel, Field
 BOX_FLEET_PREFIX = "/v1/fleet/boxes"
 # What a host may be asked to do with a box, in the order a tenant asked.
 OpKind = Literal["exec", "write", "read", "list", "snapshot", "pause"]
+
+# What an exec keeps of each of its stdout and stderr (the rest is discarded); its streamed
+# output is held to the same size.
+MAX_EXEC_OUTPUT_BYTES = 1024 * 1024
+# The most text one streamed chunk carries (a host splits longer output).
+MAX_CHUNK_CHARS = 64 * 1024
+OutputStream = Literal["stdout", "stderr"]
 
 # Fencing epochs count leases of one box or agent: a 32-bit column holds any real one, and a
 # larger number from a client is a 400, not a store error.
@@ -97,6 +105,29 @@ class BoxResultsResponse(BaseModel):
     accepted: list[str]
     # Not this host's at that epoch any more: the result is dropped.
     rejected: list[str]
+
+
+class BoxOutputChunk(BaseModel):
+    # Numbered by the host from 1 for each run of the operation: a chunk sent again (its
+    # answer was lost) is recognised and stored once.
+    seq: int = Field(ge=1, le=2**31 - 1)
+    stream: OutputStream
+    data: str = Field(max_length=MAX_CHUNK_CHARS)
+
+
+class BoxOutputRequest(BaseModel):
+    """Output of a running exec, sent while it runs; refused (409) unless the host holds the
+    box at `epoch` and the operation is running at that epoch."""
+
+    op_id: str = Field(max_length=40)
+    box_id: str = Field(max_length=40)
+    epoch: Epoch
+    chunks: list[BoxOutputChunk] = Field(max_length=64)
+
+
+class BoxOutputResponse(BaseModel):
+    # Chunks stored now (chunks seen before, or past the output limit, are not counted).
+    stored: int
 
 
 class BoxReleaseRequest(BaseModel):

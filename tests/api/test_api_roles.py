@@ -64,6 +64,7 @@ ROUTES = {
     ("POST", "/v1/fleet/agents/{agent_id}/finish"): "site",
     ("POST", "/v1/fleet/boxes/poll"): "site",
     ("POST", "/v1/fleet/boxes/results"): "site",
+    ("POST", "/v1/fleet/boxes/output"): "site",
     ("POST", "/v1/fleet/boxes/release"): "site",
     ("POST", "/v1/fleet/boxes/{box_id}/snapshots"): "site",
     ("GET", "/v1/fleet/boxes/{box_id}/snapshots/{snapshot_id}"): "site",

@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from api_harness import ApiEnv
 from box_harness import BoxHostProc
 
+from minimill.boxes.client import Boxes
 from minimill.control.sites import create_site
 
 
@@ -45,6 +47,28 @@ def test_box_cli(box_env: ApiEnv, box_host: BoxHostProc, tmp_path: Path) -> None
     assert escape.returncode == 1 and "path_escape" in escape.stderr
     assert _box(box_env, "rm", box_id).returncode == 0
     gone = _box(box_env, "exec", box_id, "true")
+    assert gone.returncode == 1 and "box_not_found" in gone.stderr
+
+
+def test_box_cli_stream(box_env: ApiEnv, box_host: BoxHostProc) -> None:
+    """`box exec --stream` prints each line as the command prints it."""
+    assert "as it comes" in _box(box_env, "exec", "--help").stdout
+    with Boxes(box_env.v1, box_env.key) as client:
+        box_id = client.create().id
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "minimill.cli", "box", "exec", "--stream", box_id, "sh", "-c",
+         "echo first; sleep 1.5; echo second; echo problem >&2; exit 4"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "MINIMILL_BASE_URL": box_env.v1, "MINIMILL_API_KEY": box_env.key})
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()
+    first_at = time.monotonic()
+    rest, errors = proc.communicate(timeout=120)
+    ended_at = time.monotonic()
+    assert (first, rest, errors) == ("first\n", "second\n", "problem\n")
+    assert proc.returncode == 4
+    assert ended_at - first_at >= 1.0  # the first line came while the command slept
+    gone = _box(box_env, "exec", "--stream", "box_doesnotexist", "true")
     assert gone.returncode == 1 and "box_not_found" in gone.stderr
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from api_harness import ApiEnv
 from box_harness import BoxHostProc
 
-from minimill.boxes.client import BoxError, Boxes, ExecResult
+from minimill.boxes.client import BoxError, Boxes, ExecEvent, ExecResult
 
 
 def _wait_for(path: Path, timeout_s: float) -> None:
@@ -66,6 +66,38 @@ def test_kill9_host_mid_exec(box_env: ApiEnv, host_root: Path, boxes: Boxes) -> 
         first.stop()
         if second is not None:
             second.stop()
+
+
+def test_kill9_host_mid_streamed_exec(box_env: ApiEnv, host_root: Path, boxes: Boxes) -> None:
+    """A streamed exec whose host dies: what it printed came, then the stream ends with the
+    error the non-streamed exec answers (box_host_lost; it is not run a second time)."""
+    host = BoxHostProc(box_env, host_root).start_and_wait()
+    try:
+        box = boxes.create()
+        received: list[ExecEvent] = []
+        outcome: list[BoxError] = []
+
+        def run() -> None:
+            try:
+                for event in box.exec_stream("echo started; sleep 31338", timeout_s=120):
+                    received.append(event)
+            except BoxError as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not received:
+            assert time.monotonic() < deadline and thread.is_alive(), "no output streamed"
+            time.sleep(0.05)
+        host.kill9()
+        thread.join(timeout=60)
+        assert [(e.type, e.data) for e in received] == [("stdout", "started\n")]
+        assert len(outcome) == 1, outcome
+        assert (outcome[0].status, outcome[0].code) == (409, "box_host_lost")
+        box.delete()
+    finally:
+        host.stop()
 
 
 def test_auto_snapshot_and_graceful_stop(box_env: ApiEnv, host_root: Path,

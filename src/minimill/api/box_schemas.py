@@ -85,6 +85,8 @@ class ExecCreate(BaseModel):
     env: dict[str, str] = Field(default_factory=dict, max_length=256)
     timeout_s: float | None = Field(None, gt=0, le=7 * 24 * 3600,
                                     description="Wall clock; default: the box's limit.")
+    stream: bool = Field(False, description="Answer with server-sent events: stdout and "
+                         "stderr as they come, then the exit (text/event-stream).")
 
     @model_validator(mode="after")
     def _not_empty(self) -> ExecCreate:

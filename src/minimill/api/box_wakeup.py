@@ -1,5 +1,6 @@
 """Process-local wake-ups for boxes: a host's long poll wakes when this process queues work,
-and a tenant's wait wakes when this process accepts a result. Other processes notice through
+and a tenant's wait wakes when this process accepts a result (a streamed exec's, when it
+accepts output too). Other processes notice through
 the store within one poll interval: nothing depends on these but latency."""
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class BoxWakeups:
     def __init__(self) -> None:
         self.work = Wakeup()  # a box or an operation is waiting for a host
         self.results = Wakeup()  # a host's result was accepted
+        self.output = Wakeup()  # a host's streamed output or result was accepted
 
 
 def box_wakeups(request: Request) -> BoxWakeups:

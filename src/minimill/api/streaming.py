@@ -41,9 +41,15 @@ class _Sent:
     logprobs: int = 0
 
 
-def _event(payload: dict[str, Any] | str) -> str:
+def sse_event(payload: dict[str, Any] | str, event_id: str | None = None) -> str:
+    """One server-sent event: JSON (or a bare string such as [DONE]), with the `id` a client
+    resumes from if given."""
     data = payload if isinstance(payload, str) else json.dumps(payload)
-    return f"data: {data}\n\n"
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}data: {data}\n\n"
+
+
+SSE_DONE = sse_event("[DONE]")
 
 
 def _choices(record: RequestRecord) -> list[dict[str, Any]]:
@@ -78,8 +84,9 @@ class ChunkStream:
     def _chunk(self, choices: list[dict[str, Any]],
                usage: dict[str, Any] | None = None) -> str:
         r = self.record
-        return _event(render_chunk(self.kind, r.id, r.model or "", r.created_at, r.tier, choices,
-                                   usage=usage, with_usage_field=self.include_usage))
+        return sse_event(render_chunk(self.kind, r.id, r.model or "", r.created_at, r.tier,
+                                      choices, usage=usage,
+                                      with_usage_field=self.include_usage))
 
     def _delta(self, index: int, text: str, logprobs: list[dict[str, Any]] | None,
                offset: int) -> dict[str, Any]:
@@ -158,9 +165,9 @@ class ChunkStream:
                                 r.prompt_tokens, r.completion_tokens, r.billed_usd,
                                 r.cached_tokens))
                     else:
-                        yield _event(error_body(r.error or {"code": r.status.value,
-                                                            "message": f"request {r.status}"}))
-                    yield _event("[DONE]")
+                        yield sse_event(error_body(r.error or {
+                            "code": r.status.value, "message": f"request {r.status}"}))
+                    yield SSE_DONE
                     return
                 await self.watch.wait(WAKE_S)
                 if await self.request.is_disconnected():

@@ -5,6 +5,8 @@
     box = boxes.create(image="./project")        # a directory, a .tar/.tar.gz, or nothing
     box.write("hello.py", "print('hi')")
     print(box.exec("python3 hello.py").stdout)   # hi
+    for event in box.exec_stream("make test"):   # output as it comes
+        print(event.type, event.data or event.result)
     snap = box.snapshot()
     twin = boxes.create(snapshot=snap)           # a new box with the same files
 
@@ -15,8 +17,10 @@ HTTP status. An exec that ran is never an error: look at `exit_code`, `timed_out
 from __future__ import annotations
 
 import io
+import json
 import os
 import tarfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +53,27 @@ class ExecResult:
         return self.exit_code == 0 and self.error is None
 
 
+@dataclass(frozen=True, slots=True)
+class ExecEvent:
+    """One event of a streamed exec (`Box.exec_stream`)."""
+
+    type: str  # "stdout" | "stderr" | "exit" | "restart" (run again from the start)
+    data: str = ""  # output, for stdout and stderr
+    # The position after this event: to resume a lost stream, call exec_stream again with the
+    # same idempotency_key and this as last_event_id.
+    id: str | None = None
+    # On exit: the whole result, its output put together from this call's events.
+    result: ExecResult | None = None
+
+
+def _error(status: int, body: bytes) -> BoxError:
+    try:
+        error = json.loads(body)["error"]
+        return BoxError(status, str(error.get("message")), error.get("code"))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return BoxError(status, body[:500].decode(errors="replace"), None)
+
+
 def _archive(image: str | os.PathLike[str]) -> bytes:
     """A directory becomes a gzipped tar of its contents; an archive file is sent as it is."""
     path = Path(image)
@@ -76,13 +101,28 @@ class Boxes:
                 **kwargs: Any) -> httpx.Response:
         resp = self._http.request(method, prefix + path, **kwargs)
         if resp.status_code >= 400:
-            try:
-                error = resp.json()["error"]
-                message, code = str(error.get("message")), error.get("code")
-            except (ValueError, KeyError, TypeError):
-                message, code = resp.text[:500], None
-            raise BoxError(resp.status_code, message, code)
+            raise _error(resp.status_code, resp.content)
         return resp
+
+    def events(self, method: str, path: str, prefix: str = "/boxes",
+               **kwargs: Any) -> Iterator[tuple[str | None, dict[str, Any]]]:
+        """(id, JSON payload) of each server-sent event of the answer, until [DONE]."""
+        with self._http.stream(method, prefix + path, **kwargs) as resp:
+            if resp.status_code >= 400:
+                raise _error(resp.status_code, resp.read())
+            event_id: str | None = None
+            data: list[str] = []
+            for line in resp.iter_lines():
+                if line.startswith("id:"):
+                    event_id = line[3:].strip()
+                elif line.startswith("data:"):
+                    data.append(line[5:].removeprefix(" "))
+                elif not line and data:
+                    payload = "\n".join(data)
+                    if payload == "[DONE]":
+                        return
+                    yield event_id, json.loads(payload)
+                    event_id, data = None, []
 
     def upload_image(self, image: str | os.PathLike[str]) -> str:
         """Upload a directory or archive; returns the image id to create boxes from."""
@@ -147,6 +187,48 @@ class Box:
                           stderr=data["stderr"], duration_s=data["duration_s"],
                           timed_out=data["timed_out"], error=data.get("error"),
                           output_truncated=data.get("output_truncated", False))
+
+    def exec_stream(self, command: str | list[str], *, stdin: str = "",
+                    env: dict[str, str] | None = None, timeout_s: float | None = None,
+                    idempotency_key: str | None = None,
+                    last_event_id: str | None = None) -> Iterator[ExecEvent]:
+        """Run `command` as `exec` does, yielding its stdout and stderr as they come, then an
+        "exit" event carrying the whole ExecResult. An exec that could not run or end (its
+        host was lost, the box was deleted) raises BoxError, as `exec` does.
+
+        A stream that broke can be resumed: call again with the same `idempotency_key` and the
+        last event's `id` as `last_event_id`; what follows comes, each piece once (the exit's
+        result then holds the output of the resumed call only)."""
+        body = {"command": command, "stdin": stdin, "env": env or {}, "timeout_s": timeout_s,
+                "stream": True}
+        headers = {"Accept": "text/event-stream"}
+        if idempotency_key is not None:
+            headers["Idempotency-Key"] = idempotency_key
+        if last_event_id is not None:
+            headers["Last-Event-ID"] = last_event_id
+        output: dict[str, list[str]] = {"stdout": [], "stderr": []}
+        for event_id, event in self._boxes.events("POST", f"/{self.id}/exec", json=body,
+                                                  headers=headers):
+            kind = str(event.get("type"))
+            if kind in output:
+                text = str(event.get("data") or "")
+                output[kind].append(text)
+                yield ExecEvent(type=kind, data=text, id=event_id)
+            elif kind == "restart":
+                output = {"stdout": [], "stderr": []}
+                yield ExecEvent(type=kind)
+            elif kind == "exit":
+                yield ExecEvent(type=kind, id=event_id, result=ExecResult(
+                    exit_code=event["exit_code"], stdout="".join(output["stdout"]),
+                    stderr="".join(output["stderr"]), duration_s=event["duration_s"],
+                    timed_out=event["timed_out"], error=event.get("error"),
+                    output_truncated=event.get("output_truncated", False)))
+                return
+            elif kind == "error":
+                error = event.get("error") or {}
+                raise BoxError(int(event.get("status") or 500),
+                               str(error.get("message")), error.get("code"))
+        raise BoxError(502, "the stream ended before the exec did", "stream_incomplete")
 
     def write(self, path: str, content: str | bytes) -> int:
         data = content.encode() if isinstance(content, str) else content

@@ -4,7 +4,8 @@ One long poll at a time extends the leases of the boxes held, takes new boxes fo
 and brings their queued operations. Each held box has a task that first builds its workspace
 (from its latest snapshot, else its image, else empty), then runs its operations as they
 come, up to CONCURRENT_OPS_PER_BOX at once, each in a thread (sandbox.py), and posts each
-result with the box's epoch. A box whose workspace changed is snapshotted every
+result with the box's epoch; an exec's output is posted as it comes too (exec_output.py),
+all of it before the result. A box whose workspace changed is snapshotted every
 `snapshot_interval_s` while it has work, and once it goes idle, so that a host lost with it
 costs at most that much of its files.
 
@@ -19,10 +20,8 @@ import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
 import anyio
 
@@ -37,7 +36,8 @@ from minimill.box_protocol import (
     HeldBox,
 )
 from minimill.boxes import sandbox, workspace
-from minimill.boxes.host_client import BoxHostClient, NotHeld
+from minimill.boxes.exec_output import ExecOutput
+from minimill.boxes.host_client import BoxHostClient, NotHeld, retrying
 from minimill.boxes.ops import MUTATING, OpError, Workspace, run_op
 from minimill.fleet.client import Backoff, ControlPlaneUnavailable, sleep_backoff
 
@@ -47,7 +47,6 @@ POLL_WAIT_S = 2.0
 # snapshots and pauses wait for them and run alone.
 CONCURRENT_OPS_PER_BOX = 16
 EXCLUSIVE_OPS = frozenset({"snapshot", "pause"})
-T = TypeVar("T")
 
 
 @dataclass
@@ -190,7 +189,7 @@ class BoxHost:
         await anyio.to_thread.run_sync(_remove, path)
         archive = b""
         if box.lease.snapshot_id:
-            archive = await _retrying(lambda: self.client.download_snapshot(
+            archive = await retrying(lambda: self.client.download_snapshot(
                 box.box_id, box.lease.snapshot_id or ""), "snapshot download")
         owner = sandbox.box_uid() if sandbox._runs_as_root() else None
 
@@ -213,7 +212,10 @@ class BoxHost:
                 stored = await self._snapshot(box, "manual" if op.kind == "snapshot" else "auto")
                 result = {"snapshot_id": stored}
             else:
-                result = await anyio.to_thread.run_sync(run_op, box.ws, op.kind, op.args)
+                if op.kind == "exec":
+                    result = await self._exec(box, op)
+                else:
+                    result = await anyio.to_thread.run_sync(run_op, box.ws, op.kind, op.args)
                 box.dirty = box.dirty or op.kind in MUTATING
         except OpError as exc:
             error = BoxOpError(code=exc.code, message=exc.message)
@@ -226,9 +228,21 @@ class BoxHost:
         await self._post(BoxOpResult(op_id=op.op_id, box_id=op.box_id, epoch=op.epoch,
                                      result=result, error=error))
 
+    async def _exec(self, box: HostedBox, op: BoxOp) -> dict[str, object]:
+        output = ExecOutput(self.client, op)
+        try:
+            result = await anyio.to_thread.run_sync(run_op, box.ws, op.kind, op.args,
+                                                    output.write)
+        except BaseException:
+            output.abandon()  # a failed exec's output goes with it: its error is what counts
+            raise
+        # All of its output goes before its result, so a reader sees every piece in order.
+        await output.close()
+        return result
+
     async def _snapshot(self, box: HostedBox, kind: str) -> str:
         archive = await anyio.to_thread.run_sync(workspace.pack, box.ws.path)
-        stored = await _retrying(lambda: self.client.upload_snapshot(
+        stored = await retrying(lambda: self.client.upload_snapshot(
             box.box_id, box.epoch, kind, archive), "snapshot upload")
         box.dirty = False
         box.last_snapshot_at = time.monotonic()
@@ -236,7 +250,7 @@ class BoxHost:
         return stored.snapshot_id
 
     async def _post(self, item: BoxOpResult) -> None:
-        answer = await _retrying(lambda: self.client.results(
+        answer = await retrying(lambda: self.client.results(
             BoxResultsRequest(results=[item])), "box result")
         if answer.rejected:
             log.info("result of %s on box %s rejected: the box is not this host's any more",
@@ -276,16 +290,6 @@ class BoxHost:
         for box in boxes:
             await anyio.to_thread.run_sync(_remove, box.ws.path)
         self.boxes.clear()
-
-
-async def _retrying(call: Callable[[], Awaitable[T]], what: str) -> T:
-    """Call until the control plane answers; NotHeld and SiteAuthError go to the caller."""
-    backoff = Backoff()
-    while True:
-        try:
-            return await call()
-        except ControlPlaneUnavailable as exc:
-            await sleep_backoff(backoff, what, exc)
 
 
 def _remove(path: Path) -> None:

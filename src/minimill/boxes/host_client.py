@@ -1,11 +1,13 @@
 """A box host's HTTP client for the control plane's `/v1/fleet/boxes` routes.
 
-Network trouble raises ControlPlaneUnavailable (the caller retries with backoff); a 401/403
-raises SiteAuthError; a 409 on a snapshot upload means the box is no longer this host's.
+Network trouble raises ControlPlaneUnavailable (the caller retries with backoff, `retrying`);
+a 401/403 raises SiteAuthError; a 404/409 (a snapshot upload, streamed output) means the box
+or the operation is no longer this host's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import httpx
@@ -13,6 +15,8 @@ from pydantic import BaseModel
 
 from minimill.box_protocol import (
     BOX_FLEET_PREFIX,
+    BoxOutputRequest,
+    BoxOutputResponse,
     BoxPollRequest,
     BoxPollResponse,
     BoxReleaseRequest,
@@ -21,9 +25,15 @@ from minimill.box_protocol import (
     BoxResultsResponse,
     SnapshotStored,
 )
-from minimill.fleet.client import ControlPlaneUnavailable, SiteAuthError
+from minimill.fleet.client import (
+    Backoff,
+    ControlPlaneUnavailable,
+    SiteAuthError,
+    sleep_backoff,
+)
 
 R = TypeVar("R", bound=BaseModel)
+T = TypeVar("T")
 
 
 class NotHeld(RuntimeError):
@@ -65,6 +75,9 @@ class BoxHostClient:
     async def results(self, done: BoxResultsRequest) -> BoxResultsResponse:
         return await self._post("/results", done, BoxResultsResponse)
 
+    async def output(self, ask: BoxOutputRequest) -> BoxOutputResponse:
+        return await self._post("/output", ask, BoxOutputResponse)
+
     async def release(self, ask: BoxReleaseRequest) -> BoxReleaseResponse:
         return await self._post("/release", ask, BoxReleaseResponse)
 
@@ -81,3 +94,13 @@ class BoxHostClient:
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+async def retrying(call: Callable[[], Awaitable[T]], what: str) -> T:
+    """Call until the control plane answers; NotHeld and SiteAuthError go to the caller."""
+    backoff = Backoff()
+    while True:
+        try:
+            return await call()
+        except ControlPlaneUnavailable as exc:
+            await sleep_backoff(backoff, what, exc)

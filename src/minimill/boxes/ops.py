@@ -63,7 +63,8 @@ def _owner() -> int | None:
     return sandbox.box_uid() if sandbox._runs_as_root() else None
 
 
-def run_exec(ws: Workspace, args: dict[str, Any]) -> dict[str, Any]:
+def run_exec(ws: Workspace, args: dict[str, Any],
+             on_output: sandbox.OnOutput | None = None) -> dict[str, Any]:
     command = [str(a) for a in args.get("command") or []]
     if not command:
         raise OpError("invalid_command", "command must not be empty")
@@ -76,7 +77,7 @@ def run_exec(ws: Workspace, args: dict[str, Any]) -> dict[str, Any]:
                               env=env, limits=limits, network=ws.network, insecure=ws.insecure,
                               disk_free_bytes=ws.quota_bytes - used,
                               over_quota=ws.over_quota_checker(used),
-                              cancel=ws.cancel)
+                              cancel=ws.cancel, on_output=on_output)
     if result.error == "cancelled":
         raise OpError("box_host_lost", "the box's host stopped it while this ran")
     error = result.error
@@ -114,11 +115,15 @@ MUTATING = frozenset({"exec", "write"})
 HANDLERS = {"exec": run_exec, "write": write, "read": read, "list": listing}
 
 
-def run_op(ws: Workspace, kind: str, args: dict[str, Any]) -> dict[str, Any]:
+def run_op(ws: Workspace, kind: str, args: dict[str, Any],
+           on_output: sandbox.OnOutput | None = None) -> dict[str, Any]:
+    """Run one operation; an exec's output also goes to `on_output` as it comes."""
     handler = HANDLERS.get(kind)
     if handler is None:
         raise OpError("unknown_operation", f"unknown box operation {kind!r}")
     try:
+        if kind == "exec":
+            return run_exec(ws, args, on_output)
         return handler(ws, args)
     except workspace.PathError as exc:
         raise OpError(exc.code, str(exc)) from None

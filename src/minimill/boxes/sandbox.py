@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from minimill.box_protocol import MAX_EXEC_OUTPUT_BYTES
+
 # What a box sees of the host's /etc: enough for the dynamic linker, users and certificates.
 _ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "passwd", "group", "nsswitch.conf",
               "hosts", "resolv.conf", "ssl", "ca-certificates", "alternatives", "localtime")
@@ -35,10 +37,14 @@ SANDBOX_UID = 1000
 WORKSPACE_MOUNT = "/workspace"
 TMP_BYTES = 64 * 1024 * 1024
 # A box's output beyond this is cut (its process keeps running; the rest is discarded).
-MAX_OUTPUT_BYTES = 1024 * 1024
+MAX_OUTPUT_BYTES = MAX_EXEC_OUTPUT_BYTES
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
 SETUP_RETRIES = 3
+# How bubblewrap's own messages start (on stderr).
+_BWRAP_PREFIX = b"bwrap: "
 log = logging.getLogger("minimill.boxes")
+# Called with ("stdout" | "stderr", bytes) as output comes, from the threads reading the pipes.
+OnOutput = Callable[[str, bytes], None]
 
 
 class IsolationUnavailable(RuntimeError):
@@ -145,20 +151,27 @@ def check_isolation() -> None:
 
 
 class _Capped:
-    """Reads a pipe to the end, keeping at most MAX_OUTPUT_BYTES (a box may print forever)."""
+    """Reads a pipe to the end, keeping at most MAX_OUTPUT_BYTES (a box may print forever);
+    what it keeps also goes to `on_output` as it comes."""
 
-    def __init__(self, pipe: object) -> None:
+    def __init__(self, pipe: object, stream: str, on_output: OnOutput | None = None) -> None:
         self.data = bytearray()
         self.truncated = False
+        self._stream = stream
+        self._on_output = on_output
         self._thread = threading.Thread(target=self._read, args=(pipe,), daemon=True)
         self._thread.start()
 
     def _read(self, pipe: object) -> None:
-        read = pipe.read  # type: ignore[attr-defined]
+        # read1: what is there now, not a full buffer (output is passed on as it comes).
+        read = getattr(pipe, "read1", None) or pipe.read  # type: ignore[attr-defined]
         while chunk := read(65536):
             room = MAX_OUTPUT_BYTES - len(self.data)
             if room > 0:
-                self.data += chunk[:room]
+                kept = chunk[:room]
+                self.data += kept
+                if self._on_output is not None:
+                    self._on_output(self._stream, kept)
             if len(chunk) > room:
                 self.truncated = True
 
@@ -192,19 +205,63 @@ def _setup_failed(result: ExecResult) -> bool:
     """bubblewrap itself failed before the command ran (it says so on stderr, exit 1): under
     heavy load creating namespaces can fail for a moment."""
     return (result.exit_code == 1 and not result.stdout and result.error is None
-            and result.stderr.startswith(b"bwrap: "))
+            and result.stderr.startswith(_BWRAP_PREFIX))
 
 
-def run_exec(workspace: Path, command: list[str], **kwargs: Any) -> ExecResult:
-    """`_run_exec_once`, tried again a few times when bubblewrap could not set up."""
-    result = _run_exec_once(workspace, command, **kwargs)
-    for attempt in range(SETUP_RETRIES):
-        if kwargs.get("insecure") or not _setup_failed(result):
+class _SetupGate:
+    """Passes an attempt's output on, except what may still be bubblewrap's own complaint that
+    it could not set up (an attempt that is tried again must not show it): output is held
+    while there is no stdout and stderr so far starts like "bwrap: ", and released once it
+    cannot be that (or the attempt ended otherwise)."""
+
+    def __init__(self, on_output: OnOutput) -> None:
+        self._on_output = on_output
+        self._held: list[tuple[str, bytes]] = []
+        self._stderr = b""
+        self._open = False
+        self._lock = threading.Lock()
+
+    def __call__(self, stream: str, data: bytes) -> None:
+        with self._lock:
+            if not self._open:
+                self._held.append((stream, data))
+                if stream == "stderr":
+                    self._stderr = (self._stderr + data)[:len(_BWRAP_PREFIX)]
+                if stream == "stdout" or not _BWRAP_PREFIX.startswith(self._stderr):
+                    self._release()
+                return
+            self._on_output(stream, data)
+
+    def _release(self) -> None:
+        self._open = True
+        for stream, data in self._held:
+            self._on_output(stream, data)
+        self._held.clear()
+
+    def end(self, setup_failed: bool) -> None:
+        with self._lock:
+            if setup_failed:
+                self._held.clear()
+            else:
+                self._release()
+
+
+def run_exec(workspace: Path, command: list[str], *, on_output: OnOutput | None = None,
+             **kwargs: Any) -> ExecResult:
+    """`_run_exec_once`, tried again a few times when bubblewrap could not set up.
+    `on_output` gets the output as it comes (not that of an attempt tried again)."""
+    retries = 0 if kwargs.get("insecure") else SETUP_RETRIES
+    for attempt in range(retries + 1):
+        gate = _SetupGate(on_output) if on_output is not None and retries else None
+        result = _run_exec_once(workspace, command, on_output=gate or on_output, **kwargs)
+        failed = _setup_failed(result) and attempt < retries
+        if gate is not None:
+            gate.end(failed)
+        if not failed:
             break
         log.warning("bubblewrap could not set up (%s); trying again",
                     result.stderr.decode(errors="replace").strip()[:200])
         time.sleep(0.1 * 2**attempt)
-        result = _run_exec_once(workspace, command, **kwargs)
     return result
 
 
@@ -212,7 +269,8 @@ def _run_exec_once(workspace: Path, command: list[str], *, stdin: bytes = b"",
              env: Mapping[str, str] | None = None, limits: Limits = Limits(),
              network: bool = False, insecure: bool = False, disk_free_bytes: int | None = None,
              over_quota: Callable[[], bool] | None = None,
-             cancel: threading.Event | None = None) -> ExecResult:
+             cancel: threading.Event | None = None,
+             on_output: OnOutput | None = None) -> ExecResult:
     """Run `command` in the box whose workspace is `workspace` and wait for it.
 
     `disk_free_bytes` caps the size of any file the exec writes; `over_quota`, polled while
@@ -238,7 +296,8 @@ def _run_exec_once(workspace: Path, command: list[str], *, stdin: bytes = b"",
         start_new_session=True, close_fds=True,
         user=box_uid() if root else None, group=box_uid() if root else None,
         extra_groups=[] if root else None)
-    out, err = _Capped(proc.stdout), _Capped(proc.stderr)
+    out = _Capped(proc.stdout, "stdout", on_output)
+    err = _Capped(proc.stderr, "stderr", on_output)
     threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True).start()
     deadline = started + limits.timeout_s
     error: str | None = None

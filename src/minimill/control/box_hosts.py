@@ -4,8 +4,10 @@
   revoked), grant it pending boxes for its free slots (epoch bumped, `restarts` counted after
   the first), and hand it the queued operations of the boxes it holds, marked running at the
   box's epoch.
+- `store_output`: output of a running exec, as it comes, under the same fencing as its result.
 - `complete_ops`: a result counts only from the box's host at the box's current epoch; a
-  successful pause sends the box to `paused`, off its host.
+  successful pause sends the box to `paused`, off its host. The operation's streamed output
+  goes: the result holds all of it.
 - `store_snapshot`: an archive from the host at the box's epoch becomes its latest snapshot
   (automatic ones replace the previous automatic one).
 - `reap_expired`: a box whose lease lapsed goes back to `pending` (to come back elsewhere from
@@ -25,6 +27,8 @@ from minimill.box_protocol import (
     BoxLease,
     BoxLimits,
     BoxOp,
+    BoxOutputRequest,
+    BoxOutputResponse,
     BoxPollRequest,
     BoxPollResponse,
     BoxReleaseRequest,
@@ -33,7 +37,7 @@ from minimill.box_protocol import (
     BoxResultsResponse,
     SnapshotStored,
 )
-from minimill.control import files
+from minimill.control import box_output, files
 from minimill.control.box_records import BoxStatus, OpStatus, SnapshotKind
 from minimill.control.boxes import drop_archives, store_archive
 from minimill.control.config import ControlConfig
@@ -122,6 +126,23 @@ def _take_ops(conn: Connection, epochs: dict[str, int], now: float) -> list[BoxO
 
 
 @retry_conflicts
+def store_output(store: Store, site: Site, ask: BoxOutputRequest) -> BoxOutputResponse:
+    """Store output of an exec that this host runs at the box's current epoch; anything else
+    (a host whose lease lapsed, an operation that ended or went back to the queue) is a
+    ConflictError."""
+    with store.write() as conn:
+        running = conn.execute(select(box_ops.c.id).where(
+            box_ops.c.id == ask.op_id, box_ops.c.box_id == ask.box_id,
+            box_ops.c.epoch == ask.epoch, box_ops.c.kind == "exec",
+            box_ops.c.status == OpStatus.RUNNING.value).with_for_update()).scalar()
+        if running is None or not _held_at_epoch(conn, site, [(ask.box_id, ask.epoch)]):
+            raise ConflictError(f"operation {ask.op_id} is not running on this host at epoch "
+                                f"{ask.epoch}", code="stale_epoch")
+        stored = box_output.append(conn, ask.op_id, ask.epoch, ask.chunks)
+    return BoxOutputResponse(stored=stored)
+
+
+@retry_conflicts
 def complete_ops(store: Store, site: Site, done: BoxResultsRequest,
                  now: float) -> BoxResultsResponse:
     accepted: list[str] = []
@@ -144,6 +165,8 @@ def complete_ops(store: Store, site: Site, done: BoxResultsRequest,
                 rejected.append(item.op_id)
                 continue
             accepted.append(item.op_id)
+            if hit == "exec":
+                box_output.drop(conn, [item.op_id])
             if hit == "pause" and item.error is None:
                 conn.execute(update(boxes).where(boxes.c.id == item.box_id,
                                                  boxes.c.epoch == item.epoch,
@@ -200,10 +223,13 @@ def release(store: Store, site: Site, ask: BoxReleaseRequest) -> BoxReleaseRespo
 
 
 def _requeue_running(conn: Connection, box_id: str) -> None:
-    # Handed back before it ran them: the next host runs them from the start.
-    conn.execute(update(box_ops).where(box_ops.c.box_id == box_id,
-                                       box_ops.c.status == OpStatus.RUNNING.value)
-                 .values(status=OpStatus.QUEUED.value, epoch=None, started_at=None))
+    # Handed back before it ran them: the next host runs them from the start (and what they
+    # printed so far is not theirs any more).
+    requeued = conn.execute(update(box_ops).where(box_ops.c.box_id == box_id,
+                                                  box_ops.c.status == OpStatus.RUNNING.value)
+                            .values(status=OpStatus.QUEUED.value, epoch=None, started_at=None)
+                            .returning(box_ops.c.id)).scalars().all()
+    box_output.drop(conn, list(requeued))
 
 
 @retry_conflicts
@@ -216,8 +242,11 @@ def reap_expired(store: Store, now: float) -> int:
             .returning(boxes.c.id)).scalars().all()
         for box_id in lost:
             code, message = HOST_LOST
-            conn.execute(update(box_ops).where(box_ops.c.box_id == box_id,
-                                               box_ops.c.status == OpStatus.RUNNING.value)
-                         .values(status=OpStatus.FAILED.value, finished_at=now,
-                                 error={"code": code, "message": message}))
+            failed = conn.execute(
+                update(box_ops).where(box_ops.c.box_id == box_id,
+                                      box_ops.c.status == OpStatus.RUNNING.value)
+                .values(status=OpStatus.FAILED.value, finished_at=now,
+                        error={"code": code, "message": message})
+                .returning(box_ops.c.id)).scalars().all()
+            box_output.drop(conn, list(failed))
     return len(lost)

@@ -53,6 +53,21 @@ class OpRecord:
     status: OpStatus
     result: dict[str, Any] | None
     error: dict[str, Any] | None
+    epoch: int | None = None  # the box's epoch when its host took it (None: not taken yet)
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL_OP_STATUSES
+
+
+@dataclass(frozen=True, slots=True)
+class OutputChunk:
+    """A piece of a running exec's output (box_op_output)."""
+
+    epoch: int
+    seq: int
+    stream: str  # stdout | stderr
+    data: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +89,7 @@ def box_record(row: Any) -> BoxRecord:
 
 def op_record(row: Any) -> OpRecord:
     return OpRecord(id=row.id, box_id=row.box_id, kind=row.kind, status=OpStatus(row.status),
-                    result=row.result, error=row.error)
+                    result=row.result, error=row.error, epoch=row.epoch)
 
 
 def snapshot_record(row: Any) -> SnapshotRecord:

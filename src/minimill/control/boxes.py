@@ -15,13 +15,14 @@ from typing import Any
 
 from sqlalchemy import Connection, delete, insert, select, update
 
-from minimill.control import files
+from minimill.control import box_output, files
 from minimill.control.box_records import (
     TERMINAL_OP_STATUSES,
     BoxRecord,
     BoxStatus,
     OpRecord,
     OpStatus,
+    OutputChunk,
     SnapshotKind,
     SnapshotRecord,
     box_record,
@@ -125,10 +126,13 @@ def list_boxes(store: Store, tenant_id: str, limit: int = 1000) -> list[BoxRecor
 
 def _fail_open_ops(conn: Connection, box_id: str, code: str, message: str,
                    statuses: tuple[str, ...] = _OPEN_OPS) -> int:
-    return int(conn.execute(
+    failed = conn.execute(
         update(box_ops).where(box_ops.c.box_id == box_id, box_ops.c.status.in_(statuses))
         .values(status=OpStatus.FAILED.value, finished_at=time.time(),
-                error={"code": code, "message": message})).rowcount)
+                error={"code": code, "message": message})
+        .returning(box_ops.c.id)).scalars().all()
+    box_output.drop(conn, list(failed))
+    return len(failed)
 
 
 @retry_conflicts
@@ -192,6 +196,21 @@ def get_op(store: Store, op_id: str) -> OpRecord:
     if row is None:
         raise NotFoundError(f"No such operation: {op_id}")
     return op_record(row)
+
+
+def read_output(store: Store, op_id: str, epoch: int,
+                seq: int) -> tuple[OpRecord, list[OutputChunk]]:
+    """The operation and its streamed output after (epoch, seq), in one snapshot: once it
+    has ended, its output is in its result only."""
+    with store.read() as conn:
+        # Not its arguments: a reader asks several times a second, and stdin may be large.
+        row = conn.execute(select(box_ops.c.id, box_ops.c.box_id, box_ops.c.kind,
+                                  box_ops.c.status, box_ops.c.result, box_ops.c.error,
+                                  box_ops.c.epoch).where(box_ops.c.id == op_id)).first()
+        if row is None:
+            raise NotFoundError(f"No such operation: {op_id}")
+        chunks = box_output.since(conn, op_id, epoch, seq)
+    return op_record(row), chunks
 
 
 def finish_wait(store: Store, op_id: str) -> OpRecord:

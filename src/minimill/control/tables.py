@@ -378,6 +378,18 @@ box_ops = Table(
     Index("ix_box_ops_idempotency", "tenant_id", "idempotency_key"),
 )
 
+# An exec's output while it runs, as its host sends it: chunks numbered per run of the
+# operation (a run is the op's epoch). Readers follow it by (epoch, seq). Dropped when the
+# operation ends (its result holds the whole output) or goes back to the queue.
+box_op_output = Table(
+    "box_op_output", metadata,
+    Column("op_id", String(40), primary_key=True),
+    Column("epoch", Integer, primary_key=True, autoincrement=False),
+    Column("seq", Integer, primary_key=True, autoincrement=False),
+    Column("stream", String(10), nullable=False),  # stdout | stderr
+    Column("data", Text, nullable=False),
+)
+
 # Workspace archives: tenants' images, and snapshots of boxes. Content lives in file_chunks
 # under the snapshot's id.
 box_snapshots = Table(

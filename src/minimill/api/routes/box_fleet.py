@@ -1,4 +1,5 @@
-"""The box host protocol's server side (box_protocol.py): poll, results, snapshots, release.
+"""The box host protocol's server side (box_protocol.py): poll, output, results, snapshots,
+release.
 
 Authenticated with a site token, as the worker protocol is. A poll with nothing to hand out is
 held open up to its `wait_s`, waking when this process queues box work.
@@ -19,6 +20,8 @@ from minimill.api.errors import error_responses
 from minimill.api.routes.boxes import body_chunks
 from minimill.box_protocol import (
     BOX_FLEET_PREFIX,
+    BoxOutputRequest,
+    BoxOutputResponse,
     BoxPollRequest,
     BoxPollResponse,
     BoxReleaseRequest,
@@ -52,6 +55,17 @@ async def results(done: BoxResultsRequest, store: StoreDep, site: SiteDep,
     answer = await anyio.to_thread.run_sync(box_hosts.complete_ops, store, site, done,
                                             time.time())
     wakeups.results.notify()
+    wakeups.output.notify()
+    return answer
+
+
+@router.post("/output", response_model=BoxOutputResponse, responses=error_responses(409))
+async def output(ask: BoxOutputRequest, store: StoreDep, site: SiteDep,
+                 wakeups: WakeupsDep) -> BoxOutputResponse:
+    """Output of a running exec; 409 unless this host runs it at the box's current epoch."""
+    answer = await anyio.to_thread.run_sync(box_hosts.store_output, store, site, ask)
+    if answer.stored:
+        wakeups.output.notify()
     return answer
 
 

@@ -1,5 +1,6 @@
 """Boxes: create (from an image or a snapshot), list, get, delete, pause, resume; exec, files
-and snapshots, each an operation its host runs while the call waits for the result."""
+and snapshots, each an operation its host runs while the call waits for the result (or, for
+an exec with `stream`, while the call streams its output: box_ops.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,15 @@ from typing import Annotated, Any
 
 import anyio
 from fastapi import APIRouter, Depends, Header, Query, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 
+from minimill.api.box_ops import (
+    PLACEMENT_GRACE_S,
+    ExecStream,
+    Position,
+    box_timeout,
+    op_failure,
+)
 from minimill.api.box_schemas import (
     MAX_INLINE_BYTES,
     BoxCreate,
@@ -32,27 +40,19 @@ from minimill.api.deps import ConfigDep, StoreDep, TenantDep
 from minimill.api.errors import error_responses
 from minimill.control import boxes
 from minimill.control.box_records import BoxStatus, OpStatus
-from minimill.control.errors import (
-    ControlError,
-    InvalidRequestError,
-    PayloadTooLargeError,
-    RequestTimeoutError,
-)
+from minimill.control.errors import InvalidRequestError, PayloadTooLargeError
 from minimill.control.store import Store
 
 router = APIRouter(prefix="/v1/boxes", tags=["boxes"], responses=error_responses(400, 401))
 WakeupsDep = Annotated[BoxWakeups, Depends(box_wakeups)]
 # A retried exec or write with the same key gets the first one's result; it runs once.
 IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", max_length=500)]
-# A box without a host may wait this long for one, on top of the operation's own time.
-PLACEMENT_GRACE_S = 120.0
-# Errors a host reports that are the caller's doing (400), not the service's.
-_CALLER_ERRORS = {"invalid_path", "path_escape", "symlink", "not_found", "file_too_large",
-                  "invalid_archive", "disk_quota_exceeded"}
-
-
-class OpFailed(ControlError):
-    """An operation its host could not run: the host's code and message."""
+# Where a streamed exec's client was when it lost the stream (an event's id).
+LastEventId = Annotated[str | None, Header(alias="Last-Event-ID", max_length=200)]
+_EVENT_STREAM = {"text/event-stream": {"schema": {
+    "type": "string", "description": "With stream: server-sent events, each a JSON object: "
+    "{type: stdout|stderr, data}, then {type: exit, exit_code, duration_s, timed_out, error, "
+    "output_truncated} or {type: error, status, error}; then [DONE]."}}}
 
 
 async def body_chunks(request: Request, max_bytes: int) -> AsyncIterator[bytes]:
@@ -83,19 +83,12 @@ async def _run_op(store: Store, wakeups: BoxWakeups, tenant_id: str, box_id: str
             if op.status in (OpStatus.SUCCEEDED, OpStatus.FAILED):
                 break
             if time.monotonic() >= deadline:
-                raise RequestTimeoutError(f"box {box_id} did not answer in time",
-                                          code="box_timeout")
+                raise box_timeout(box_id)
             await wakeups.results.wait(POLL_INTERVAL_S)
     finally:
         await asyncio.shield(anyio.to_thread.run_sync(boxes.finish_wait, store, op_id))
     if op.status == OpStatus.FAILED:
-        error = op.error or {}
-        code = str(error.get("code") or "box_error")
-        exc = OpFailed(str(error.get("message") or "the operation failed"), code=code)
-        if code not in _CALLER_ERRORS:
-            # The box's state or its host, not the request: deleted meanwhile, host lost.
-            exc.status_code = 409
-        raise exc
+        raise op_failure(op)
     return op.result or {}
 
 
@@ -143,19 +136,33 @@ def delete_box(box_id: str, store: StoreDep, tenant: TenantDep) -> BoxDeleted:
     return BoxDeleted(id=box_id)
 
 
-@router.post("/{box_id}/exec", response_model=ExecResult,
-             responses=error_responses(404, 409, 504))
-async def exec_in_box(box_id: str, body: ExecCreate, store: StoreDep, tenant: TenantDep,
-                      wakeups: WakeupsDep, idempotency_key: IdempotencyKey = None,
-                      ) -> ExecResult:
-    """Run a command in the box and wait for it: stdout, stderr, exit code."""
+@router.post("/{box_id}/exec", response_model=ExecResult, responses={
+    **error_responses(404, 409, 504), 200: {"content": _EVENT_STREAM}})
+async def exec_in_box(box_id: str, body: ExecCreate, request: Request, store: StoreDep,
+                      tenant: TenantDep, wakeups: WakeupsDep,
+                      idempotency_key: IdempotencyKey = None,
+                      last_event_id: LastEventId = None) -> ExecResult | StreamingResponse:
+    """Run a command in the box and wait for it: stdout, stderr, exit code. With `stream`,
+    its output as it comes (server-sent events); a client that lost the stream sends the same
+    request with the same Idempotency-Key and the last event's id as Last-Event-ID."""
+    position = Position.parse(last_event_id) if body.stream and last_event_id else None
     box = await anyio.to_thread.run_sync(boxes.get_box, store, tenant.id, box_id)
     timeout = _timeout(box.limits, body.timeout_s)
     command = ["/bin/sh", "-c", body.command] if isinstance(body.command, str) else body.command
-    result = await _run_op(store, wakeups, tenant.id, box_id, "exec",
-                           {"command": command, "stdin": body.stdin, "env": body.env,
-                            "timeout_s": timeout}, timeout, idempotency_key)
-    return ExecResult.model_validate(result)
+    args = {"command": command, "stdin": body.stdin, "env": body.env, "timeout_s": timeout}
+    if not body.stream:
+        result = await _run_op(store, wakeups, tenant.id, box_id, "exec", args, timeout,
+                               idempotency_key)
+        return ExecResult.model_validate(result)
+    op_id = await anyio.to_thread.run_sync(boxes.submit_op, store, tenant.id, box_id, "exec",
+                                           args, idempotency_key)
+    wakeups.work.notify()
+    if position is None or position.op_id != op_id:
+        position = Position(op_id)  # a new exec (or a re-run after its host was lost)
+    stream = ExecStream(request, store, wakeups, box_id, position,
+                        time.monotonic() + timeout + PLACEMENT_GRACE_S)
+    return StreamingResponse(stream.events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
 
 
 @router.put("/{box_id}/files", response_model=FileWritten,
