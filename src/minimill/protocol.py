@@ -169,7 +169,12 @@ class ReleaseItem(BaseModel):
 class ReleaseRequest(BaseModel):
     """Leases the worker gives back unfinished; it has stopped generating for them."""
 
-    leases: list[ReleaseItem]
+    leases: list[ReleaseItem] = Field(default_factory=list)
+    # Also every lease the site holds at its current epoch, with the stored checkpoints: a
+    # worker starting for its site says so, since a site runs one worker and whatever the
+    # site still holds was its previous run's (killed, not drained) and would otherwise wait
+    # for its leases to expire.
+    all_held: bool = False
 
 
 class ReleaseResponse(BaseModel):

@@ -78,6 +78,32 @@ def test_a_released_lease_is_queued_at_once_with_its_checkpoint(store: Store) ->
     assert sites["a"].leases_expired == 0  # released, not lost
 
 
+
+def test_a_starting_worker_gives_back_everything_its_site_held(store: Store) -> None:
+    """A restarted worker's site still holds its killed run's leases: `all_held` queues them
+    at once with their checkpoints, and leaves other sites' leases alone."""
+    owner, mine, other = tenant(store), site(store, "a"), site(store, "b")
+    now = time.time()
+    batch(store, owner, [chat_line(f"q{i}") for i in range(5)], now=now)
+    held = lease(store, mine, ask(capacity=3), now, CONFIG).leases
+    theirs = lease(store, other, ask(capacity=1), now, CONFIG).leases
+    assert len(held) == 3 and len(theirs) == 1
+    heartbeat(store, mine, HeartbeatRequest(leases=[HeartbeatItem(
+        request_id=held[0].request_id, epoch=held[0].epoch, checkpoint=progress(2))]),
+        now + 0.5, CONFIG)
+    answer = release(store, mine, ReleaseRequest(all_held=True), now + 1, CONFIG)
+    assert sorted(answer.released) == sorted(h.request_id for h in held)
+    assert answer.rejected == []
+    for h in held:
+        assert row(store, h.request_id)["status"] == "queued"
+    assert stored_tokens(store, held[0].request_id) == [0, 1]  # the checkpoint is kept
+    assert row(store, theirs[0].request_id)["status"] == "leased"
+    # Nothing left to give back; the other site's leases are not this site's to give.
+    assert release(store, mine, ReleaseRequest(all_held=True), now + 2, CONFIG).released == []
+    regained = lease(store, other, ask(), now + 2, CONFIG).leases
+    assert {g.request_id for g in regained} >= {h.request_id for h in held}
+
+
 def test_release_fencing(store: Store) -> None:
     owner, mine, stranger = tenant(store), site(store, "a"), site(store, "b")
     now = time.time()

@@ -135,3 +135,29 @@ def test_the_child_dies_with_its_parent(model_file: Path, tmp_path: Path) -> Non
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_the_parent_never_imports_torch(model_file: Path) -> None:
+    """Only the child pays for torch's import: a restarted worker starts that much sooner."""
+    script = textwrap.dedent(f"""
+        import asyncio, sys
+        from minimill.engine.params import SamplingParams
+        from minimill.fleet.builtin_engine import BuiltinEngineAdapter
+
+        async def main():
+            adapter = await BuiltinEngineAdapter.start(
+                model={str(model_file)!r}, dtype="float32",
+                options={{"num_kv_blocks": 64, "max_model_len": 512}})
+            engine = adapter._engine
+            params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+            deltas = [d async for d in engine.generate("r", "Hello", params)]
+            print(sum(len(d.new_token_ids) for d in deltas), adapter.default_max_tokens,
+                  "torch" in sys.modules, flush=True)
+            await adapter.close()
+
+        asyncio.run(main())
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["4", "512", "False"]

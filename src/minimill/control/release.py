@@ -22,7 +22,7 @@ from minimill.control.site_view import site_states
 from minimill.control.sites import touch_site
 from minimill.control.store import Store, retry_conflicts
 from minimill.control.tables import outages, requests
-from minimill.protocol import ReleaseRequest, ReleaseResponse
+from minimill.protocol import ReleaseItem, ReleaseRequest, ReleaseResponse
 
 _QUEUED = RequestStatus.QUEUED.value
 _LEASED = RequestStatus.LEASED.value
@@ -44,7 +44,15 @@ def release(store: Store, site: Site, request: ReleaseRequest, now: float,
     released: list[str] = []
     rejected: list[str] = []
     with store.write() as conn:
-        for item in request.leases:
+        items = list(request.leases)
+        if request.all_held:
+            named = {item.request_id for item in items}
+            items += [ReleaseItem(request_id=r.id, epoch=r.epoch) for r in conn.execute(
+                select(requests.c.id, requests.c.epoch)
+                .where(requests.c.site_id == site.id,
+                       requests.c.status.in_([s.value for s in lease_rules.HELD])))
+                if r.id not in named]
+        for item in items:
             if not 0 <= item.epoch <= _MAX_EPOCH:
                 rejected.append(item.request_id)
                 continue

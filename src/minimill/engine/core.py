@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minimill.engine.config import EngineConfig
+from minimill.engine.frontend import EngineLimits, check_tokens
 from minimill.engine.kv_tiers import KvTiers
 from minimill.engine.model_runner import ModelRunner
 from minimill.engine.output import OutputProcessor
@@ -105,28 +106,16 @@ class EngineCore:
         self.scheduler.add_request(seq)
         return seed, handed_out
 
+    @property
+    def limits(self) -> EngineLimits:
+        """The sizes front ends check requests against before they reach the step loop."""
+        assert self.config.max_model_len is not None
+        return EngineLimits(self.config.max_num_seqs, self.config.max_model_len,
+                            self.vocab_size)
+
     def check_request(self, prompt: list[int], resume: list[int]) -> None:
         """Raise InvalidRequestError for a request this engine cannot run (any thread)."""
-        assert self.config.max_model_len is not None
-        self.check_tokens(prompt, resume, self.vocab_size, self.config.max_model_len)
-
-    @staticmethod
-    def check_tokens(prompt: list[int], resume: list[int], vocab_size: int,
-                     max_model_len: int | None) -> None:
-        """The checks that need only the vocabulary and context sizes (front ends run them
-        before a request reaches the step loop, wherever that runs)."""
-        if not prompt:
-            raise InvalidRequestError("the prompt is empty")
-        bad = [t for t in (*prompt, *resume) if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
-        assert max_model_len is not None
-        if len(prompt) + len(resume) >= max_model_len:
-            what = "prompt" if not resume else "prompt plus resumed tokens"
-            raise InvalidRequestError(
-                f"the {what} has {len(prompt) + len(resume)} tokens, but this engine's context "
-                f"holds {max_model_len} tokens and at least one must be generated")
+        check_tokens(prompt, resume, self.limits)
 
     def abort_request(self, request_id: str) -> TokenDelta | None:
         """End a request now; returns its final delta (None if it was not running)."""

@@ -22,13 +22,8 @@ from collections import defaultdict
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from minimill.engine.async_engine import (
-    AddRequest,
-    Outcome,
-    StreamFrontend,
-    apply_command,
-    step_into,
-)
+# Only torch-free modules at the top: the parent never imports torch (the child does).
+from minimill.engine.frontend import AddRequest, EngineLimits, Outcome, StreamFrontend
 from minimill.engine.params import EngineError, InvalidRequestError
 
 if TYPE_CHECKING:
@@ -63,8 +58,9 @@ class ProcessEngine(StreamFrontend):
         if message[0] == "error":
             self._process.join(5)
             raise _rebuild(message[1], message[2])
-        _, tokenizer, config, vocab_size = message
-        super().__init__(tokenizer, config, vocab_size)
+        _, tokenizer, limits = message
+        assert isinstance(limits, EngineLimits)
+        super().__init__(tokenizer, limits)
         self._send_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="minimill-engine-reader",
                                         daemon=True)
@@ -147,14 +143,29 @@ def _child_main(conn: Connection, model: str, overrides: dict[str, Any],
     except Exception as exc:
         conn.send(("error", *_portable(exc)))
         return
-    conn.send(("ready", loaded.tokenizer, config, loaded.config.vocab_size))
+    conn.send(("ready", loaded.tokenizer, core.limits))
+    _yield_to_siblings()
     try:
         _step_loop(conn, core, parent_pid)
     finally:
         core.close()  # the KV tiers keep what the pool holds, for the next start
 
 
+def _yield_to_siblings() -> None:
+    """Once started, the step loop runs below the default priority (MINIMILL_ENGINE_NICE,
+    default 5): on a machine it shares, a process that is starting (a restarted worker
+    loading its engine) or that keeps leases alive (its own worker's heartbeats and
+    checkpoints, a local control plane) gets the CPU first. Alone, the engine gets every
+    cycle all the same: niceness only orders runnable threads."""
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        increment = int(os.environ.get("MINIMILL_ENGINE_NICE", "5"))
+        if increment > 0:
+            os.nice(increment)
+
+
 def _step_loop(conn: Connection, core: EngineCore, parent_pid: int) -> None:
+    from minimill.engine.async_engine import apply_command, step_into
+
     while True:
         out: dict[str, list[Outcome]] = defaultdict(list)
         # Idle: wait for work; running: take whatever commands arrived, then step.

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from minimill.engine.hardware import CpuInfo, cpu_info
+from minimill.engine.kernel_cache import kernel_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -30,16 +31,6 @@ _state: NativeKernels | None = None
 class NativeKernels:
     available: bool
     reason: str  # why not, or what was built
-
-
-def kernel_cache_dir() -> Path:
-    """Where compiled kernels live: $MINIMILL_KERNEL_CACHE, else the user's cache directory."""
-    env = os.environ.get("MINIMILL_KERNEL_CACHE")
-    if env:
-        return Path(env)
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("minimill")) / "kernels"
 
 
 def _build_flags(info: CpuInfo) -> list[str]:

@@ -61,7 +61,7 @@ class BuiltinEngineAdapter:
         one) with `options` (EngineConfig fields): in a child process, or in this one with
         `in_process`; `clock` marks each phase."""
         clock = clock or StartClock()
-        from minimill.engine.native import kernel_cache_dir
+        from minimill.engine.kernel_cache import kernel_cache_dir
         from minimill.fleet.kernel_lock import stale_kernel_locks_cleared
         from minimill.models.types import ModelError
 
@@ -86,7 +86,7 @@ class BuiltinEngineAdapter:
     @property
     def default_max_tokens(self) -> int:
         # The engine stops with "length" when the context is full, so the context is the limit.
-        value = getattr(getattr(self._engine, "config", None), "max_model_len", None)
+        value = getattr(self._engine, "max_model_len", None)
         return value if isinstance(value, int) and value > 0 else _FALLBACK_CONTEXT
 
     def _prompt(self, job: ChoiceJob) -> str | list[int]:

@@ -6,6 +6,10 @@ and hands back whatever is left, and exits; a second signal skips the wait. A si
 is still starting (loading the model, or before its control plane ever answered) ends it at
 once. Started by `serve` (or any owner naming itself in MINIMILL_PARENT_PID), it also exits
 when its parent dies (lifetime.py). Its log says where its start time went (startup.py).
+
+While its engine loads, a starting worker gives back whatever its site still holds: a site
+runs one worker, so those leases are its previous run's (killed, not drained), and other sites
+resume them at once instead of when the leases expire.
 """
 
 from __future__ import annotations
@@ -22,13 +26,19 @@ from types import FrameType
 from minimill.agents.runner import AgentRunner, RunnerClient
 from minimill.boxes.host import BoxHost
 from minimill.boxes.host_setup import BoxHostStartError, BoxOptions, open_box_host
-from minimill.fleet.client import ControlPlaneClient, SiteAuthError
+from minimill.fleet.client import (
+    Backoff,
+    ControlPlaneClient,
+    ControlPlaneUnavailable,
+    SiteAuthError,
+    sleep_backoff,
+)
 from minimill.fleet.engines import EngineStartError, open_engine
 from minimill.fleet.kv_options import KvOptions
 from minimill.fleet.loops import Worker
 from minimill.fleet.startup import StartClock
 from minimill.lifetime import STOP_SIGNALS, die_with_parent, stop_reason
-from minimill.protocol import MAX_CHIP_CHARS
+from minimill.protocol import MAX_CHIP_CHARS, ReleaseRequest
 
 log = logging.getLogger("minimill.worker")
 NO_ENGINE = "none"  # --engine none: a box host that serves no tokens
@@ -108,9 +118,17 @@ async def _amain(*, server: str, site: str, token: str, engine: str, model: str,
                  site, boxes.slots, agents, server)
         await asyncio.gather(_run_box_host(box_host), _run_runner(runner))
         return
-    adapter = await open_engine(engine, model=model, dtype=dtype, capacity=capacity,
-                                clock=clock, engine_options=kv.engine_overrides())
     client = ControlPlaneClient(server, token)
+    taking_back = asyncio.create_task(_take_back_leases(client))
+    try:
+        adapter = await open_engine(engine, model=model, dtype=dtype, capacity=capacity,
+                                    clock=clock, engine_options=kv.engine_overrides())
+    except BaseException:
+        taking_back.cancel()
+        await client.close()
+        raise
+    # Before the first lease call: a give-back arriving after it would return new leases.
+    await taking_back
     effective = min(capacity, adapter.capacity) if engine == "builtin" else capacity
     worker = Worker(client, adapter, capacity=effective,
                     drain_timeout_s=float(os.environ.get("MINIMILL_WORKER_DRAIN_S", "10")),
@@ -132,6 +150,21 @@ async def _amain(*, server: str, site: str, token: str, engine: str, model: str,
         await adapter.close()
         log.info("worker stopped: %s, generated_tokens %d", worker.stats,
                  worker.tally.generated_tokens)
+
+
+async def _take_back_leases(client: ControlPlaneClient) -> None:
+    """Give back every lease this site still holds from the worker's previous run."""
+    backoff = Backoff()
+    while True:
+        try:
+            answer = await client.release(ReleaseRequest(all_held=True))
+        except ControlPlaneUnavailable as exc:  # e.g. serve's control plane still starting
+            await sleep_backoff(backoff, "giving back the previous run's leases", exc)
+            continue
+        if answer.released:
+            log.info("gave back %d leases the previous run of this site held",
+                     len(answer.released))
+        return
 
 
 def _check_declared(price_per_hour: float | None, chip: str | None) -> str | None:
