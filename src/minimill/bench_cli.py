@@ -137,11 +137,15 @@ def bench_fleet(
     json_out: bool = JsonOption,
     kill_every_s: float = typer.Option(10.0, help="Kill a random worker this often."),
     limit: int | None = typer.Option(None, help="Use only the first N requests."),
+    kv_flash: bool = typer.Option(
+        True, help="Give each worker a KV flash tier: a killed worker's restart resumes its "
+        "requests from the KV it wrote through to flash instead of recomputing them."),
 ) -> None:
     """Goodput of 3 local workers with one killed every few seconds vs no kills."""
     from minimill.bench.fleet_bench import run_fleet_bench
 
-    run_fleet_bench(workload, json_out=json_out, kill_every_s=kill_every_s, limit=limit)
+    run_fleet_bench(workload, json_out=json_out, kill_every_s=kill_every_s, limit=limit,
+                    kv_flash=kv_flash)
 
 
 @bench_app.command("ingest")

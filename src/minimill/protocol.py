@@ -103,6 +103,11 @@ class LeaseRequest(BaseModel):
     # since the last call that sent them.
     held_sessions: list[Annotated[str, Field(max_length=16)]] | None = Field(
         default=None, max_length=MAX_HELD_SESSIONS)
+    # The worker's first call after a start, when its engine's KV survives a restart (a flash
+    # tier): the leases its site still holds (its previous run's, killed) come back in this
+    # answer at a new epoch, before any new work, so that they resume here from the KV on
+    # flash instead of being recomputed elsewhere. They count towards `capacity`.
+    adopt_held: bool = False
 
 
 class Lease(BaseModel):

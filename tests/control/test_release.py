@@ -79,6 +79,39 @@ def test_a_released_lease_is_queued_at_once_with_its_checkpoint(store: Store) ->
 
 
 
+def test_a_starting_worker_whose_kv_survived_takes_its_sites_leases_back(store: Store) -> None:
+    """`adopt_held` on a lease call returns the leases the site still holds at a new epoch,
+    with their checkpoints, before new work and within the capacity asked for; the previous
+    run's late messages are fenced off, and other sites' leases are untouched."""
+    owner, mine, other = tenant(store), site(store, "a"), site(store, "b")
+    now = time.time()
+    batch(store, owner, [chat_line(f"q{i}") for i in range(6)], now=now)
+    held = lease(store, mine, ask(capacity=3), now, CONFIG).leases
+    theirs = lease(store, other, ask(capacity=1), now, CONFIG).leases
+    heartbeat(store, mine, HeartbeatRequest(leases=[HeartbeatItem(
+        request_id=held[0].request_id, epoch=held[0].epoch, checkpoint=progress(4))]),
+        now + 0.5, CONFIG)
+    again = lease(store, mine, ask(capacity=4).model_copy(update={"adopt_held": True}),
+                  now + 1, CONFIG).leases
+    assert [g.request_id for g in again[:3]] == [h.request_id for h in held]
+    assert [g.epoch for g in again[:3]] == [h.epoch + 1 for h in held]
+    assert len(again) == 4 and again[3].request_id not in {t.request_id for t in theirs}
+    assert again[0].checkpoint is not None
+    assert again[0].checkpoint.choices[0].token_ids == [0, 1, 2, 3]
+    # The killed run's heartbeat is stale now; the other site still holds its lease.
+    beat = heartbeat(store, mine, HeartbeatRequest(leases=[HeartbeatItem(
+        request_id=held[1].request_id, epoch=held[1].epoch)]), now + 1.5, CONFIG)
+    assert beat.revoked == [held[1].request_id]
+    assert row(store, theirs[0].request_id)["site_id"] == other.id
+    # A smaller capacity takes back only that many; the rest stay held by the site.
+    small = lease(store, mine, ask(capacity=2).model_copy(update={"adopt_held": True}),
+                  now + 2, CONFIG).leases
+    assert len(small) == 2
+    assert all(g.epoch == h.epoch + 2 for g, h in zip(small, held[:2], strict=True))
+    assert complete(store, mine, success(held[0].request_id, small[0].epoch), now + 3,
+                    CONFIG).accepted == [held[0].request_id]
+
+
 def test_a_starting_worker_gives_back_everything_its_site_held(store: Store) -> None:
     """A restarted worker's site still holds its killed run's leases: `all_held` queues them
     at once with their checkpoints, and leaves other sites' leases alone."""

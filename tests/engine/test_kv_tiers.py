@@ -3,6 +3,7 @@ prefix gives the tokens a recompute gives."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,37 @@ def test_restore_gives_the_tokens_of_a_recompute(smol_f32: LoadedModel, tmp_path
     assert restarted.engine.tiers.stats.flash_hits == 9
     assert out.num_cached_tokens == 144 and out.output_token_ids == expected
     restarted.close()
+
+
+def test_full_blocks_are_written_through_and_a_killed_engines_resume_reloads_them(
+        smol_f32: LoadedModel, tmp_path: Path) -> None:
+    """With a flash tier every block is written as soon as it is full and computed, prompt and
+    generated tokens alike: an engine that never closes (killed) leaves them on flash, and a
+    new engine resuming its request (prompt plus the tokens generated so far) reloads that
+    context instead of recomputing it, and continues with the tokens of an uninterrupted run."""
+    opts = {"dtype": "float32", "num_kv_blocks": 64, "max_model_len": 512}
+    prompt = _prompt(LLM(smol_f32, **opts), 4, 40)
+    uninterrupted = LLM(smol_f32, enable_prefix_caching=False, **opts).generate(
+        [prompt], GREEDY)[0].output_token_ids
+    flash = tmp_path / "flash"
+    first = LLM(smol_f32, kv_flash_dir=str(flash), kv_flash_bytes=64 << 20, **opts)
+    assert first.generate([prompt], GREEDY)[0].output_token_ids == uninterrupted
+    tiers = first.engine.tiers
+    assert tiers is not None and tiers.flash is not None
+    # The computed tokens (the last one sampled is not) fill this many blocks; never closed.
+    bs = first.config.block_size
+    full_blocks = (len(prompt) + len(uninterrupted) - 1) // bs
+    deadline = time.monotonic() + 30
+    while len(list(flash.glob(f"*{SUFFIX}"))) < full_blocks and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(list(flash.glob(f"*{SUFFIX}"))) == full_blocks
+
+    resumed_tokens = uninterrupted[:len(uninterrupted) // 2]
+    second = LLM(smol_f32, kv_flash_dir=str(flash), kv_flash_bytes=64 << 20, **opts)
+    out = second.generate([prompt], GREEDY, resume_token_ids=[resumed_tokens])[0]
+    reusable = (len(prompt) + len(resumed_tokens) - 1) // bs
+    assert second.engine.tiers is not None
+    assert second.engine.tiers.stats.flash_hits == reusable > 0
+    assert out.num_cached_tokens == bs * reusable
+    assert out.output_token_ids == uninterrupted
+    second.close()

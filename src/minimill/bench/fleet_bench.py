@@ -30,6 +30,9 @@ DTYPE = "bfloat16"
 FLEET_ENV = {"MINIMILL_LEASE_TTL_S": "5", "MINIMILL_CHECKPOINT_INTERVAL_S": "1",
              "MINIMILL_JANITOR_INTERVAL_S": "0.25", "MINIMILL_WORKER_STATS_S": "0.5",
              "OMP_WAIT_POLICY": "PASSIVE"}
+# Each worker's KV flash tier (--kv-flash): what a killed worker's engine computed is on
+# flash when it starts again, and it resumes its requests from there.
+FLASH_GB = 2.0
 _STATS = re.compile(r"stats generated_tokens=(\d+)")
 _START = re.compile(r"start: ([\d.]+)s to first lease \((.*)\)")
 
@@ -136,7 +139,7 @@ def _run_batch(fleet: LocalFleet, lines: list[str], tmp: Path, every_s: float | 
 
 
 def run_fleet_bench(workload: Path, *, json_out: bool, kill_every_s: float,
-                    limit: int | None) -> None:
+                    limit: int | None, kv_flash: bool = True) -> None:
     """Print goodput with kills beside the baseline without kills, plus loss figures."""
     from rich.console import Console
 
@@ -148,18 +151,38 @@ def run_fleet_bench(workload: Path, *, json_out: bool, kill_every_s: float,
     lines = [line for line in workload.read_text().splitlines() if line.strip()]
     lines = lines[:limit] if limit is not None else lines
     fleet = LocalFleet(DEFAULT_MODEL, DTYPE, local_worker=False, env=FLEET_ENV)
+
+    def start_workers(run: str) -> None:
+        """Fresh workers (empty KV pools, and flash tiers of their own) for each run: the
+        workload is greedy, so KV left by one run would spare the other's recomputing."""
+        for proc in fleet.workers.values():
+            proc.terminate()
+        for proc in fleet.workers.values():
+            proc.stop()
+        procs = []
+        for i in range(NUM_WORKERS):
+            flash = ["--kv-flash-dir", str(fleet.home / f"kv-flash-{run}-{i}"),
+                     "--kv-flash-gb", str(FLASH_GB)] if kv_flash else []
+            procs.append(fleet.worker(f"mill-{i}", fleet.site_token(f"mill-{i}"), *flash))
+        # A site's log goes on from its earlier workers': read only what the new one writes.
+        offsets = [len(p.log_path.read_text(errors="replace")) if p.log_path.exists() else 0
+                   for p in procs]
+        for proc in procs:
+            proc.start()
+        for i, (proc, offset) in enumerate(zip(procs, offsets, strict=True)):
+            proc.wait_for_log(rf"worker for site 'mill-{i}' ready", start=offset)
+            # Its start line too, before the run's logs are read for restarts.
+            proc.wait_for_log(r"start: [\d.]+s to first lease", start=offset)
+
     try:
-        with err.status(f"starting serve and {NUM_WORKERS} workers ..."):
-            fleet.start()
-            procs = [fleet.worker(f"mill-{i}", fleet.site_token(f"mill-{i}"))
-                     for i in range(NUM_WORKERS)]
-            for proc in procs:
-                proc.start()
-            for i, proc in enumerate(procs):
-                proc.wait_for_log(rf"worker for site 'mill-{i}' ready")
         with tempfile.TemporaryDirectory() as tmp:
+            with err.status(f"starting serve and {NUM_WORKERS} workers ..."):
+                fleet.start()
+                start_workers("baseline")
             with err.status(f"baseline: {len(lines)} requests, no kills ..."):
                 base = _run_batch(fleet, lines, Path(tmp), None)
+            with err.status(f"starting {NUM_WORKERS} fresh workers ..."):
+                start_workers("chaos")
             with err.status(f"chaos: a worker killed every {kill_every_s:g}s ..."):
                 chaos = _run_batch(fleet, lines, Path(tmp), kill_every_s)
     except (BenchError, RuntimeError, TimeoutError) as exc:
@@ -173,6 +196,7 @@ def run_fleet_bench(workload: Path, *, json_out: bool, kill_every_s: float,
                                                       "slowest_restart") if k in chaos}
     report: dict[str, Any] = {
         "requests": len(lines), "workers": NUM_WORKERS, "kill_every_s": kill_every_s,
+        "kv_flash": kv_flash,
         "kills": chaos["kills"], "lease_ttl_s": float(FLEET_ENV["MINIMILL_LEASE_TTL_S"]),
         "goodput_tok_s": round(chaos["tok_s"], 2), "baseline_tok_s": round(base["tok_s"], 2),
         "goodput_fraction": round(chaos["tok_s"] / base["tok_s"], 3) if base["tok_s"] else None,

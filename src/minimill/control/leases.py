@@ -178,10 +178,31 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
     expires_at = now + config.lease_ttl_s
     lease_id = new_id("lse_")
     policy = policy_for(config, policy)
+    granted = (requests.c.id, requests.c.epoch, requests.c.kind, requests.c.model,
+               requests.c.body, requests.c.seed, requests.c.progress, requests.c.stream,
+               requests.c.session_key)
     with store.write() as conn:
+        adopted: list[Any] = []
+        if ask.adopt_held:
+            # The site's previous run's leases, at a new epoch: a late message of that run
+            # is fenced off like any other stale holder's.
+            held = conn.execute(
+                select(requests.c.id)
+                .where(requests.c.site_id == site.id, requests.c.status == _LEASED)
+                .order_by(requests.c.seq).limit(capacity)).scalars().all()
+            adopted = [] if not held else list(conn.execute(
+                update(requests)
+                .where(requests.c.id.in_(held), requests.c.site_id == site.id,
+                       requests.c.status == _LEASED)
+                .values(epoch=requests.c.epoch + 1, lease_id=lease_id,
+                        lease_expires_at=expires_at, leased_at=now,
+                        version=requests.c.version + 1,
+                        lease_base_tokens=requests.c.checkpoint_tokens)
+                .returning(*granted)).all())
+            capacity = max(0, capacity - len(adopted))
         rows: list[Any] = []
         snapshot = _snapshot(conn, site, ask, capacity, models, now, policy)
-        picked = place(snapshot, now, policy) if snapshot.candidates else []
+        picked = place(snapshot, now, policy) if snapshot.candidates and capacity else []
         if picked:
             rows = list(conn.execute(
                 update(requests)
@@ -190,9 +211,9 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
                         site_id=site.id, lease_expires_at=expires_at, leased_at=now,
                         attempts=requests.c.attempts + 1, version=requests.c.version + 1,
                         lease_base_tokens=requests.c.checkpoint_tokens)
-                .returning(requests.c.id, requests.c.epoch, requests.c.kind, requests.c.model,
-                           requests.c.body, requests.c.seed, requests.c.progress,
-                           requests.c.stream, requests.c.session_key)).all())
+                .returning(*granted)).all())
+        rows = adopted + rows
+        picked = [r.id for r in adopted] + picked
         resumed = checkpoints.load(conn, [r.id for r in rows if r.progress])
         # What the worker said, for the placement of its peers' lease calls; its measured
         # rate covers a time in which it held what it held before this call.

@@ -11,6 +11,10 @@ With KV tiers (kv_tiers.py), a cached block handed out again is first copied dow
 found there get fresh pool blocks and count as computed once their bytes are copied back
 (`pending_loads`). The engine does both copies before the step's model run, saves first, so a
 block that is saved and reused in the same step is read before it is overwritten.
+
+With a flash tier, every block is also written through as soon as it is full and computed
+(`take_new_full_blocks`): a process killed without warning leaves its sequences' KV on flash,
+so a request resumed by the restarted process reloads its context instead of recomputing it.
 """
 
 from __future__ import annotations
@@ -85,6 +89,9 @@ class BlockManager:
         self._seq_hashes: dict[str, list[int]] = {}
         # Copies the engine makes before the next model run (saves first):
         self.pending_saves: list[tuple[int, int, tuple[int, ...]]] = []  # (block, hash, tokens)
+        # Blocks registered since the last take_new_full_blocks, to write through to flash.
+        self.write_through = self.tiers is not None and self.tiers.flash is not None
+        self._new_full: list[tuple[int, int, tuple[int, ...]]] = []  # (block, hash, tokens)
         self.pending_loads: list[tuple[int, torch.Tensor]] = []  # (block, KV from a tier)
 
     @property
@@ -202,6 +209,14 @@ class BlockManager:
                 block.block_hash = h
                 block.token_ids = tokens
                 self._hash_to_block[h] = block.block_id
+                if self.write_through:
+                    self._new_full.append((block.block_id, h, tokens))
+
+    def take_new_full_blocks(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(block id, chained hash, token ids) of blocks registered since the last call; their
+        KV is intact until the next model run."""
+        fresh, self._new_full = self._new_full, []
+        return fresh
 
     def cached_blocks(self) -> list[tuple[int, int, tuple[int, ...]]]:
         """(block id, chained hash, token ids) of every computed block the pool holds."""

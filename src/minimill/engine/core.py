@@ -143,6 +143,7 @@ class EngineCore:
         self.num_steps += 1
         self.num_step_seqs += len(scheduled.scheduled)
         updated = self.scheduler.update_from_output(scheduled, model_output)
+        self._write_through()
         for seq in updated:
             try:
                 result.deltas.append(self._process(seq))
@@ -165,6 +166,15 @@ class EngineCore:
                 kv[block_id].copy_(block)
             self.tiers.stats.restored_blocks += len(loads)
             self.tiers.stats.restore_s += time.perf_counter() - started
+
+    def _write_through(self) -> None:
+        """Send the blocks this step filled to the flash tier (written in the background)."""
+        fresh = self.scheduler.block_manager.take_new_full_blocks()
+        if self.tiers is None or not fresh:
+            return
+        kv = self.runner.kv_cache
+        for block_id, block_hash, token_ids in fresh:
+            self.tiers.persist(block_hash, token_ids, kv[block_id])
 
     def close(self) -> None:
         """Write what the pool holds to the flash tier and finish writing: a restarted engine

@@ -8,8 +8,9 @@ BLAKE2b of header and payload. A file that is truncated, corrupt, written for an
 or for other tokens is a miss, never used (and removed, so it cannot be read again). Files
 outlive the process: a restarted engine finds them by scanning the directory.
 
-Writes happen on a background thread so that the step loop never waits on the disk; a block
-waiting to be written is still found (its bytes are held until the write ends).
+Writes happen on a background thread, encoding and digest included, so that the step loop
+never waits on the disk or the hash; a block waiting to be written is still found (its copy is
+held until the write ends).
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ class FlashTier:
         # (oldest modification first), then what this process wrote.
         self._files: OrderedDict[int, int] = OrderedDict()
         self._bytes = 0
-        self._pending: dict[int, bytes] = {}  # encoded, not written yet
+        # key -> (token ids, a copy of the block's KV): not written yet.
+        self._pending: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
         self._queue: queue.Queue[int | None] = queue.Queue()
         self.num_bad_files = 0  # corrupt, truncated or foreign files met (and removed)
         self._scan()
@@ -112,28 +114,32 @@ class FlashTier:
             return key in self._files or key in self._pending
 
     def put(self, key: int, token_ids: tuple[int, ...], block: torch.Tensor) -> None:
-        """Write a block (in the background); a block already held is only refreshed."""
+        """Write a block (in the background); a block already held is only refreshed. `block`
+        is the caller's copy on the CPU: it is kept, not copied again, until written."""
         with self._lock:
             if key in self._files or key in self._pending:
                 if key in self._files:
                     self._files.move_to_end(key)
                 return
-            self._pending[key] = encode_block(self.layout, key, token_ids, block)
+            self._pending[key] = (token_ids, block)
         self._queue.put(key)
 
     def get(self, key: int, token_ids: tuple[int, ...]) -> bytes | None:
         """The block's payload, or None (missing, or a file that is not sound: removed)."""
         with self._lock:
-            data = self._pending.get(key)
-            if data is None and key not in self._files:
+            pending = self._pending.get(key)
+            if pending is None and key not in self._files:
                 return None
             if key in self._files:
                 self._files.move_to_end(key)
-        if data is None:
-            try:
-                data = self.path(key).read_bytes()
-            except OSError:
-                data = b""
+        if pending is not None:  # still on its way to the disk: the held copy is the block
+            held_tokens, block = pending
+            return block.contiguous().view(torch.uint8).numpy().tobytes() \
+                if held_tokens == token_ids else None
+        try:
+            data = self.path(key).read_bytes()
+        except OSError:
+            data = b""
         payload = decode_block(data, self.layout, key, token_ids)
         if payload is None:
             self.num_bad_files += 1
@@ -168,9 +174,10 @@ class FlashTier:
     def _write_loop(self) -> None:
         while (key := self._queue.get()) is not None:
             with self._lock:
-                data = self._pending.get(key)
-            if data is None:
+                pending = self._pending.get(key)
+            if pending is None:
                 continue
+            data = encode_block(self.layout, key, *pending)
             path = self.path(key)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             try:

@@ -88,6 +88,9 @@ class Worker:
         self.first_lease_at: float | None = None  # monotonic time of the first lease answer
         self.tally = Tally()
         self.sessions = HeldSessions()  # reported with lease calls, for placement affinity
+        # Ask for the site's held leases back with the next lease call (worker.py: a start
+        # whose engine's KV survived the previous run).
+        self.adopt_held = False
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def free_capacity(self) -> int:
@@ -162,13 +165,14 @@ class Worker:
                     capacity=free, models=self.adapter.models,
                     tokens_per_s=self.adapter.tokens_per_s(),
                     price_per_hour=self.price_per_hour, chip=self.chip,
-                    held_sessions=held_sessions))
+                    held_sessions=held_sessions, adopt_held=self.adopt_held))
             except ControlPlaneUnavailable as exc:
                 if held_sessions is not None:
                     self.sessions.unsent()
                 await sleep_backoff(backoff, "lease", exc)
                 continue
             backoff.reset()
+            self.adopt_held = False
             self.lease_ttl_s = resp.lease_ttl_s
             if self.first_lease_at is None:
                 self.first_lease_at = time.monotonic()

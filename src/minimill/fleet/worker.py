@@ -7,9 +7,12 @@ is still starting (loading the model, or before its control plane ever answered)
 once. Started by `serve` (or any owner naming itself in MINIMILL_PARENT_PID), it also exits
 when its parent dies (lifetime.py). Its log says where its start time went (startup.py).
 
-While its engine loads, a starting worker gives back whatever its site still holds: a site
-runs one worker, so those leases are its previous run's (killed, not drained), and other sites
-resume them at once instead of when the leases expire.
+A site runs one worker, so whatever the site still holds when its worker starts was the
+previous run's (killed, not drained). With a KV flash tier, whose files outlive the process
+(the KV of every full block is written through), the worker takes those leases back with its
+first lease call and resumes them from the KV on flash instead of recomputing their context.
+Without one, it gives them back while its engine loads, so that other sites resume them at once
+instead of when the leases expire.
 """
 
 from __future__ import annotations
@@ -119,7 +122,9 @@ async def _amain(*, server: str, site: str, token: str, engine: str, model: str,
         await asyncio.gather(_run_box_host(box_host), _run_runner(runner))
         return
     client = ControlPlaneClient(server, token)
-    taking_back = asyncio.create_task(_take_back_leases(client))
+    keeps_kv = engine == "builtin" and bool(kv.flash_dir)
+    taking_back = asyncio.create_task(asyncio.sleep(0) if keeps_kv
+                                      else _take_back_leases(client))
     try:
         adapter = await open_engine(engine, model=model, dtype=dtype, capacity=capacity,
                                     clock=clock, engine_options=kv.engine_overrides())
@@ -134,6 +139,7 @@ async def _amain(*, server: str, site: str, token: str, engine: str, model: str,
                     drain_timeout_s=float(os.environ.get("MINIMILL_WORKER_DRAIN_S", "10")),
                     stats_every_s=float(os.environ.get("MINIMILL_WORKER_STATS_S", "0")),
                     price_per_hour=price_per_hour, chip=chip)
+    worker.adopt_held = keeps_kv
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, _stop, worker, sig, box_host, runner)
     log.info("worker for site %r ready: engine %s, models %s, capacity %d, boxes %d, "
