@@ -5,7 +5,9 @@ A runner pulls agents as workers pull requests: `/poll` extends the leases of th
 runs and grants new ones, each with a bumped epoch, the harness code, the task, the journal so
 far, and a fresh API key of the agent's tenant that lives as long as the lease (the harness's
 model calls and boxes go through the public API with it). Journal appends, suspensions and
-completions carry the epoch: a runner whose lease lapsed is refused.
+completions carry the epoch: a runner whose lease lapsed is refused. A runner that stops
+gracefully `/release`s its agents at their epochs once their in-flight effects are journaled
+(or abandoned): they are queued again at once instead of when their leases expire.
 """
 
 from __future__ import annotations
@@ -81,3 +83,21 @@ class AgentFinish(BaseModel):
 
 class AgentFinished(BaseModel):
     accepted: bool
+
+
+class ReleasedAgent(BaseModel):
+    agent_id: str
+    epoch: Epoch
+    # Effects this run answered from the journal since its last append (counted as an append's
+    # `replayed` would be: a run that ends in a release has no later append to carry them).
+    replayed: int = Field(0, ge=0)
+
+
+class AgentRelease(BaseModel):
+    agents: list[ReleasedAgent] = Field(max_length=4096)
+
+
+class AgentReleased(BaseModel):
+    released: list[str]
+    # Not this runner's at that epoch (expired and re-leased, finished, cancelled): untouched.
+    rejected: list[str]

@@ -62,6 +62,7 @@ ROUTES = {
     ("POST", "/v1/fleet/agents/poll"): "site",
     ("POST", "/v1/fleet/agents/{agent_id}/journal"): "site",
     ("POST", "/v1/fleet/agents/{agent_id}/finish"): "site",
+    ("POST", "/v1/fleet/agents/release"): "site",
     ("POST", "/v1/fleet/boxes/poll"): "site",
     ("POST", "/v1/fleet/boxes/results"): "site",
     ("POST", "/v1/fleet/boxes/output"): "site",

@@ -5,7 +5,8 @@ Each lease brings the harness code, the task, the journal so far and an API key 
 agent's tenant valid while the lease lives. Model calls and boxes go through the public API
 with that key (the token factory's background tier by default); journal appends, which carry
 the lease's epoch, go to the runner protocol with the site token. A journal append refused
-for a stale epoch means another runner has the agent: this run stops.
+for a stale epoch means another runner has the agent: this run stops. A stopping runner
+hands its agents back (`AgentRunner.stop`) instead of letting their leases expire.
 
 Harness code runs in the runner's process: a runner trusts the tenants whose harnesses it
 runs (their commands run in boxes, which are isolated).
@@ -14,8 +15,12 @@ runs (their commands run in boxes, which are isolated).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import time
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -26,16 +31,21 @@ from minimill.agent_protocol import (
     AgentLease,
     AgentPollRequest,
     AgentPollResponse,
+    AgentRelease,
+    AgentReleased,
     HeldAgent,
     JournalAppend,
     JournalAppended,
     JournalEntry,
+    ReleasedAgent,
 )
 from minimill.agents.runtime import Budget, Ctx, Effects, Run, Suspend, load_main
 from minimill.fleet.client import Backoff, ControlPlaneUnavailable, SiteAuthError, sleep_backoff
+from minimill.fleet.shutdown import send_within
 
 log = logging.getLogger("minimill.agents")
 POLL_WAIT_S = 2.0
+HAND_BACK_BEAT_S = 1.0  # how often a hand-back that waits for effects extends the leases
 
 
 class LeaseLost(RuntimeError):
@@ -77,6 +87,9 @@ class RunnerClient:
     async def finish(self, agent_id: str, done: AgentFinish) -> bool:
         resp = await self._post(f"/{agent_id}/finish", done)
         return bool(resp.json().get("accepted"))
+
+    async def release(self, ask: AgentRelease) -> AgentReleased:
+        return AgentReleased.model_validate_json((await self._post("/release", ask)).content)
 
     async def close(self) -> None:
         await self._fleet.aclose()
@@ -159,80 +172,182 @@ class ApiEffects(Effects):
         await self._api.aclose()
 
 
+@dataclass
+class HeldRun:
+    """An agent this runner holds: its lease, its run and the task that runs it."""
+
+    lease: AgentLease
+    run: Run
+    effects: ApiEffects
+    task: asyncio.Task[None] | None = None
+    finishing: bool = False  # the harness ended: its outcome is on the way to the store
+
+    @property
+    def settled(self) -> bool:
+        """Handed back with nothing left to journal or report: safe to cancel and release."""
+        return self.run.quiet and not self.finishing
+
+
 class AgentRunner:
-    def __init__(self, client: RunnerClient, slots: int) -> None:
+    """Polls for agents and runs them, `slots` at once.
+
+    `stop()` hands every agent back: no new effect starts, the ones in flight get `drain_s`
+    to be journaled, and then each agent is released at its epoch (runs still in an effect
+    then are abandoned: their calls carry idempotency keys, so the next runner gets their
+    results instead of doing them again). A second `stop()` skips the wait."""
+
+    def __init__(self, client: RunnerClient, slots: int, drain_s: float | None = None) -> None:
         self.client = client
         self.slots = slots
-        self.running: dict[str, tuple[AgentLease, asyncio.Task[None]]] = {}
+        self.drain_s = (float(os.environ.get("MINIMILL_WORKER_DRAIN_S", "10"))
+                        if drain_s is None else drain_s)
+        self.running: dict[str, HeldRun] = {}
         self.stopping = asyncio.Event()
-        self.stats = {"agents": 0, "finished": 0, "revoked": 0}
+        self.hurry = asyncio.Event()
+        self._handed: list[HeldRun] = []  # cancelled by the hand-back, to release
+        self._unstarted: list[ReleasedAgent] = []  # granted as the stop came, never run
+        self.stats = {"agents": 0, "finished": 0, "revoked": 0, "released": 0}
 
     def stop(self) -> None:
-        self.stopping.set()
+        if not self.stopping.is_set():
+            log.info("stopping: handing back %d agents once their effects in flight are "
+                     "journaled", len(self.running))
+            self.stopping.set()
+            # At once, not when the poll in flight returns: no effect may start meanwhile.
+            for held in self.running.values():
+                held.run.handing_back = True
+        elif not self.hurry.is_set():
+            log.info("stopping now: abandoning the effects still in flight")
+            self.hurry.set()
+
+    def _held(self) -> list[HeldAgent]:
+        return [HeldAgent(agent_id=a, epoch=held.lease.epoch)
+                for a, held in self.running.items()]
+
+    def _revoke(self, agent_ids: list[str]) -> None:
+        for agent_id in agent_ids:
+            held = self.running.pop(agent_id, None)
+            if held is not None and held.task is not None:
+                self.stats["revoked"] += 1
+                held.task.cancel()
 
     async def run(self) -> None:
         backoff = Backoff()
         while not self.stopping.is_set():
-            ask = AgentPollRequest(
-                capacity=max(0, self.slots - len(self.running)), wait_s=POLL_WAIT_S,
-                held=[HeldAgent(agent_id=a, epoch=lease.epoch)
-                      for a, (lease, _) in self.running.items()])
+            # A poll in flight when the stop comes is answered (within POLL_WAIT_S), not
+            # dropped: the control plane may grant agents to it, and those are handed back
+            # below rather than left to wait out their leases.
+            ask = AgentPollRequest(capacity=max(0, self.slots - len(self.running)),
+                                   wait_s=POLL_WAIT_S, held=self._held())
             try:
                 answer = await self.client.poll(ask)
             except ControlPlaneUnavailable as exc:
                 await sleep_backoff(backoff, "agent poll", exc)
                 continue
             backoff.reset()
-            for agent_id in answer.revoked:
-                held = self.running.pop(agent_id, None)
-                if held is not None:
-                    self.stats["revoked"] += 1
-                    held[1].cancel()
+            self._revoke(answer.revoked)
             for lease in answer.leases:
-                self.stats["agents"] += 1
-                task = asyncio.create_task(self._run_agent(lease))
-                self.running[lease.agent_id] = (lease, task)
-        for _, task in self.running.values():
-            task.cancel()  # their leases lapse; the agents continue elsewhere from the journal
-        await asyncio.gather(*(t for _, t in self.running.values()), return_exceptions=True)
+                if self.stopping.is_set():
+                    self._unstarted.append(ReleasedAgent(agent_id=lease.agent_id,
+                                                         epoch=lease.epoch, replayed=0))
+                else:
+                    self._start(lease)
+        await self._hand_back()
 
-    async def _run_agent(self, lease: AgentLease) -> None:
+    def _start(self, lease: AgentLease) -> None:
+        self.stats["agents"] += 1
         run_ref: list[Run] = []
         effects = ApiEffects(self.client, lease, run_ref)
-        journal = {e.key: e.value for e in lease.journal}
-        run = Run(effects=effects, journal=journal, model=lease.model,
+        run = Run(effects=effects, journal={e.key: e.value for e in lease.journal},
+                  model=lease.model,
                   budget=Budget.from_journal(lease.budget_tokens, lease.journal))
         run_ref.append(run)
+        held = HeldRun(lease=lease, run=run, effects=effects)
+        self.running[lease.agent_id] = held
+        held.task = asyncio.create_task(self._run_agent(held))
+
+    async def _hand_back(self) -> None:
+        """Park every run at its next effect, let the effects in flight be journaled (the
+        leases kept alive meanwhile), then cancel the runs and release their agents."""
+        deadline = time.monotonic() + self.drain_s
+        next_beat = 0.0
+        while self.running and not self.hurry.is_set() and time.monotonic() < deadline:
+            if all(h.settled for h in self.running.values()):
+                break
+            if time.monotonic() >= next_beat:  # the leases outlive a drain longer than a TTL
+                next_beat = time.monotonic() + HAND_BACK_BEAT_S
+                with contextlib.suppress(ControlPlaneUnavailable, TimeoutError):
+                    beat = await asyncio.wait_for(self.client.poll(AgentPollRequest(
+                        capacity=0, held=self._held(), wait_s=0.0)), HAND_BACK_BEAT_S)
+                    self._revoke(beat.revoked)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.hurry.wait(), 0.05)
+        busy = [a for a, h in self.running.items() if not h.settled]
+        if busy:
+            log.warning("abandoning the effects in flight of %d agents: %s", len(busy),
+                        ", ".join(busy))
+        tasks = [h.task for h in self.running.values() if h.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        handed = [ReleasedAgent(agent_id=h.lease.agent_id, epoch=h.lease.epoch,
+                                replayed=h.run.replayed) for h in self._handed]
+        handed += self._unstarted
+        self._handed, self._unstarted = [], []
+        if not handed:
+            return
+        ask = AgentRelease(agents=handed)
+        answer: list[AgentReleased] = []
+
+        async def send() -> None:
+            answer.append(await self.client.release(ask))
+
+        await send_within(send, "agent release")
+        if answer:
+            self.stats["released"] += len(answer[0].released)
+            log.info("handed back %d agents (%s)%s", len(answer[0].released),
+                     ", ".join(answer[0].released),
+                     f"; not ours any more: {', '.join(answer[0].rejected)}"
+                     if answer[0].rejected else "")
+        else:
+            log.warning("%d agents not handed back; their leases will expire", len(handed))
+
+    async def _run_agent(self, held: HeldRun) -> None:
+        lease, run, effects = held.lease, held.run, held.effects
         log.info("agent %s (epoch %d) starts; %d effects journaled", lease.agent_id,
-                 lease.epoch, len(journal))
+                 lease.epoch, len(lease.journal))
         done: AgentFinish
         try:
-            main = load_main(lease.code, lease.filename)
-            result = await main(Ctx(run), lease.task)
-            done = AgentFinish(epoch=lease.epoch, outcome="succeeded", result=_jsonable(result))
-        except Suspend as sleep:
-            done = AgentFinish(epoch=lease.epoch, outcome="sleeping", wake_at=sleep.wake_at)
-        except (LeaseLost, asyncio.CancelledError):
-            log.info("agent %s: lease lost or revoked; stopping this run", lease.agent_id)
-            self.running.pop(lease.agent_id, None)
-            await effects.close()
-            return
-        except Exception as exc:
-            tail = "".join(traceback.format_exception(exc)[-6:])[-4000:]
-            done = AgentFinish(epoch=lease.epoch, outcome="failed",
-                               error={"code": "harness_error", "message": tail})
-        try:
+            try:
+                main = load_main(lease.code, lease.filename)
+                result = await main(Ctx(run), lease.task)
+                done = AgentFinish(epoch=lease.epoch, outcome="succeeded",
+                                   result=_jsonable(result))
+            except Suspend as sleep:
+                done = AgentFinish(epoch=lease.epoch, outcome="sleeping", wake_at=sleep.wake_at)
+            except (LeaseLost, asyncio.CancelledError):
+                raise
+            except Exception as exc:
+                tail = "".join(traceback.format_exception(exc)[-6:])[-4000:]
+                done = AgentFinish(epoch=lease.epoch, outcome="failed",
+                                   error={"code": "harness_error", "message": tail})
+            held.finishing = True
             if run.replayed:  # count what this run answered from the journal
                 await _retrying(lambda: self.client.append(lease.agent_id, JournalAppend(
                     epoch=lease.epoch, entries=[], replayed=run.replayed)), "journal append")
             await _retrying(lambda: self.client.finish(lease.agent_id, done), "agent finish")
             self.stats["finished"] += 1
             log.info("agent %s %s (%d effects run, %d from the journal)", lease.agent_id,
-                     done.outcome, run.performed, len(journal))
-        except LeaseLost:
-            pass
+                     done.outcome, run.performed, len(lease.journal))
+        except (LeaseLost, asyncio.CancelledError):
+            mine = self.running.get(lease.agent_id) is held
+            if mine and run.handing_back:  # cancelled by the hand-back, not revoked
+                self._handed.append(held)
+            else:
+                log.info("agent %s: lease lost or revoked; stopping this run", lease.agent_id)
         finally:
-            self.running.pop(lease.agent_id, None)
+            if self.running.get(lease.agent_id) is held:
+                del self.running[lease.agent_id]
             await effects.close()
 
 

@@ -6,6 +6,11 @@ its count in that context. A harness that awaits its effects in order (concurren
 through `ctx.map`) gives every effect the same key on every run, so a runner that takes the
 agent over answers the effects already journaled from the journal and runs only the rest.
 An effect is journaled before its result is used: what a harness saw, a replay sees.
+
+A run that is handed back (its runner stops) starts no new effect: the harness parks at its
+next one, and the effects already in flight run to their journal append (`Run.in_flight`
+counts them). The runner then cancels the parked run and releases the agent; the next runner
+replays the journal and performs that parked effect for the first time.
 """
 
 from __future__ import annotations
@@ -92,6 +97,25 @@ class Run:
     performed: int = 0
     box_id: str | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    handing_back: bool = False
+    # Effects (and subagent results) performing or being journaled right now.
+    in_flight: int = 0
+
+    async def begin_effect(self) -> None:
+        """Called before an effect starts: it parks for good (until the runner cancels the
+        run) once the run is handed back, so that nothing new happens that the next runner
+        would not know of."""
+        if self.handing_back:
+            await asyncio.get_running_loop().create_future()
+        self.in_flight += 1
+
+    def end_effect(self) -> None:
+        self.in_flight -= 1
+
+    @property
+    def quiet(self) -> bool:
+        """Handed back and nothing in flight: every effect it did is journaled."""
+        return self.handing_back and self.in_flight == 0
 
 
 class Ctx:
@@ -118,8 +142,12 @@ class Ctx:
         if key in run.journal:
             run.replayed += 1
             return run.journal[key]
-        value = await perform(key)
-        await run.effects.journal(JournalEntry(key=key, kind=kind, value=value))
+        await run.begin_effect()
+        try:
+            value = await perform(key)
+            await run.effects.journal(JournalEntry(key=key, kind=kind, value=value))
+        finally:
+            run.end_effect()
         run.journal[key] = value
         run.performed += 1
         return value
@@ -163,7 +191,11 @@ class Ctx:
                 return run.journal[key]
             async with limit:
                 value = await subagent(Ctx(run, f"{key}/"), item)
-            await run.effects.journal(JournalEntry(key=key, kind="subagent", value=value))
+            await run.begin_effect()
+            try:
+                await run.effects.journal(JournalEntry(key=key, kind="subagent", value=value))
+            finally:
+                run.end_effect()
             run.journal[key] = value
             run.performed += 1
             return value

@@ -1,5 +1,5 @@
 """Durable agents: the tenant's side (create, get, list, logs, cancel) and the runner's side
-(poll: leases with fencing epochs, journal appends, finish, reap).
+(poll: leases with fencing epochs, journal appends, finish, release, reap).
 
 An agent's journal holds every effect of its harness under a key that names the effect's
 place in the run; a runner that takes the agent over replays it: effects already journaled
@@ -23,6 +23,8 @@ from minimill.agent_protocol import (
     AgentLease,
     AgentPollRequest,
     AgentPollResponse,
+    AgentRelease,
+    AgentReleased,
     JournalAppend,
     JournalAppended,
     JournalEntry,
@@ -255,6 +257,28 @@ def finish(store: Store, site: Site, agent_id: str, done: AgentFinish, now: floa
         if hit:
             _drop_keys(conn, agent_id)
     return bool(hit)
+
+
+@retry_conflicts
+def release(store: Store, site: Site, ask: AgentRelease, now: float) -> AgentReleased:
+    """A stopping runner gives its agents back: each one still this site's at the sent epoch
+    is queued again at once (its lease key dropped, so the stopped run can do nothing more) and
+    resumes on the next runner that polls, from its journal. Anything else is rejected and left
+    as it is: a release is fenced exactly like a journal append."""
+    released: list[str] = []
+    rejected: list[str] = []
+    with store.write() as conn:
+        for item in ask.agents:
+            hit = conn.execute(update(agents).where(
+                agents.c.id == item.agent_id, agents.c.epoch == item.epoch,
+                agents.c.site_id == site.id, agents.c.status == AgentStatus.RUNNING.value)
+                .values(status=AgentStatus.QUEUED.value, site_id=None, lease_expires_at=None,
+                        restarts=agents.c.restarts + 1,
+                        replayed_effects=agents.c.replayed_effects + item.replayed)).rowcount
+            if hit:
+                _drop_keys(conn, item.agent_id)
+            (released if hit else rejected).append(item.agent_id)
+    return AgentReleased(released=released, rejected=rejected)
 
 
 @retry_conflicts

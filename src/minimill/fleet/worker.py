@@ -150,7 +150,10 @@ async def _amain(*, server: str, site: str, token: str, engine: str, model: str,
         await worker.run()
     finally:
         timing.cancel()
-        _stop_sidelines(box_host, runner)
+        # After a signal they are stopping already, and a second stop() would cut the agent
+        # runner's hand-back short (it skips the wait for effects in flight).
+        if not worker.stopping.is_set():
+            _stop_sidelines(box_host, runner)
         await asyncio.gather(sidelines, return_exceptions=True)
         await client.close()
         await adapter.close()

@@ -1,4 +1,5 @@
-"""The runner protocol's server side (agent_protocol.py): poll, journal appends, finish."""
+"""The runner protocol's server side (agent_protocol.py): poll, journal appends, finish,
+release."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from minimill.agent_protocol import (
     AgentFinished,
     AgentPollRequest,
     AgentPollResponse,
+    AgentRelease,
+    AgentReleased,
     JournalAppend,
     JournalAppended,
 )
@@ -49,3 +52,13 @@ def append(agent_id: str, ask: JournalAppend, store: StoreDep,
 @router.post("/{agent_id}/finish", response_model=AgentFinished)
 def finish(agent_id: str, done: AgentFinish, store: StoreDep, site: SiteDep) -> AgentFinished:
     return AgentFinished(accepted=agents.finish(store, site, agent_id, done, time.time()))
+
+
+@router.post("/release", response_model=AgentReleased)
+async def release(ask: AgentRelease, store: StoreDep, site: SiteDep,
+                  wakeups: WakeupsDep) -> AgentReleased:
+    """A stopping runner hands its agents back, each at its lease's epoch."""
+    answer = await anyio.to_thread.run_sync(agents.release, store, site, ask, time.time())
+    if answer.released:
+        wakeups.work.notify()  # a runner waiting in its poll here takes them up at once
+    return answer
