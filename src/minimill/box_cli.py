@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import typer
@@ -52,12 +52,34 @@ def create(image: Path | None = typer.Option(None, help="A directory or archive 
            network: bool = typer.Option(False, help="Let the box reach the network."),
            disk_mb: int = typer.Option(1024, help="Workspace quota, MiB."),
            timeout_s: float = typer.Option(60.0, help="Default wall clock per exec."),
+           idle_timeout: str | None = typer.Option(
+               None, "--idle-timeout", metavar="SECONDS|never",
+               help="Pause the box after this many seconds without an operation (it is "
+               "snapshotted and leaves its host; its next exec or file operation resumes it, "
+               "same id, same files). 'never': no idle pause. Default: the server's "
+               "(MINIMILL_BOX_IDLE_TIMEOUT_S)."),
            base_url: str = BaseUrl, api_key: str = ApiKey) -> None:
     """Create a box; prints it (its id is what the other commands take)."""
+    idle: float | Literal["default"] | None = (
+        "default" if idle_timeout is None else _idle_seconds(idle_timeout))
     with _boxes(base_url, api_key) as boxes:
         box = boxes.create(image, snapshot=snapshot, network=network,
-                           limits={"disk_mb": disk_mb, "timeout_s": timeout_s})
+                           limits={"disk_mb": disk_mb, "timeout_s": timeout_s},
+                           idle_timeout_s=idle)
         _show(box.data)
+
+
+def _idle_seconds(text: str) -> float | None:
+    if text.strip().lower() == "never":
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise typer.BadParameter(f"{text!r} is neither a number of seconds > 0 nor 'never'",
+                                 param_hint="--idle-timeout")
+    return seconds
 
 
 @box_app.command("list")

@@ -61,7 +61,7 @@ async def _janitor(store: Store, config: ControlConfig, interval_s: float) -> No
         try:
             report = await anyio.to_thread.run_sync(tick, store, time.time(), config, False)
             if (report.reaped_leases or report.expired_batches or report.reaped_boxes
-                    or report.reaped_agents):
+                    or report.reaped_agents or report.idle_boxes):
                 log.info("janitor: %s", report)
         except Exception:  # the store may be briefly unreachable; try again next tick
             log.exception("janitor tick failed")

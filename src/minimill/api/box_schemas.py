@@ -10,6 +10,7 @@ from minimill.box_protocol import BoxLimits
 from minimill.control.box_records import BoxRecord, SnapshotRecord
 
 MAX_INLINE_BYTES = 16 * 1024 * 1024
+MAX_IDLE_TIMEOUT_S = 365 * 24 * 3600.0
 
 
 class BoxCreate(BaseModel):
@@ -19,6 +20,14 @@ class BoxCreate(BaseModel):
     network: bool = Field(False, description="Let the box reach the network (off by default).")
     limits: BoxLimits = BoxLimits()
     metadata: dict[str, str] | None = Field(None, max_length=16)
+    idle_timeout_s: float | None = Field(
+        None, gt=0, le=MAX_IDLE_TIMEOUT_S,
+        description="After this many seconds without an operation (exec, file, snapshot), "
+        "apply `idle_action`. null: never. Left out: the server's default "
+        "(MINIMILL_BOX_IDLE_TIMEOUT_S; never unless set).")
+    idle_action: Literal["pause"] = Field(
+        "pause", description="What an idle box does. pause: snapshot it and free its host; "
+        "the next exec or file operation resumes it (same id, same files).")
 
     @model_validator(mode="after")
     def _one_source(self) -> BoxCreate:
@@ -40,13 +49,26 @@ class BoxObject(BaseModel):
     # Times it came back on another host (its host was lost, or it was resumed).
     restarts: int
     metadata: dict[str, Any] | None
+    # Its idle policy (None: never idles out), and when an operation last used it.
+    idle_timeout_s: float | None = None
+    idle_action: str = "pause"
+    last_active_at: int | None = None
+    # Why a paused box is paused: "idle" (its next operation resumes it) or "request" (it
+    # waits for POST .../resume). None unless paused.
+    pause_reason: Literal["idle", "request"] | None = None
 
     @classmethod
     def of(cls, record: BoxRecord) -> BoxObject:
+        paused = record.status.value == "paused"
         return cls(id=record.id, status=record.status.value, created_at=int(record.created_at),
                    network=record.network, limits=BoxLimits.model_validate(record.limits),
                    source=record.image_id, latest_snapshot=record.snapshot_id,
-                   restarts=record.restarts, metadata=record.metadata)
+                   restarts=record.restarts, metadata=record.metadata,
+                   idle_timeout_s=record.idle_timeout_s, idle_action=record.idle_action,
+                   last_active_at=(int(record.last_active_at)
+                                   if record.last_active_at is not None else None),
+                   pause_reason=("idle" if record.idle_paused else "request")
+                   if paused else None)
 
 
 class BoxList(BaseModel):

@@ -49,6 +49,9 @@ class Settings(BaseSettings):
     webhook_retry_base_s: float = Field(default=5.0, gt=0)
     webhook_retry_cap_s: float = Field(default=300.0, gt=0)
     webhook_max_age_s: float = Field(default=72 * 3600.0, gt=0)
+    # Boxes created without `idle_timeout_s` are paused after this long without an operation;
+    # 0: they never are.
+    box_idle_timeout_s: float = Field(default=0.0, ge=0)
 
     def control_config(self) -> ControlConfig:
         return ControlConfig(
@@ -64,4 +67,5 @@ class Settings(BaseSettings):
             background_response_window_s=self.background_response_window_s,
             webhook_retry_base_s=self.webhook_retry_base_s,
             webhook_retry_cap_s=self.webhook_retry_cap_s,
-            webhook_max_age_s=self.webhook_max_age_s)
+            webhook_max_age_s=self.webhook_max_age_s,
+            box_idle_timeout_s=self.box_idle_timeout_s or None)

@@ -23,7 +23,7 @@ import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
@@ -134,15 +134,23 @@ class Boxes:
                image_id: str | None = None, snapshot: str | None = None,
                network: bool = False,
                limits: dict[str, Any] | None = None,
-               metadata: dict[str, str] | None = None) -> Box:
+               metadata: dict[str, str] | None = None,
+               idle_timeout_s: float | Literal["default"] | None = "default",
+               idle_action: Literal["pause"] = "pause") -> Box:
         """A new box: from a directory or archive (`image`), an uploaded image (`image_id`),
-        a snapshot (restore), or empty."""
+        a snapshot (restore), or empty.
+
+        `idle_timeout_s`: after that many seconds without an operation the box is paused
+        (snapshotted, off its host) and its next exec or file operation resumes it, same id,
+        same files; None: never; "default": the server's default."""
         if image is not None:
             image_id = self.upload_image(image)
         body: dict[str, Any] = {"image": image_id, "snapshot": snapshot, "network": network,
-                                "metadata": metadata}
+                                "metadata": metadata, "idle_action": idle_action}
         if limits:
             body["limits"] = limits
+        if idle_timeout_s != "default":
+            body["idle_timeout_s"] = idle_timeout_s
         return Box(self, self.request("POST", "", json=body).json())
 
     def get(self, box_id: str) -> Box:
@@ -173,6 +181,12 @@ class Box:
     @property
     def status(self) -> str:
         return str(self.data["status"])
+
+    @property
+    def pause_reason(self) -> str | None:
+        """For a paused box: "idle" (its next operation resumes it) or "request"."""
+        reason = self.data.get("pause_reason")
+        return str(reason) if reason is not None else None
 
     def refresh(self) -> Box:
         self.data = self._boxes.request("GET", f"/{self.id}").json()

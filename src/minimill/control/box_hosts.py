@@ -7,7 +7,7 @@
 - `store_output`: output of a running exec, as it comes, under the same fencing as its result.
 - `complete_ops`: a result counts only from the box's host at the box's current epoch; a
   successful pause sends the box to `paused`, off its host. The operation's streamed output
-  goes: the result holds all of it.
+  goes: the result holds all of it. Every other result is activity (box_idle.py).
 - `store_snapshot`: an archive from the host at the box's epoch becomes its latest snapshot
   (automatic ones replace the previous automatic one).
 - `reap_expired`: a box whose lease lapsed goes back to `pending` (to come back elsewhere from
@@ -37,7 +37,7 @@ from minimill.box_protocol import (
     BoxResultsResponse,
     SnapshotStored,
 )
-from minimill.control import box_output, files
+from minimill.control import box_idle, box_output, files
 from minimill.control.box_records import BoxStatus, OpStatus, SnapshotKind
 from minimill.control.boxes import drop_archives, store_archive
 from minimill.control.config import ControlConfig
@@ -149,6 +149,8 @@ def complete_ops(store: Store, site: Site, done: BoxResultsRequest,
     rejected: list[str] = []
     with store.write() as conn:
         held = _held_at_epoch(conn, site, [(r.box_id, r.epoch) for r in done.results])
+        limits = dict(conn.execute(select(boxes.c.id, boxes.c.limits).where(
+            boxes.c.id.in_(held))).tuples().all()) if held else {}
         for item in done.results:
             values: dict[str, Any] = {"finished_at": now}
             if item.error is not None:
@@ -168,12 +170,28 @@ def complete_ops(store: Store, site: Site, done: BoxResultsRequest,
             if hit == "exec":
                 box_output.drop(conn, [item.op_id])
             if hit == "pause" and item.error is None:
-                conn.execute(update(boxes).where(boxes.c.id == item.box_id,
-                                                 boxes.c.epoch == item.epoch,
-                                                 boxes.c.status == _RUNNING)
-                             .values(status=BoxStatus.PAUSED.value, site_id=None,
-                                     lease_expires_at=None))
+                _paused(conn, item.box_id, item.epoch)
+            else:
+                box_idle.touch(conn, item.box_id, limits.get(item.box_id), now)
     return BoxResultsResponse(accepted=accepted, rejected=rejected)
+
+
+def _paused(conn: Connection, box_id: str, epoch: int) -> None:
+    """A pause's snapshot is stored: the box leaves its host. One its idle policy paused that
+    got operations meanwhile goes back to pending instead (a host restores it from that
+    snapshot and runs them), never to a pause that would leave them waiting."""
+    idle = box_idle.paused_by_idle(conn, box_id)
+    waiting = idle and conn.execute(select(box_ops.c.id).where(
+        box_ops.c.box_id == box_id, box_ops.c.status == OpStatus.QUEUED.value)
+        .limit(1)).first() is not None
+    status = _PENDING if waiting else BoxStatus.PAUSED.value
+    hit = conn.execute(update(boxes).where(boxes.c.id == box_id, boxes.c.epoch == epoch,
+                                           boxes.c.status == _RUNNING)
+                       .values(status=status, site_id=None, lease_expires_at=None)).rowcount
+    if hit and waiting:
+        box_idle.clear_idle_pause(conn, box_id)
+    elif hit:
+        box_idle.mark_paused(conn, box_id, by_idle=idle)
 
 
 @retry_conflicts

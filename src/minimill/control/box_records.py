@@ -23,6 +23,11 @@ class OpStatus(StrEnum):
 
 TERMINAL_OP_STATUSES = (OpStatus.SUCCEEDED, OpStatus.FAILED)
 
+# The idle policy lives in the box row's `limits` JSON under this key ({"timeout_s": seconds or
+# None, "action": "pause"}), beside the per-exec limits that hosts read (they ignore it).
+IDLE_KEY = "idle"
+IDLE_ACTIONS = ("pause",)
+
 
 class SnapshotKind(StrEnum):
     IMAGE = "image"  # uploaded by a tenant to create boxes from
@@ -43,6 +48,11 @@ class BoxRecord:
     metadata: dict[str, Any] | None
     created_at: float
     restarts: int
+    # Its idle policy: after `idle_timeout_s` (None: never) with no operation, `idle_action`.
+    idle_timeout_s: float | None = None
+    idle_action: str = "pause"
+    last_active_at: float | None = None
+    idle_paused: bool = False  # paused by its idle policy: its next operation resumes it
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,11 +90,27 @@ class SnapshotRecord:
     created_at: float
 
 
+def idle_timeout(limits: dict[str, Any] | None) -> float | None:
+    """The idle timeout stored in a box row's `limits` JSON (None: never)."""
+    idle = (limits or {}).get(IDLE_KEY) or {}
+    timeout = idle.get("timeout_s") if isinstance(idle, dict) else None
+    return float(timeout) if timeout is not None else None
+
+
 def box_record(row: Any) -> BoxRecord:
+    """A box from its row; `last_active_at` and `idle_paused` when the query joined
+    box_activity."""
+    limits = dict(row.limits or {})
+    idle = limits.pop(IDLE_KEY, None) or {}
+    mapping = row._mapping
     return BoxRecord(id=row.id, tenant_id=row.tenant_id, status=BoxStatus(row.status),
                      epoch=row.epoch, image_id=row.image_id, snapshot_id=row.snapshot_id,
-                     network=bool(row.network), limits=dict(row.limits or {}),
-                     metadata=row.metadata, created_at=row.created_at, restarts=row.restarts)
+                     network=bool(row.network), limits=limits,
+                     metadata=row.metadata, created_at=row.created_at, restarts=row.restarts,
+                     idle_timeout_s=idle_timeout({IDLE_KEY: idle}),
+                     idle_action=str(idle.get("action") or "pause"),
+                     last_active_at=mapping.get("last_active_at"),
+                     idle_paused=bool(mapping.get("idle_paused") or False))
 
 
 def op_record(row: Any) -> OpRecord:

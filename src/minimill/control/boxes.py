@@ -15,7 +15,7 @@ from typing import Any
 
 from sqlalchemy import Connection, delete, insert, select, update
 
-from minimill.control import box_output, files
+from minimill.control import box_idle, box_output, files
 from minimill.control.box_records import (
     TERMINAL_OP_STATUSES,
     BoxRecord,
@@ -32,7 +32,7 @@ from minimill.control.box_records import (
 from minimill.control.errors import ConflictError, InvalidRequestError, NotFoundError
 from minimill.control.records import new_id
 from minimill.control.store import Store, retry_conflicts
-from minimill.control.tables import box_ops, box_snapshots, boxes, file_chunks
+from minimill.control.tables import box_activity, box_ops, box_snapshots, boxes, file_chunks
 
 _LIVE = (BoxStatus.PENDING.value, BoxStatus.RUNNING.value)
 _OPEN_OPS = (OpStatus.QUEUED.value, OpStatus.RUNNING.value)
@@ -93,22 +93,33 @@ def list_snapshots(store: Store, tenant_id: str, box_id: str) -> list[SnapshotRe
 
 
 def create_box(store: Store, tenant_id: str, *, source_id: str | None, network: bool,
-               limits: dict[str, Any], metadata: dict[str, Any] | None) -> BoxRecord:
-    """A new box, pending a host; `source_id` is an image or a snapshot of the tenant's."""
+               limits: dict[str, Any], metadata: dict[str, Any] | None,
+               idle_timeout_s: float | None = None, idle_action: str = "pause") -> BoxRecord:
+    """A new box, pending a host; `source_id` is an image or a snapshot of the tenant's.
+    With `idle_timeout_s`, it is paused after that long without an operation (box_idle.py)."""
     if source_id is not None:
         get_snapshot(store, tenant_id, source_id)
     box_id = new_id("box_")
+    stored = box_idle.with_policy(limits, idle_timeout_s, idle_action)
+    now = time.time()
     with store.write() as conn:
         conn.execute(insert(boxes).values(
             id=box_id, tenant_id=tenant_id, status=BoxStatus.PENDING.value, epoch=0,
-            image_id=source_id, network=network, limits=limits, metadata=metadata,
-            created_at=time.time(), restarts=0))
+            image_id=source_id, network=network, limits=stored, metadata=metadata,
+            created_at=now, restarts=0))
+        box_idle.start(conn, box_id, stored, now)
     return get_box(store, tenant_id, box_id)
+
+
+def _with_activity() -> Any:
+    # Boxes created before box_activity existed have no row: an outer join.
+    return (select(boxes, box_activity.c.last_active_at, box_activity.c.idle_paused)
+            .select_from(boxes.outerjoin(box_activity, box_activity.c.box_id == boxes.c.id)))
 
 
 def get_box(store: Store, tenant_id: str, box_id: str) -> BoxRecord:
     with store.read() as conn:
-        row = conn.execute(select(boxes).where(
+        row = conn.execute(_with_activity().where(
             boxes.c.id == box_id, boxes.c.tenant_id == tenant_id,
             boxes.c.status != BoxStatus.DELETED.value)).first()
     if row is None:
@@ -118,7 +129,7 @@ def get_box(store: Store, tenant_id: str, box_id: str) -> BoxRecord:
 
 def list_boxes(store: Store, tenant_id: str, limit: int = 1000) -> list[BoxRecord]:
     with store.read() as conn:
-        rows = conn.execute(select(boxes).where(
+        rows = conn.execute(_with_activity().where(
             boxes.c.tenant_id == tenant_id, boxes.c.status != BoxStatus.DELETED.value)
             .order_by(boxes.c.created_at.desc()).limit(limit)).all()
     return [box_record(r) for r in rows]
@@ -147,6 +158,7 @@ def delete_box(store: Store, tenant_id: str, box_id: str) -> None:
                     epoch=boxes.c.epoch + 1)).rowcount
         if not hit:
             raise _not_found(box_id)
+        box_idle.forget(conn, box_id)
         _fail_open_ops(conn, box_id, "box_deleted", "the box was deleted")
         autos = conn.execute(select(box_snapshots.c.id).where(
             box_snapshots.c.box_id == box_id,
@@ -164,8 +176,10 @@ def drop_archives(conn: Connection, snapshot_ids: list[str]) -> None:
 def submit_op(store: Store, tenant_id: str, box_id: str, kind: str,
               args: dict[str, Any], idempotency_key: str | None = None) -> str:
     """Queue an operation for the box's host; returns its id. With an idempotency key that
-    named an operation of this box before, that operation's id (it is not run again)."""
+    named an operation of this box before, that operation's id (it is not run again). A box
+    its idle policy paused is resumed by it; one its tenant paused is a ConflictError."""
     op_id = new_id("bop_")
+    now = time.time()
     with store.write() as conn:
         if idempotency_key is not None:
             earlier = conn.execute(select(box_ops.c.id, box_ops.c.error).where(
@@ -176,17 +190,26 @@ def submit_op(store: Store, tenant_id: str, box_id: str, kind: str,
             if earlier is not None:  # it never finished: the box came back without it
                 conn.execute(update(box_ops).where(box_ops.c.id == earlier.id)
                              .values(idempotency_key=None))
-        status = conn.execute(select(boxes.c.status).where(
-            boxes.c.id == box_id, boxes.c.tenant_id == tenant_id)).scalar()
-        if status is None or status == BoxStatus.DELETED.value:
+        row = conn.execute(select(boxes.c.status, boxes.c.limits).where(
+            boxes.c.id == box_id, boxes.c.tenant_id == tenant_id)).first()
+        if row is None or row.status == BoxStatus.DELETED.value:
             raise _not_found(box_id)
-        if status == BoxStatus.PAUSED.value:
-            raise ConflictError(f"box {box_id} is paused: resume it first",
-                                code="box_paused")
+        if row.status == BoxStatus.PAUSED.value:
+            if not box_idle.paused_by_idle(conn, box_id):
+                raise ConflictError(f"box {box_id} is paused: resume it first",
+                                    code="box_paused")
+            # Back to pending: a host restores it from the snapshot the pause took.
+            conn.execute(update(boxes).where(boxes.c.id == box_id,
+                                             boxes.c.status == BoxStatus.PAUSED.value)
+                         .values(status=BoxStatus.PENDING.value))
+            box_idle.resumed(conn, box_id, row.limits, now)
+        else:
+            box_idle.touch(conn, box_id, row.limits, now)
+        if kind == "pause":  # the tenant's own pause: the box waits for an explicit resume
+            box_idle.clear_idle_pause(conn, box_id)
         conn.execute(insert(box_ops).values(id=op_id, box_id=box_id, tenant_id=tenant_id,
                                             kind=kind, args=args, status=OpStatus.QUEUED.value,
-                                            created_at=time.time(),
-                                            idempotency_key=idempotency_key))
+                                            created_at=now, idempotency_key=idempotency_key))
     return op_id
 
 
@@ -241,20 +264,33 @@ def pause_now_if_hostless(store: Store, tenant_id: str, box_id: str) -> bool:
             boxes.c.id == box_id, boxes.c.tenant_id == tenant_id,
             boxes.c.status == BoxStatus.PENDING.value)
             .values(status=BoxStatus.PAUSED.value)).rowcount
+        if hit:
+            box_idle.mark_paused(conn, box_id, by_idle=False)
     return bool(hit)
+
+
+@retry_conflicts
+def keep_paused(store: Store, tenant_id: str, box_id: str) -> None:
+    """The tenant pauses a box its idle policy paused: from now on it waits for a resume."""
+    with store.write() as conn:
+        if conn.execute(select(boxes.c.id).where(
+                boxes.c.id == box_id, boxes.c.tenant_id == tenant_id,
+                boxes.c.status == BoxStatus.PAUSED.value)).first() is not None:
+            box_idle.mark_paused(conn, box_id, by_idle=False)
 
 
 @retry_conflicts
 def resume_box(store: Store, tenant_id: str, box_id: str) -> BoxRecord:
     with store.write() as conn:
-        status = conn.execute(select(boxes.c.status).where(
-            boxes.c.id == box_id, boxes.c.tenant_id == tenant_id)).scalar()
-        if status is None or status == BoxStatus.DELETED.value:
+        row = conn.execute(select(boxes.c.status, boxes.c.limits).where(
+            boxes.c.id == box_id, boxes.c.tenant_id == tenant_id)).first()
+        if row is None or row.status == BoxStatus.DELETED.value:
             raise _not_found(box_id)
-        if status == BoxStatus.PAUSED.value:
+        if row.status == BoxStatus.PAUSED.value:
             conn.execute(update(boxes).where(boxes.c.id == box_id,
                                              boxes.c.status == BoxStatus.PAUSED.value)
                          .values(status=BoxStatus.PENDING.value))
+            box_idle.resumed(conn, box_id, row.limits, time.time())
     return get_box(store, tenant_id, box_id)
 
 

@@ -44,3 +44,5 @@ class ControlConfig:
     webhook_retry_base_s: float = 5.0
     webhook_retry_cap_s: float = 300.0
     webhook_max_age_s: float = 72 * 3600.0
+    # The idle timeout of a box created without one (None: boxes never idle out).
+    box_idle_timeout_s: float | None = None

@@ -1,7 +1,7 @@
 """The janitor's work: short steps one tick at a time (reap expired leases of requests, boxes
 and agents, expire overdue requests and batches, delete expired files and those whose writer or
-deleter died), and the long batch jobs (read new batches' input files, write finished batches'
-output files).
+deleter died, pause boxes their idle policy says to), and the long batch jobs (read new
+batches' input files, write finished batches' output files).
 
 Every step is a conditional UPDATE or a claimed ingest or finalization, so any number of
 control-plane processes may run them at the same time. The API runs `tick` every fraction of
@@ -17,7 +17,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-from minimill.control import agents, box_hosts, files
+from minimill.control import agents, box_hosts, box_idle, files
 from minimill.control.batch_finalize import expire_due, finalize, finishable
 from minimill.control.batch_load import ingest_pending
 from minimill.control.config import ControlConfig
@@ -36,6 +36,7 @@ class TickReport:
     deleted_files: int
     reaped_boxes: int = 0
     reaped_agents: int = 0
+    idle_boxes: int = 0  # paused (or asked to pause) by their idle policy
 
 
 def tick(store: Store, now: float, config: ControlConfig,
@@ -49,10 +50,11 @@ def tick(store: Store, now: float, config: ControlConfig,
     deleted = files.sweep(store, now, config.file_writing_ttl_s)
     reaped_boxes = box_hosts.reap_expired(store, now)
     reaped_agents = agents.reap_expired(store, now)
+    idle_boxes = box_idle.pause_idle(store, now)
     return TickReport(reaped_leases=reaped, expired_requests=expired,
                       expired_batches=expired_batches, finalized_batches=finalized,
                       deleted_files=deleted, reaped_boxes=reaped_boxes,
-                      reaped_agents=reaped_agents)
+                      reaped_agents=reaped_agents, idle_boxes=idle_boxes)
 
 
 def finalize_ready(store: Store, now: float, config: ControlConfig) -> int:

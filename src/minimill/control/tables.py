@@ -355,6 +355,20 @@ boxes = Table(
     Index("ix_boxes_site", "site_id", "status"),
 )
 
+# When each box was last used, for its idle policy (the `idle` entry of `boxes.limits`; see
+# control/box_idle.py): `idle_at` is when the policy is due if nothing happens before (None:
+# never, or paused already), and `idle_paused` says the janitor paused it, not its tenant, so
+# that its next operation resumes it. A table of its own because the store creates missing
+# tables but never adds columns to existing ones.
+box_activity = Table(
+    "box_activity", metadata,
+    Column("box_id", String(40), primary_key=True),
+    Column("last_active_at", Double, nullable=False),
+    Column("idle_at", Double),
+    Column("idle_paused", Boolean, nullable=False, default=False),
+    Index("ix_box_activity_idle", "idle_at"),
+)
+
 # Operations on a box (exec, file reads and writes, snapshot, pause), run by its host in order.
 box_ops = Table(
     "box_ops", metadata,

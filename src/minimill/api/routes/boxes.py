@@ -111,10 +111,14 @@ async def create_image(request: Request, store: StoreDep, tenant: TenantDep,
 
 @router.post("", response_model=BoxObject, responses=error_responses(404))
 async def create_box(body: BoxCreate, store: StoreDep, tenant: TenantDep,
-                     wakeups: WakeupsDep) -> BoxObject:
+                     wakeups: WakeupsDep, config: ConfigDep) -> BoxObject:
+    # Left out, the idle timeout is the server's; an explicit null is "never".
+    idle_timeout_s = (body.idle_timeout_s if "idle_timeout_s" in body.model_fields_set
+                      else config.box_idle_timeout_s)
     record = await anyio.to_thread.run_sync(lambda: boxes.create_box(
         store, tenant.id, source_id=body.image or body.snapshot, network=body.network,
-        limits=body.limits.model_dump(), metadata=body.metadata))
+        limits=body.limits.model_dump(), metadata=body.metadata,
+        idle_timeout_s=idle_timeout_s, idle_action=body.idle_action))
     wakeups.work.notify()
     return BoxObject.of(record)
 
@@ -222,11 +226,15 @@ def list_snapshots(box_id: str, store: StoreDep, tenant: TenantDep) -> SnapshotL
 @router.post("/{box_id}/pause", response_model=BoxObject, responses=error_responses(404, 409))
 async def pause_box(box_id: str, store: StoreDep, tenant: TenantDep,
                     wakeups: WakeupsDep) -> BoxObject:
-    """Snapshot the box and take it off its host: it holds no resources until resumed."""
+    """Snapshot the box and take it off its host: it holds no resources until resumed (its
+    operations answer 409 `box_paused` meanwhile; a box its idle policy paused, by contrast,
+    is resumed by its next operation)."""
     box = await anyio.to_thread.run_sync(boxes.get_box, store, tenant.id, box_id)
     hostless = box.status == BoxStatus.PENDING and await anyio.to_thread.run_sync(
         boxes.pause_now_if_hostless, store, tenant.id, box_id)
-    if box.status != BoxStatus.PAUSED and not hostless:
+    if box.status == BoxStatus.PAUSED:
+        await anyio.to_thread.run_sync(boxes.keep_paused, store, tenant.id, box_id)
+    elif not hostless:
         await _run_op(store, wakeups, tenant.id, box_id, "pause", {}, 600)
     return BoxObject.of(await anyio.to_thread.run_sync(boxes.get_box, store, tenant.id,
                                                        box_id))
