@@ -64,7 +64,7 @@ class JournalAppend(BaseModel):
     epoch: Epoch
     entries: list[JournalEntry] = Field(max_length=1024)
     # Effects answered from the journal since the last append (counted for the operator).
-    replayed: int = Field(0, ge=0)
+    replayed: int = Field(0, ge=0, le=2**31 - 1)
 
 
 class JournalAppended(BaseModel):
@@ -90,7 +90,7 @@ class ReleasedAgent(BaseModel):
     epoch: Epoch
     # Effects this run answered from the journal since its last append (counted as an append's
     # `replayed` would be: a run that ends in a release has no later append to carry them).
-    replayed: int = Field(0, ge=0)
+    replayed: int = Field(0, ge=0, le=2**31 - 1)
 
 
 class AgentRelease(BaseModel):

@@ -183,13 +183,14 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
                requests.c.session_key)
     with store.write() as conn:
         adopted: list[Any] = []
+        held: list[str] = []
         if ask.adopt_held:
             # The site's previous run's leases, at a new epoch: a late message of that run
             # is fenced off like any other stale holder's.
-            held = conn.execute(
+            held = list(conn.execute(
                 select(requests.c.id)
                 .where(requests.c.site_id == site.id, requests.c.status == _LEASED)
-                .order_by(requests.c.seq).limit(capacity)).scalars().all()
+                .order_by(requests.c.seq).limit(capacity)).scalars().all())
             adopted = [] if not held else list(conn.execute(
                 update(requests)
                 .where(requests.c.id.in_(held), requests.c.site_id == site.id,
@@ -200,6 +201,7 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
                         lease_base_tokens=requests.c.checkpoint_tokens)
                 .returning(*granted)).all())
             capacity = max(0, capacity - len(adopted))
+        taken_back = {r.id for r in adopted}
         rows: list[Any] = []
         snapshot = _snapshot(conn, site, ask, capacity, models, now, policy)
         picked = place(snapshot, now, policy) if snapshot.candidates and capacity else []
@@ -213,7 +215,8 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
                         lease_base_tokens=requests.c.checkpoint_tokens)
                 .returning(*granted)).all())
         rows = adopted + rows
-        picked = [r.id for r in adopted] + picked
+        # Adopted first, in the order they were queued in (RETURNING's order is unspecified).
+        picked = [i for i in held if i in taken_back] + picked
         resumed = checkpoints.load(conn, [r.id for r in rows if r.progress])
         # What the worker said, for the placement of its peers' lease calls; its measured
         # rate covers a time in which it held what it held before this call.

@@ -5,8 +5,10 @@ GIL the step loop needs; in the worker's process (`AsyncEngine`) when asked."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 from minimill.engine.params import EngineError, InvalidRequestError, TokenLogprob
 from minimill.fleet.choices import ChoiceJob
@@ -68,7 +70,7 @@ class BuiltinEngineAdapter:
         clock.mark("engine imports")
         try:
             with stale_kernel_locks_cleared(kernel_cache_dir()):
-                engine = await asyncio.to_thread(_start_engine, model, dtype, options or {},
+                engine = await _in_daemon_thread(_start_engine, model, dtype, options or {},
                                                  in_process, clock)
         except (ModelError, EngineError, ValueError, OSError) as exc:
             raise EngineStartError(f"cannot start the builtin engine for {model!r}: {exc}") \
@@ -156,6 +158,40 @@ class BuiltinEngineAdapter:
     async def close(self) -> None:
         # close() joins the engine thread: keep the event loop free meanwhile.
         await asyncio.to_thread(self._engine.close)
+
+
+_T = TypeVar("_T")
+
+
+async def _in_daemon_thread(fn: Callable[..., _T], *args: Any) -> _T:
+    """asyncio.to_thread, in a daemon thread of its own: a worker stopped while its engine
+    starts exits at once, where asyncio.run would wait at its end for the default executor's
+    thread, i.e. for the engine to finish starting.
+
+    The thread outlives the call, parked until the process exits: the engine child's
+    parent-death signal (PR_SET_PDEATHSIG) fires when the *thread* that started it ends."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[_T] = loop.create_future()
+
+    def settle(result: _T | None, error: BaseException | None) -> None:
+        if done.cancelled():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as exc:  # handed to the awaiting task
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, error)
+        threading.Event().wait()
+
+    threading.Thread(target=run, name="minimill-engine-start", daemon=True).start()
+    return await done
 
 
 def _start_engine(model: str, dtype: str, options: dict[str, Any], in_process: bool,

@@ -43,6 +43,7 @@ from minimill.protocol import (
     HeartbeatRequest,
     Lease,
     LeaseRequest,
+    ReleaseRequest,
 )
 
 log = logging.getLogger("minimill.worker")
@@ -91,6 +92,9 @@ class Worker:
         # Ask for the site's held leases back with the next lease call (worker.py: a start
         # whose engine's KV survived the previous run).
         self.adopt_held = False
+        # Or give them all back before the first lease call (a give-back after it would
+        # return that call's new leases too).
+        self.give_back_held = False
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def free_capacity(self) -> int:
@@ -155,6 +159,9 @@ class Worker:
     async def lease_loop(self) -> None:
         backoff = Backoff()
         while not self.stopping.is_set():
+            if self.give_back_held:
+                await self._give_back_held(backoff)
+                continue
             free = self.free_capacity()
             if free <= 0 or time.monotonic() < self._engine_cooldown_until:
                 await self.wait(self._wake_lease, IDLE_POLL_S)
@@ -190,6 +197,19 @@ class Worker:
             await asyncio.sleep(BUSY_POLL_S)
             if not resp.leases:
                 await self.wait(self._wake_lease, IDLE_POLL_S)
+
+    async def _give_back_held(self, backoff: Backoff) -> None:
+        try:
+            answer = await self.client.release(ReleaseRequest(all_held=True))
+        except ControlPlaneUnavailable as exc:  # e.g. serve's control plane still starting
+            await sleep_backoff(backoff, "giving back the previous run's leases before the "
+                                "first lease", exc)
+            return
+        backoff.reset()
+        self.give_back_held = False
+        if answer.released:
+            log.info("gave back %d leases the previous run of this site held",
+                     len(answer.released))
 
     def _heartbeat_items(self, force_all: bool) -> tuple[list[HeartbeatItem],
                                                          dict[str, SentCheckpoint]]:

@@ -11,17 +11,19 @@ A site runs one worker, so whatever the site still holds when its worker starts 
 previous run's (killed, not drained). With a KV flash tier, whose files outlive the process
 (the KV of every full block is written through), the worker takes those leases back with its
 first lease call and resumes them from the KV on flash instead of recomputing their context.
-Without one, it gives them back while its engine loads, so that other sites resume them at once
-instead of when the leases expire.
+Without one, it gives them back before its first lease call, so that other sites resume them at
+once instead of when the leases expire.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
 import signal
+import socket
 import sys
 import time
 from types import FrameType
@@ -30,18 +32,15 @@ from minimill.agents.runner import AgentRunner, RunnerClient
 from minimill.boxes.host import BoxHost
 from minimill.boxes.host_setup import BoxHostStartError, BoxOptions, open_box_host
 from minimill.fleet.client import (
-    Backoff,
     ControlPlaneClient,
-    ControlPlaneUnavailable,
     SiteAuthError,
-    sleep_backoff,
 )
 from minimill.fleet.engines import EngineStartError, open_engine
 from minimill.fleet.kv_options import KvOptions
 from minimill.fleet.loops import Worker
 from minimill.fleet.startup import StartClock
 from minimill.lifetime import STOP_SIGNALS, die_with_parent, stop_reason
-from minimill.protocol import MAX_CHIP_CHARS, ReleaseRequest
+from minimill.protocol import MAX_CHIP_CHARS
 
 log = logging.getLogger("minimill.worker")
 NO_ENGINE = "none"  # --engine none: a box host that serves no tokens
@@ -57,6 +56,25 @@ def _stop_while_starting(signum: int, _frame: FrameType | None) -> None:
     # Raised in the main thread, between two bytecodes of whatever starts (imports, model
     # load, engine construction): the start unwinds and the process exits.
     raise StoppedWhileStarting(stop_reason(signum))
+
+
+def _wake_on_signals(loop: asyncio.AbstractEventLoop) -> None:
+    """Wake the event loop when a stop signal arrives, whichever thread the kernel hands it
+    to. While the engine starts in a thread of its own, the main thread sleeps in the loop's
+    poll with nothing due; a signal delivered to the starting thread only sets Python's flag,
+    and _stop_while_starting would run when that poll ended, i.e. when the engine had
+    started. A byte on this socket (written by the C-level handler) ends the poll at once.
+    Replaced by asyncio's own wakeup once the worker installs its loop signal handlers."""
+    reader, writer = socket.socketpair()
+    reader.setblocking(False)
+    writer.setblocking(False)
+
+    def drain() -> None:
+        with contextlib.suppress(OSError):
+            reader.recv(4096)
+
+    loop.add_reader(reader.fileno(), drain)
+    signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
 
 
 def _stop(worker: Worker, signum: int, box_host: BoxHost | None = None,
@@ -112,6 +130,7 @@ async def _amain(*, server: str, site: str, token: str, engine: str, model: str,
     box_host = open_box_host(server, token, site, boxes) if boxes.slots > 0 else None
     runner = AgentRunner(RunnerClient(server, token), agents) if agents > 0 else None
     loop = asyncio.get_running_loop()
+    _wake_on_signals(loop)
     if engine == NO_ENGINE:
         if box_host is None and runner is None:
             raise SystemExit("--engine none serves no tokens: give it --boxes N or --agents N")
@@ -123,23 +142,22 @@ async def _amain(*, server: str, site: str, token: str, engine: str, model: str,
         return
     client = ControlPlaneClient(server, token)
     keeps_kv = engine == "builtin" and bool(kv.flash_dir)
-    taking_back = asyncio.create_task(asyncio.sleep(0) if keeps_kv
-                                      else _take_back_leases(client))
     try:
         adapter = await open_engine(engine, model=model, dtype=dtype, capacity=capacity,
                                     clock=clock, engine_options=kv.engine_overrides())
     except BaseException:
-        taking_back.cancel()
         await client.close()
         raise
-    # Before the first lease call: a give-back arriving after it would return new leases.
-    await taking_back
     effective = min(capacity, adapter.capacity) if engine == "builtin" else capacity
     worker = Worker(client, adapter, capacity=effective,
                     drain_timeout_s=float(os.environ.get("MINIMILL_WORKER_DRAIN_S", "10")),
                     stats_every_s=float(os.environ.get("MINIMILL_WORKER_STATS_S", "0")),
                     price_per_hour=price_per_hour, chip=chip)
+    # The site may still hold leases from this worker's killed run: a worker whose KV survived
+    # (a flash tier) takes them back and resumes them from it; any other gives them back first,
+    # so they go out again at once instead of after their TTL.
     worker.adopt_held = keeps_kv
+    worker.give_back_held = not keeps_kv
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, _stop, worker, sig, box_host, runner)
     log.info("worker for site %r ready: engine %s, models %s, capacity %d, boxes %d, "
@@ -159,21 +177,6 @@ async def _amain(*, server: str, site: str, token: str, engine: str, model: str,
         await adapter.close()
         log.info("worker stopped: %s, generated_tokens %d", worker.stats,
                  worker.tally.generated_tokens)
-
-
-async def _take_back_leases(client: ControlPlaneClient) -> None:
-    """Give back every lease this site still holds from the worker's previous run."""
-    backoff = Backoff()
-    while True:
-        try:
-            answer = await client.release(ReleaseRequest(all_held=True))
-        except ControlPlaneUnavailable as exc:  # e.g. serve's control plane still starting
-            await sleep_backoff(backoff, "giving back the previous run's leases", exc)
-            continue
-        if answer.released:
-            log.info("gave back %d leases the previous run of this site held",
-                     len(answer.released))
-        return
 
 
 def _check_declared(price_per_hour: float | None, chip: str | None) -> str | None:
