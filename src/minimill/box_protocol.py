@@ -62,6 +62,9 @@ class BoxLease(BaseModel):
     epoch: Epoch
     # The archive to start the workspace from (latest snapshot, else the image); None: empty.
     snapshot_id: str | None = None
+    # What restoring it applies, in order: a full archive, then each incremental snapshot on
+    # the one before (boxes/snapshots.py); it ends with `snapshot_id`.
+    chain: list[str] = Field(default_factory=list)
     network: bool = False
     limits: BoxLimits = BoxLimits()
 
@@ -144,3 +147,9 @@ class BoxReleaseResponse(BaseModel):
 class SnapshotStored(BaseModel):
     snapshot_id: str
     bytes: int
+    incremental: bool = False
+
+
+# An incremental snapshot's upload names (in its archive's header) a parent the control plane
+# does not have for that box: a 409 with this code; the host sends a full archive instead.
+SNAPSHOT_PARENT_NOT_FOUND = "snapshot_parent_not_found"

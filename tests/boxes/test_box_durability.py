@@ -1,5 +1,6 @@
 """A box host killed with -9 mid-exec: the box comes back on another host under the same id,
-with its files as at its last snapshot; the exec that was running fails with box_host_lost."""
+with its files as at its last snapshot (an incremental one: its whole chain is restored); the
+exec that was running fails with box_host_lost."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from api_harness import ApiEnv
 from box_harness import BoxHostProc
 
 from minimill.boxes.client import BoxError, Boxes, ExecEvent, ExecResult
+from minimill.boxes.snapshots import RACY_NS
 
 
 def _wait_for(path: Path, timeout_s: float) -> None:
@@ -26,8 +28,16 @@ def test_kill9_host_mid_exec(box_env: ApiEnv, host_root: Path, boxes: Boxes) -> 
     second: BoxHostProc | None = None
     try:
         box = boxes.create()
+        box.exec(f"head -c {1024 * 1024} /dev/urandom > big.bin")
+        # Out of the window in which a scan stores a file again whatever its signature says.
+        time.sleep(RACY_NS / 1e9 + 0.5)
+        base = box.snapshot()
         box.write("kept.txt", "as snapshotted")
         snap = box.snapshot()
+        # The latest snapshot is a delta: the box comes back from its whole chain.
+        latest = next(s for s in box.snapshots() if s["id"] == snap)
+        assert (latest["incremental"], latest["parent"]) == (True, base)
+        digest = box.exec("sha256sum big.bin").stdout
         box.write("lost.txt", "written after the snapshot")
 
         outcome: list[ExecResult | BoxError] = []
@@ -55,8 +65,9 @@ def test_kill9_host_mid_exec(box_env: ApiEnv, host_root: Path, boxes: Boxes) -> 
 
         second = BoxHostProc(box_env, host_root).start_and_wait()
         listing = box.exec("ls")
-        assert listing.stdout.split() == ["kept.txt"]
+        assert listing.stdout.split() == ["big.bin", "kept.txt"]
         assert box.read_text("kept.txt") == "as snapshotted"
+        assert box.exec("sha256sum big.bin").stdout == digest
         again = box.refresh()
         assert again.id == box.id and again.status == "running"
         assert again.data["restarts"] == 1 and again.data["latest_snapshot"] == snap

@@ -89,11 +89,16 @@ class SnapshotObject(BaseModel):
     kind: str
     bytes: int
     created_at: int
+    incremental: bool = Field(False, description="Only what changed since `parent`; a "
+                              "restore applies its chain (a full snapshot, then deltas).")
+    parent: str | None = Field(None, description="The snapshot an incremental one is a "
+                               "delta of.")
 
     @classmethod
     def of(cls, record: SnapshotRecord) -> SnapshotObject:
         return cls(id=record.id, box_id=record.box_id, kind=record.kind.value,
-                   bytes=record.bytes, created_at=int(record.created_at))
+                   bytes=record.bytes, created_at=int(record.created_at),
+                   incremental=record.incremental, parent=record.parent_id)
 
 
 class SnapshotList(BaseModel):

@@ -2,12 +2,17 @@
 
 One long poll at a time extends the leases of the boxes held, takes new boxes for free slots
 and brings their queued operations. Each held box has a task that first builds its workspace
-(from its latest snapshot, else its image, else empty), then runs its operations as they
-come, up to CONCURRENT_OPS_PER_BOX at once, each in a thread (sandbox.py), and posts each
+(from its latest snapshot's chain, else its image, else empty), then runs its operations as
+they come, up to CONCURRENT_OPS_PER_BOX at once, each in a thread (sandbox.py), and posts each
 result with the box's epoch; an exec's output is posted as it comes too (exec_output.py),
 all of it before the result. A box whose workspace changed is snapshotted every
 `snapshot_interval_s` while it has work, and once it goes idle, so that a host lost with it
 costs at most that much of its files.
+
+Snapshots are incremental where that pays (snapshots.py): the host keeps what it scanned for
+a box's last snapshot, and the next one holds only what changed since, unless the chain is
+long (every FULL_EVERY-th is full) or most of the files changed. A box this host restored
+(after a restart, or from another host) has no such scan yet: its first snapshot is full.
 
 `stop()`: no new boxes; running operations finish (up to `drain_timeout_s`), changed boxes
 are snapshotted, and every box is released so it comes back elsewhere at once.
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import shutil
 import time
@@ -34,10 +40,11 @@ from minimill.box_protocol import (
     BoxReleaseRequest,
     BoxResultsRequest,
     HeldBox,
+    SnapshotStored,
 )
-from minimill.boxes import sandbox, workspace
+from minimill.boxes import sandbox, snapshots, workspace
 from minimill.boxes.exec_output import ExecOutput
-from minimill.boxes.host_client import BoxHostClient, NotHeld, retrying
+from minimill.boxes.host_client import BoxHostClient, NotHeld, ParentMissing, retrying
 from minimill.boxes.ops import MUTATING, OpError, Workspace, run_op
 from minimill.fleet.client import Backoff, ControlPlaneUnavailable, sleep_backoff
 
@@ -59,6 +66,9 @@ class HostedBox:
     in_flight: int = 0  # operations running now
     ops: set[asyncio.Task[None]] = field(default_factory=set)
     last_snapshot_at: float = field(default_factory=time.monotonic)
+    # The last snapshot this host took of the box, and the scan it was taken from: the next
+    # one may be a delta of it. None: the next one is full.
+    base: Taken | None = None
 
     @property
     def busy(self) -> bool:
@@ -187,17 +197,19 @@ class BoxHost:
     async def _build(self, box: HostedBox) -> None:
         path = box.ws.path
         await anyio.to_thread.run_sync(_remove, path)
-        archive = b""
-        if box.lease.snapshot_id:
-            archive = await retrying(lambda: self.client.download_snapshot(
-                box.box_id, box.lease.snapshot_id or ""), "snapshot download")
+        lease = box.lease
+        ids = lease.chain or ([lease.snapshot_id] if lease.snapshot_id else [])
+        chain: list[tuple[str, bytes]] = []
+        for snapshot_id in ids:
+            download = functools.partial(self.client.download_snapshot, box.box_id, snapshot_id)
+            chain.append((snapshot_id, await retrying(download, "snapshot download")))
         owner = sandbox.box_uid() if sandbox._runs_as_root() else None
 
         def build() -> None:
             path.mkdir(parents=True, exist_ok=True)
             path.chmod(0o700)
-            if archive:
-                workspace.unpack(archive, path, owner)
+            if any(blob for _, blob in chain):  # an empty image is an empty workspace
+                snapshots.restore(chain, path, owner)
             elif owner is not None:
                 workspace.chown_tree(path, owner)
 
@@ -241,13 +253,26 @@ class BoxHost:
         return result
 
     async def _snapshot(self, box: HostedBox, kind: str) -> str:
-        archive = await anyio.to_thread.run_sync(workspace.pack, box.ws.path)
-        stored = await retrying(lambda: self.client.upload_snapshot(
-            box.box_id, box.epoch, kind, archive), "snapshot upload")
+        taken = await anyio.to_thread.run_sync(take, box.ws.path, box.base)
+        try:
+            stored = await self._upload(box, kind, taken)
+        except ParentMissing:
+            log.info("box %s: the parent of its incremental snapshot is gone; sending a full "
+                     "one", box.box_id)
+            taken = await anyio.to_thread.run_sync(take, box.ws.path, None)
+            stored = await self._upload(box, kind, taken)
+        box.base = Taken(manifest=taken.manifest, depth=taken.depth,
+                         snapshot_id=stored.snapshot_id)
+        log.debug("box %s: %s snapshot %s (%d bytes)", box.box_id,
+                  "incremental" if taken.depth else "full", stored.snapshot_id, stored.bytes)
         box.dirty = False
         box.last_snapshot_at = time.monotonic()
         self.stats["snapshots"] += 1
         return stored.snapshot_id
+
+    async def _upload(self, box: HostedBox, kind: str, taken: Taken) -> SnapshotStored:
+        return await retrying(lambda: self.client.upload_snapshot(
+            box.box_id, box.epoch, kind, taken.blob), "snapshot upload")
 
     async def _post(self, item: BoxOpResult) -> None:
         answer = await retrying(lambda: self.client.results(
@@ -294,3 +319,29 @@ class BoxHost:
 
 def _remove(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """A snapshot of a box's workspace: its archive and the scan it was taken from."""
+
+    manifest: snapshots.Manifest
+    depth: int  # deltas since the last full snapshot (0: this one is full)
+    snapshot_id: str = ""  # the control plane's id, once stored
+    blob: bytes = b""
+
+
+def take(root: Path, base: Taken | None) -> Taken:
+    """A delta of `base` where the rules say it pays (snapshots.worth_a_delta), else a full
+    archive. The scan comes first: whatever changes after it differs from it next time."""
+    now = snapshots.scan(root)
+    if base is not None and base.snapshot_id:
+        delta = snapshots.diff(base.manifest, now)
+        if snapshots.worth_a_delta(base.depth, delta, now):
+            try:
+                blob = snapshots.pack_delta(root, base.snapshot_id, delta, now)
+            except OSError:
+                pass  # an entry went between the scan and the archive: a full one instead
+            else:
+                return Taken(manifest=now, depth=base.depth + 1, blob=blob)
+    return Taken(manifest=now, depth=0, blob=snapshots.pack_full(root))

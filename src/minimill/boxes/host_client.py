@@ -2,7 +2,8 @@
 
 Network trouble raises ControlPlaneUnavailable (the caller retries with backoff, `retrying`);
 a 401/403 raises SiteAuthError; a 404/409 (a snapshot upload, streamed output) means the box
-or the operation is no longer this host's.
+or the operation is no longer this host's, except an incremental snapshot's 409 saying that
+its parent is gone (ParentMissing).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pydantic import BaseModel
 
 from minimill.box_protocol import (
     BOX_FLEET_PREFIX,
+    SNAPSHOT_PARENT_NOT_FOUND,
     BoxOutputRequest,
     BoxOutputResponse,
     BoxPollRequest,
@@ -40,6 +42,20 @@ class NotHeld(RuntimeError):
     """The control plane says the box is not this host's at that epoch any more."""
 
 
+class ParentMissing(RuntimeError):
+    """An incremental snapshot's parent is not the control plane's (any more): send a full
+    one instead."""
+
+
+def _error_code(resp: httpx.Response) -> str | None:
+    try:
+        error = resp.json().get("error") or {}
+    except (ValueError, AttributeError):
+        return None
+    code = error.get("code") if isinstance(error, dict) else None
+    return str(code) if code is not None else None
+
+
 class BoxHostClient:
     def __init__(self, server: str, token: str, timeout_s: float = 60.0) -> None:
         self._client = httpx.AsyncClient(
@@ -55,6 +71,8 @@ class BoxHostClient:
         if resp.status_code in (401, 403):
             raise SiteAuthError(f"the control plane rejected this site's token "
                                 f"(HTTP {resp.status_code}): {resp.text[:300]}")
+        if resp.status_code == 409 and _error_code(resp) == SNAPSHOT_PARENT_NOT_FOUND:
+            raise ParentMissing(f"{path}: {resp.text[:300]}")
         if resp.status_code in (404, 409):
             raise NotHeld(f"{path}: {resp.text[:300]}")
         if resp.status_code >= 400:

@@ -1,5 +1,5 @@
 """A box's files on its host: file operations that cannot leave the workspace, disk usage
-against the quota, and snapshot archives.
+against the quota, and the extraction of archives (snapshots.py makes and restores snapshots).
 
 The host process is not sandboxed, and a box's own commands can plant symlinks in its
 workspace (`ln -s /etc/shadow x`). So every file operation walks the path one component at a
@@ -175,15 +175,6 @@ def usage_bytes(root: Path) -> int:
             except OSError:
                 pass  # removed meanwhile
     return total
-
-
-def pack(root: Path) -> bytes:
-    """The workspace as a gzipped tar (symlinks kept as links, never followed)."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=3) as tar:
-        for name in sorted(os.listdir(root)):
-            tar.add(root / name, arcname=name, recursive=True)
-    return buf.getvalue()
 
 
 def unpack(archive: bytes, root: Path, owner: int | None = None) -> None:

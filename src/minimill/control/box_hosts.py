@@ -9,7 +9,10 @@
   successful pause sends the box to `paused`, off its host. The operation's streamed output
   goes: the result holds all of it. Every other result is activity (box_idle.py).
 - `store_snapshot`: an archive from the host at the box's epoch becomes its latest snapshot
-  (automatic ones replace the previous automatic one).
+  (automatic ones replace the previous automatic one, which stays while a newer delta needs
+  it). A delta (boxes/snapshots.py) names its parent, a snapshot of the same box.
+- Leases carry the chain to restore (full archive first, then its deltas), and a host may
+  download any archive of that chain.
 - `reap_expired`: a box whose lease lapsed goes back to `pending` (to come back elsewhere from
   its latest snapshot); what its host was running fails with `box_host_lost`.
 
@@ -24,6 +27,7 @@ from typing import Any
 from sqlalchemy import Connection, case, select, tuple_, update
 
 from minimill.box_protocol import (
+    SNAPSHOT_PARENT_NOT_FOUND,
     BoxLease,
     BoxLimits,
     BoxOp,
@@ -39,7 +43,7 @@ from minimill.box_protocol import (
 )
 from minimill.control import box_idle, box_output, files
 from minimill.control.box_records import BoxStatus, OpStatus, SnapshotKind
-from minimill.control.boxes import drop_archives, store_archive
+from minimill.control.boxes import chain_of, drop_unneeded, store_archive
 from minimill.control.config import ControlConfig
 from minimill.control.errors import ConflictError, NotFoundError
 from minimill.control.records import Site
@@ -101,6 +105,7 @@ def _grant(conn: Connection, site: Site, capacity: int, now: float,
         .returning(boxes.c.id, boxes.c.epoch, boxes.c.snapshot_id, boxes.c.image_id,
                    boxes.c.network, boxes.c.limits)).all()
     return [BoxLease(box_id=r.id, epoch=r.epoch, snapshot_id=r.snapshot_id or r.image_id,
+                     chain=chain_of(conn, r.snapshot_id or r.image_id),
                      network=bool(r.network), limits=BoxLimits.model_validate(r.limits or {}))
             for r in rows]
 
@@ -196,7 +201,11 @@ def _paused(conn: Connection, box_id: str, epoch: int) -> None:
 
 @retry_conflicts
 def store_snapshot(store: Store, site: Site, box_id: str, epoch: int, kind: SnapshotKind,
-                   parts: Iterable[bytes], max_bytes: int) -> SnapshotStored:
+                   parts: Iterable[bytes], max_bytes: int,
+                   parent_id: str | None = None) -> SnapshotStored:
+    """Store a full archive, or (with `parent_id`) a delta of an earlier snapshot of the
+    same box. A parent that is gone is a ConflictError `snapshot_parent_not_found`: the
+    host sends a full archive instead."""
     with store.write() as conn:
         row = conn.execute(select(boxes.c.tenant_id, boxes.c.snapshot_id).where(
             boxes.c.id == box_id, boxes.c.epoch == epoch, boxes.c.site_id == site.id,
@@ -204,23 +213,32 @@ def store_snapshot(store: Store, site: Site, box_id: str, epoch: int, kind: Snap
         if row is None:
             raise ConflictError(f"box {box_id} is not this host's at epoch {epoch}",
                                 code="stale_epoch")
-        record = store_archive(conn, row.tenant_id, box_id, kind, parts, max_bytes)
+        if parent_id is not None and conn.execute(select(box_snapshots.c.id).where(
+                box_snapshots.c.id == parent_id,
+                box_snapshots.c.box_id == box_id)).first() is None:
+            raise ConflictError(f"snapshot {parent_id}, the parent of this incremental "
+                                f"snapshot, is not one of box {box_id}",
+                                code=SNAPSHOT_PARENT_NOT_FOUND)
+        record = store_archive(conn, row.tenant_id, box_id, kind, parts, max_bytes, parent_id)
         conn.execute(update(boxes).where(boxes.c.id == box_id)
                      .values(snapshot_id=record.id))
         previous = conn.execute(select(box_snapshots.c.id).where(
             box_snapshots.c.box_id == box_id, box_snapshots.c.kind == SnapshotKind.AUTO.value,
             box_snapshots.c.id != record.id)).scalars().all()
-        drop_archives(conn, list(previous))
-    return SnapshotStored(snapshot_id=record.id, bytes=record.bytes)
+        drop_unneeded(conn, box_id, list(previous))
+    return SnapshotStored(snapshot_id=record.id, bytes=record.bytes,
+                          incremental=record.incremental)
 
 
 def snapshot_content(store: Store, site: Site, box_id: str, snapshot_id: str) -> Iterator[bytes]:
-    """An archive a host may read: the start of a box it holds."""
+    """An archive a host may read: one of the chain a box it holds starts from."""
     with store.read() as conn:
         box = conn.execute(select(boxes.c.snapshot_id, boxes.c.image_id).where(
             boxes.c.id == box_id, boxes.c.site_id == site.id,
             boxes.c.status == _RUNNING)).first()
-    if box is None or snapshot_id not in (box.snapshot_id, box.image_id):
+        allowed = (set(chain_of(conn, box.snapshot_id)) | set(chain_of(conn, box.image_id))
+                   if box is not None else set())
+    if snapshot_id not in allowed:
         raise NotFoundError(f"No such snapshot for a box of this host: {snapshot_id}")
     return files.iter_chunks(store, snapshot_id)
 

@@ -88,6 +88,12 @@ class SnapshotRecord:
     kind: SnapshotKind
     bytes: int
     created_at: float
+    # The snapshot this one is a delta of; None: a full archive (its chain is itself alone).
+    parent_id: str | None = None
+
+    @property
+    def incremental(self) -> bool:
+        return self.parent_id is not None
 
 
 def idle_timeout(limits: dict[str, Any] | None) -> float | None:
@@ -121,4 +127,4 @@ def op_record(row: Any) -> OpRecord:
 def snapshot_record(row: Any) -> SnapshotRecord:
     return SnapshotRecord(id=row.id, tenant_id=row.tenant_id, box_id=row.box_id,
                           kind=SnapshotKind(row.kind), bytes=row.bytes,
-                          created_at=row.created_at)
+                          created_at=row.created_at, parent_id=row.parent_id)

@@ -5,6 +5,13 @@ An operation is a `box_ops` row: queued here, taken by the host that holds the b
 box's epoch), finished by that host's result (box_hosts.py). A caller waits for the result by
 watching the row. Paths are checked here too, so that an escape is refused before any host
 sees it (the host checks again, against what is really on its disk).
+
+Snapshots may be incremental (boxes/snapshots.py): a delta's row names its parent, and a box
+restored from it gets the whole chain (`chain_of`: the full archive first). Dropping
+snapshots (a newer automatic one replaces the previous, a deleted box's automatic ones go)
+never breaks a chain: an archive that a kept snapshot still needs is kept with it
+(`drop_unneeded`), and goes once nothing kept depends on it any more. Chains are short (a
+host takes a full snapshot every `snapshots.FULL_EVERY`), so what is kept so is bounded.
 """
 
 from __future__ import annotations
@@ -54,16 +61,39 @@ def check_path(path: str) -> str:
 
 
 def store_archive(conn: Connection, tenant_id: str, box_id: str | None, kind: SnapshotKind,
-                  parts: Iterable[bytes], max_bytes: int) -> SnapshotRecord:
-    """Insert an archive (image or snapshot) inside the caller's transaction."""
+                  parts: Iterable[bytes], max_bytes: int,
+                  parent_id: str | None = None) -> SnapshotRecord:
+    """Insert an archive (image, full snapshot, or a delta of `parent_id`) inside the
+    caller's transaction."""
     snapshot_id = new_id("snap_")
     size = files.insert_chunks(conn, snapshot_id, parts, max_bytes)
     now = time.time()
     conn.execute(insert(box_snapshots).values(id=snapshot_id, tenant_id=tenant_id,
                                               box_id=box_id, kind=kind.value, bytes=size,
-                                              created_at=now))
+                                              created_at=now, parent_id=parent_id))
     return SnapshotRecord(id=snapshot_id, tenant_id=tenant_id, box_id=box_id, kind=kind,
-                          bytes=size, created_at=now)
+                          bytes=size, created_at=now, parent_id=parent_id)
+
+
+# Longer than any chain a host makes (snapshots.FULL_EVERY): past it, rows that point at each
+# other would be a loop, never a chain.
+MAX_CHAIN = 64
+
+
+def chain_of(conn: Connection, snapshot_id: str | None) -> list[str]:
+    """The archives a restore of `snapshot_id` applies, the full one first. A chain whose
+    start is missing comes back as far as it goes: its restore refuses it (a delta first)."""
+    chain: list[str] = []
+    current = snapshot_id
+    while current is not None and len(chain) < MAX_CHAIN:
+        row = conn.execute(select(box_snapshots.c.parent_id).where(
+            box_snapshots.c.id == current)).first()
+        if row is None:
+            break
+        chain.append(current)
+        current = row.parent_id
+    chain.reverse()
+    return chain
 
 
 def create_image(store: Store, tenant_id: str, parts: Iterable[bytes],
@@ -163,7 +193,27 @@ def delete_box(store: Store, tenant_id: str, box_id: str) -> None:
         autos = conn.execute(select(box_snapshots.c.id).where(
             box_snapshots.c.box_id == box_id,
             box_snapshots.c.kind == SnapshotKind.AUTO.value)).scalars().all()
-        drop_archives(conn, list(autos))
+        drop_unneeded(conn, box_id, list(autos))
+
+
+def drop_unneeded(conn: Connection, box_id: str, snapshot_ids: list[str]) -> list[str]:
+    """Drop those of the box's `snapshot_ids` that no other snapshot of it needs (as a link
+    of its chain); returns the ids dropped. A host makes deltas only of its own box's
+    snapshots, so only the box's own snapshots can need them."""
+    if not snapshot_ids:
+        return []
+    parents = dict(conn.execute(select(box_snapshots.c.id, box_snapshots.c.parent_id).where(
+        box_snapshots.c.box_id == box_id)).tuples().all())
+    dropping = set(snapshot_ids)
+    needed: set[str] = set()
+    for kept in parents.keys() - dropping:
+        parent = parents.get(kept)
+        while parent is not None and parent not in needed:
+            needed.add(parent)
+            parent = parents.get(parent)
+    gone = sorted(dropping - needed)
+    drop_archives(conn, gone)
+    return gone
 
 
 def drop_archives(conn: Connection, snapshot_ids: list[str]) -> None:

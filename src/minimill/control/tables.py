@@ -414,6 +414,9 @@ box_snapshots = Table(
     Column("kind", String(20), nullable=False),  # image | manual | auto
     Column("bytes", BigInteger, nullable=False),
     Column("created_at", Double, nullable=False),
+    # The snapshot an incremental one is a delta of (boxes/snapshots.py); None: a full archive.
+    # Nullable, so the store adds it to a table made by an older version (store.py).
+    Column("parent_id", String(40)),
 )
 
 # Durable agents: a tenant's harness (its code and task), run by runners (sites) under leases

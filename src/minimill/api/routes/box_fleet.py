@@ -30,8 +30,10 @@ from minimill.box_protocol import (
     BoxResultsResponse,
     SnapshotStored,
 )
+from minimill.boxes import snapshots
 from minimill.control import box_hosts
 from minimill.control.box_records import SnapshotKind
+from minimill.control.errors import InvalidRequestError
 
 router = APIRouter(prefix=BOX_FLEET_PREFIX, tags=["fleet"], responses=error_responses(400, 401))
 WakeupsDep = Annotated[BoxWakeups, Depends(box_wakeups)]
@@ -75,11 +77,17 @@ async def store_snapshot(box_id: str, request: Request, store: StoreDep, site: S
                          config: ConfigDep, epoch: Annotated[int, Query(ge=0, le=2**31 - 1)],
                          kind: Annotated[str, Query(pattern="^(manual|auto)$")] = "auto",
                          ) -> SnapshotStored:
-    """The body is the workspace archive; accepted only at the box's current epoch."""
+    """The body is the workspace archive, full or incremental; accepted only at the box's
+    current epoch. An incremental one's parent is the one its own header names, so that the
+    chain recorded is the chain its restore checks."""
     data = b"".join([c async for c in body_chunks(request, config.max_file_bytes)])
+    try:
+        delta = snapshots.read_delta(data)
+    except snapshots.SnapshotError as exc:
+        raise InvalidRequestError(str(exc), code="invalid_archive") from None
     return await anyio.to_thread.run_sync(
         box_hosts.store_snapshot, store, site, box_id, epoch, SnapshotKind(kind), [data],
-        config.max_file_bytes)
+        config.max_file_bytes, delta[0].parent if delta is not None else None)
 
 
 @router.get("/{box_id}/snapshots/{snapshot_id}", responses=error_responses(404))
