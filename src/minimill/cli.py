@@ -304,8 +304,10 @@ def worker(
         "cost only, never what tenants are billed)."),
     chip: str | None = typer.Option(
         None, help="Chip name, for the registry (default: as the site was registered)."),
-    engine: str = typer.Option("builtin", help="'builtin', an OpenAI-compatible base URL, or "
-                               "'none' (a box host serving no tokens)."),
+    engine: str = typer.Option("builtin", help="'builtin', an OpenAI-compatible base URL, "
+                               "'none' (a box host serving no tokens), or 'fake:TOKENS_PER_S' "
+                               "(a test double for fleet tests: no model, made-up tokens at "
+                               "that site rate)."),
     model: str = typer.Option(DEFAULT_MODEL, help="Model to serve."),
     dtype: str = typer.Option("auto", help="Builtin engine dtype: " + DTYPE_HELP),
     kv_dtype: str = KvDtypeOption,

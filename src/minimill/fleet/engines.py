@@ -88,7 +88,8 @@ async def open_engine(engine: str, *, model: str, dtype: str, capacity: int,
                       clock: StartClock | None = None,
                       engine_options: dict[str, Any] | None = None) -> EngineAdapter:
     """'builtin' loads `model` into the builtin engine (with `engine_options`, EngineConfig
-    fields); an http(s) URL uses that server."""
+    fields); an http(s) URL uses that server; 'fake' or 'fake:RATE' is a test double that
+    loads nothing and makes up tokens (fake_engine.py)."""
     if engine == "builtin":
         from minimill.fleet.builtin_engine import BuiltinEngineAdapter
 
@@ -98,5 +99,9 @@ async def open_engine(engine: str, *, model: str, dtype: str, capacity: int,
         from minimill.fleet.http_engine import HttpEngineAdapter
 
         return await HttpEngineAdapter.start(engine, model=model, capacity=capacity)
+    if engine == "fake" or engine.startswith("fake:"):
+        from minimill.fleet.fake_engine import FakeEngineAdapter
+
+        return FakeEngineAdapter.start(engine, model=model, capacity=capacity)
     raise EngineStartError(
         f"--engine must be 'builtin' or an OpenAI-compatible base URL, got {engine!r}")

@@ -163,17 +163,10 @@ class Simulation:
                 break
         while q.head(Tier.BACKGROUND) is not None:
             i = self.p.peek(realtime=False)
-            if i is None or not self._background_ok(i) or not self._lease(i, Tier.BACKGROUND):
+            # As placement.place: a dearer site takes what the cheaper free sites before it
+            # in this order left (a cheaper one that defers its work holds it up for all).
+            if i is None or not self._lease(i, Tier.BACKGROUND):
                 break
-
-    def _background_ok(self, i: int) -> bool:
-        """May site `i` (the first free one in background order) take background work now?
-        Not when the live sites cheaper than it finish all of it in time."""
-        if not self.p.uses_costs:
-            return True
-        cheaper = self.p.cheaper_rate(i)
-        return cheaper <= 0 or placement.deadline_risk(self.queue.due, cheaper, self.now,
-                                                       self.policy) is not None
 
     def _deferred(self, i: int, piece: Piece) -> bool:
         """Would site `i` leave `piece` for a cheaper hour of its price schedule that still

@@ -3,21 +3,20 @@
 - naive: round-robin over the sites that ask, no forecasts, no prices.
 - cost: placement's rankings (placement.background_key / realtime_key over site_health's
   effective $/Mtok and expected loss, at each site's flat price); a dearer site takes
-  background work only when the live cheaper ones could not meet a deadline
-  (placement.deadline_risk).
+  background work beyond what the cheaper sites with free room take, as placement.place
+  hands it out (tests/sim/test_sim_vs_live.py checks that the two agree).
 - forecast: as cost, plus announced outages (placement.finishes_before_outage: no work a site
   would not finish before handing back ahead of its outage; held work handed back in time)
   and price schedules (sites ranked at their price now; placement.defer_background leaves
   background work for cheaper hours that still meet its deadline). Realtime is never deferred.
 
 Free sites wait in heaps ordered by those keys, re-ranked every replan; the expected
-throughput of live sites sits in a Fenwick tree in background order, so "how fast are the live
-sites cheaper than this one" costs O(log n) per lease call.
+throughput of live sites sits in a Fenwick tree in background order (the fleet's rate, for
+defer_background, costs O(log n) per lease call).
 """
 
 from __future__ import annotations
 
-import bisect
 import heapq
 from collections import deque
 
@@ -25,6 +24,10 @@ from minimill.control import placement, ranking, site_health
 from minimill.control.placement import Outage, PlacementPolicy, SiteState
 from minimill.sim.fenwick import Fenwick
 from minimill.sim.world import SimSite
+
+# The policy the live control plane runs: it always knows announced outages and price
+# schedules (tests/sim/test_sim_vs_live.py compares the two).
+LIVE_POLICY = "forecast"
 
 
 class Policy:
@@ -135,11 +138,6 @@ class Policy:
 
     def take(self, i: int) -> None:
         self.free[i] = False
-
-    def cheaper_rate(self, i: int) -> float:
-        """Expected throughput of the live sites cheaper than site `i` by the tolerance."""
-        limit = self.bg_values[self.bg_rank[i]] / (1 + self.policy.tolerance)
-        return self.live_rate.prefix(bisect.bisect_left(self.bg_values, limit))
 
     def fleet_rate(self) -> float:
         return self.live_rate.prefix(len(self.sites))

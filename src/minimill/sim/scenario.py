@@ -36,10 +36,21 @@ class Weather:
 
 
 @dataclass(frozen=True, slots=True)
+class PlannedOutage:
+    """An outage of a whole region known ahead (maintenance, a grid operator's notice): down
+    from start_h to end_h, announced at announced_h (the forecast policy hears of it then)."""
+
+    start_h: float
+    end_h: float
+    announced_h: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class Region:
     name: str
     weather: Weather = Weather()
     price_profile: tuple[float, ...] | None = None  # hourly multipliers of $/h (UTC hours)
+    outages: tuple[PlannedOutage, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +173,17 @@ def _region(name: str, data: dict[str, Any], profiles: dict[str, tuple[float, ..
         lead_h=_num(w, "lead_h", where + ".weather", 6.0, high=1000))
     profile = data.get("price_profile")
     return Region(name, weather, None if profile is None else
-                  _profile(profile, where + ".price_profile", profiles))
+                  _profile(profile, where + ".price_profile", profiles),
+                  tuple(_planned(o, f"{where}.outages[{i}]")
+                        for i, o in enumerate(data.get("outages") or [])))
+
+
+def _planned(data: Any, where: str) -> PlannedOutage:
+    if not isinstance(data, dict):
+        raise ScenarioError(f"{where} must be a mapping of start_h, end_h, announced_h")
+    start = _num(data, "start_h", where, high=1e5)
+    return PlannedOutage(start, _num(data, "end_h", where, low=start, high=1e5),
+                         _num(data, "announced_h", where, 0.0, high=start))
 
 
 def _group(i: int, data: dict[str, Any], chips: dict[str, Chip],

@@ -84,6 +84,11 @@ def build(scenario: Scenario) -> World:
         for s, n in zip(rng.uniform(0, until, false_count),
                         rng.exponential(w.mean_hours * HOUR_S, false_count), strict=True):
             told.append(Forecast(max(float(s) - lead, 0.0), float(s), float(s + n), False))
+        # Planned outages come on top of the drawn weather (and draw nothing from the rng).
+        for planned in region.outages:
+            start, end = planned.start_h * HOUR_S, planned.end_h * HOUR_S
+            weather[name].append(Down(start, end, False))
+            told.append(Forecast(planned.announced_h * HOUR_S, start, end, True))
         forecasts[name] = tuple(sorted(told, key=lambda f: f.announced_at))
     sites: list[SimSite] = []
     downs: list[tuple[Down, ...]] = []
