@@ -104,4 +104,5 @@ async def open_engine(engine: str, *, model: str, dtype: str, capacity: int,
 
         return FakeEngineAdapter.start(engine, model=model, capacity=capacity)
     raise EngineStartError(
-        f"--engine must be 'builtin' or an OpenAI-compatible base URL, got {engine!r}")
+        f"--engine must be 'builtin', an OpenAI-compatible base URL, 'none' or 'fake:RATE', "
+        f"got {engine!r}")
