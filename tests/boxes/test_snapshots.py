@@ -5,8 +5,10 @@ chain that does not add up is refused; chains stay bounded."""
 
 from __future__ import annotations
 
+import io
 import os
 import stat
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ import pytest
 from minimill.boxes import snapshots
 from minimill.boxes.host import Taken, take
 from minimill.boxes.snapshots import SnapshotError
+from minimill.boxes.workspace import PathError
 
 # Older than any scan's racy window: such a file's signature alone says it is unchanged.
 LONG_AGO_NS = 1_600_000_000 * 10**9
@@ -193,3 +196,36 @@ def test_the_host_takes_deltas_where_they_pay_and_bounds_chains(tmp_path: Path) 
     assert take(ws, base).depth == 0
     # Without a scan of an earlier snapshot (a host that just restored the box): full.
     assert take(ws, None).depth == 0
+
+
+def test_symlinks_that_point_out_of_the_workspace_are_kept_and_never_written_through(
+        tmp_path: Path) -> None:
+    """A venv's `python -> /usr/bin/python3` (resolved inside the box's sandbox) survives a
+    snapshot and its restore, full and incremental; an archive that would write through a
+    link to outside the workspace is refused, and nothing lands outside."""
+    ws = tmp_path / "ws"
+    (ws / "venv" / "bin").mkdir(parents=True)
+    (ws / "venv" / "bin" / "python").symlink_to("/usr/bin/python3")
+    (ws / "up").symlink_to("../../outside")
+    chain = [("snap_0", snapshots.pack_full(ws))]
+    base = snapshots.scan(ws)
+    (ws / "venv" / "bin" / "python3").symlink_to("/usr/bin/python3")
+    step(ws, chain, base, "snap_1")
+    assert restored(chain, tmp_path / "back") == tree(ws)
+    assert os.readlink(tmp_path / "back" / "venv" / "bin" / "python") == "/usr/bin/python3"
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        link = tarfile.TarInfo("esc")
+        link.type, link.linkname = tarfile.SYMTYPE, str(outside)
+        tar.addfile(link)
+        payload = b"written through the link"
+        member = tarfile.TarInfo("esc/planted")
+        member.size = len(payload)
+        tar.addfile(member, io.BytesIO(payload))
+    with pytest.raises(PathError) as refused:
+        snapshots.restore([("snap_evil", buffer.getvalue())], tmp_path / "evil")
+    assert refused.value.code == "invalid_archive"
+    assert list(outside.iterdir()) == []

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minimill.boxes.workspace import PathError, chown_tree, parts_of, unpack
+from minimill.boxes.workspace import PathError, chown_tree, member_filter, parts_of, unpack
 
 DELTA_MAGIC = b"MMSNAPDELTA1\n"
 _HEADER_LEN = struct.Struct(">I")
@@ -243,7 +243,7 @@ def _apply(archive: bytes, root: Path, snapshot_id: str) -> None:
             for member in members:
                 if not member.isdir():
                     _remove(root, member.name)
-            tar.extractall(root, filter="data")
+            tar.extractall(root, filter=member_filter)
     except (tarfile.TarError, OSError, EOFError) as exc:
         raise SnapshotError(f"incremental snapshot {snapshot_id} cannot be applied: {exc}") \
             from None

@@ -9,6 +9,7 @@ or a `..`, is refused with `PathError` rather than followed.
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import stat
@@ -177,14 +178,30 @@ def usage_bytes(root: Path) -> int:
     return total
 
 
+def member_filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo:
+    """tarfile's 'data' filter (no member outside the workspace: absolute names, `..`, a path
+    through a link that leads out; no devices, no set-id bits; hard links only to members
+    inside), except that a symlink may point anywhere. A box's symlinks are resolved inside
+    its sandbox, where `/usr/bin/python3` is the box's own read-only system (a venv is made of
+    such links), and the host never follows one: 'data' checks every later member's real path,
+    so nothing is written through a link that leads out."""
+    if not member.issym():
+        return tarfile.data_filter(member, dest)
+    # Its own name checked as 'data' checks a file's; its target kept as it is.
+    as_file = copy.copy(member)
+    as_file.type, as_file.linkname = tarfile.REGTYPE, ""
+    kept = copy.copy(tarfile.data_filter(as_file, dest))
+    kept.type, kept.linkname = tarfile.SYMTYPE, member.linkname
+    return kept
+
+
 def unpack(archive: bytes, root: Path, owner: int | None = None) -> None:
-    """Extract a snapshot or image archive into an empty workspace. The 'data' filter refuses
-    members that would land outside it (absolute names, `..`, links pointing out), devices,
-    and set-id bits."""
+    """Extract a snapshot or image archive into an empty workspace (`member_filter` refuses
+    what would land outside it)."""
     root.mkdir(parents=True, exist_ok=True)
     try:
         with tarfile.open(fileobj=io.BytesIO(archive), mode="r:*") as tar:
-            tar.extractall(root, filter="data")
+            tar.extractall(root, filter=member_filter)
     except (tarfile.TarError, OSError, EOFError) as exc:
         raise PathError(f"the archive cannot be extracted: {exc}", code="invalid_archive") \
             from None
