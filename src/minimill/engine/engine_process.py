@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 from collections import defaultdict
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -58,8 +59,10 @@ class ProcessEngine(StreamFrontend):
         if message[0] == "error":
             self._process.join(5)
             raise _rebuild(message[1], message[2])
-        _, tokenizer, limits = message
+        _, tokenizer, limits, phases = message
         assert isinstance(limits, EngineLimits)
+        # The child's start, phase by phase: [(name, seconds)], its own birth first.
+        self.start_phases: list[tuple[str, float]] = list(phases)
         super().__init__(tokenizer, limits)
         self._send_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="minimill-engine-reader",
@@ -134,16 +137,30 @@ def _child_main(conn: Connection, model: str, overrides: dict[str, Any],
     # handback still needs); it dies with the parent all the same.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Where this start went, for the worker's start line (a restart is time a site does no
+    # work); the rest of the child's start is the interpreter and the spawn's own imports.
+    phases: list[tuple[str, float]] = []
+    last = time.monotonic()
+
+    def mark(phase: str) -> None:
+        nonlocal last
+        now = time.monotonic()
+        phases.append((phase, now - last))
+        last = now
+
     from minimill.engine.core import EngineCore
     from minimill.engine.llm import load
 
+    mark("engine imports")
     try:
         loaded, config = load(model, overrides)
+        mark("model load")
         core = EngineCore(loaded, config)
+        mark("engine")
     except Exception as exc:
         conn.send(("error", *_portable(exc)))
         return
-    conn.send(("ready", loaded.tokenizer, core.limits))
+    conn.send(("ready", loaded.tokenizer, core.limits, phases))
     _yield_to_siblings()
     try:
         _step_loop(conn, core, parent_pid)

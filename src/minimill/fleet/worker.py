@@ -18,15 +18,15 @@ once instead of when the leases expire.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import os
 import signal
-import socket
 import sys
 import time
+from collections.abc import Coroutine
 from types import FrameType
+from typing import Any
 
 from minimill.agents.runner import AgentRunner, RunnerClient
 from minimill.boxes.host import BoxHost
@@ -58,23 +58,28 @@ def _stop_while_starting(signum: int, _frame: FrameType | None) -> None:
     raise StoppedWhileStarting(stop_reason(signum))
 
 
-def _wake_on_signals(loop: asyncio.AbstractEventLoop) -> None:
-    """Wake the event loop when a stop signal arrives, whichever thread the kernel hands it
-    to. While the engine starts in a thread of its own, the main thread sleeps in the loop's
-    poll with nothing due; a signal delivered to the starting thread only sets Python's flag,
-    and _stop_while_starting would run when that poll ended, i.e. when the engine had
-    started. A byte on this socket (written by the C-level handler) ends the poll at once.
-    Replaced by asyncio's own wakeup once the worker installs its loop signal handlers."""
-    reader, writer = socket.socketpair()
-    reader.setblocking(False)
-    writer.setblocking(False)
+async def _stoppable_start(main: Coroutine[Any, Any, None]) -> None:
+    """Run `main`, a stop signal cancelling it until it installs its own handlers (once the
+    worker runs). asyncio's handlers wake the loop whichever thread the kernel hands the
+    signal to: while the engine starts in a thread of its own, a plain Python handler would
+    only run when the loop's poll next ended, i.e. when the engine had started."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    received: list[int] = []
 
-    def drain() -> None:
-        with contextlib.suppress(OSError):
-            reader.recv(4096)
+    def cancel_start(signum: int) -> None:
+        received.append(signum)
+        task.cancel()
 
-    loop.add_reader(reader.fileno(), drain)
-    signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, cancel_start, sig)
+    try:
+        await main
+    except asyncio.CancelledError:
+        if received:
+            raise StoppedWhileStarting(stop_reason(received[0])) from None
+        raise
 
 
 def _stop(worker: Worker, signum: int, box_host: BoxHost | None = None,
@@ -130,7 +135,6 @@ async def _amain(*, server: str, site: str, token: str, engine: str, model: str,
     box_host = open_box_host(server, token, site, boxes) if boxes.slots > 0 else None
     runner = AgentRunner(RunnerClient(server, token), agents) if agents > 0 else None
     loop = asyncio.get_running_loop()
-    _wake_on_signals(loop)
     if engine == NO_ENGINE:
         if box_host is None and runner is None:
             raise SystemExit("--engine none serves no tokens: give it --boxes N or --agents N")
@@ -218,10 +222,10 @@ def run_worker(*, server: str, site: str, token: str, price_per_hour: float | No
     chip = _check_declared(price_per_hour, chip)
     started = time.monotonic()
     try:
-        asyncio.run(_amain(server=server, site=site, token=token, engine=engine, model=model,
-                           dtype=dtype, capacity=capacity, price_per_hour=price_per_hour,
-                           chip=chip, clock=clock, kv=kv or KvOptions(),
-                           boxes=boxes or BoxOptions(), agents=agents))
+        asyncio.run(_stoppable_start(_amain(
+            server=server, site=site, token=token, engine=engine, model=model, dtype=dtype,
+            capacity=capacity, price_per_hour=price_per_hour, chip=chip, clock=clock,
+            kv=kv or KvOptions(), boxes=boxes or BoxOptions(), agents=agents)))
     except (EngineStartError, SiteAuthError, BoxHostStartError) as exc:
         log.error("%s", exc)
         raise SystemExit(2) from None
