@@ -244,3 +244,31 @@ def test_int8_kv_engines_agree_and_resume_exactly(smol_f32: LoadedModel) -> None
         assert a.output_token_ids == b.output_token_ids
         assert a.logprobs is not None and b.logprobs is not None
         assert [x.top for x in a.logprobs] == [x.top for x in b.logprobs[9:]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(576, 1728), (576, 3072), (1536, 576), (576, 49152)])
+def test_a_rows_gemm_result_does_not_depend_on_the_batch(native: CpuKernels, dtype: torch.dtype,
+                                                         shape: tuple[int, int]) -> None:
+    """Each row of `linear` comes out the same alone, in a small batch, in a tall prompt chunk,
+    at any place in it and on one thread or two (SmolLM2's weight shapes; where the CPU has
+    AMX, oneDNN's bf16 reduction order changes with the row count unless `linear` fixes it)."""
+    k, n = shape
+    generator = torch.Generator().manual_seed(k + n)
+    weight = native.prepare_weight(torch.randn(n, k, generator=generator).to(dtype))
+    x = torch.randn(700, k, generator=generator).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([native.linear(x[i:i + 1], weight) for i in (0, 37, 130, 699)])
+        torch.set_num_threads(threads)
+        for rows in (2, 33, 64, 100, 128, 129, 300, 700):
+            for start in (0, 5, 130 - rows % 131):
+                if start + rows > 700:
+                    continue
+                batch = native.linear(x[start:start + rows], weight)
+                for i, row in enumerate((0, 37, 130, 699)):
+                    if start <= row < start + rows:
+                        assert torch.equal(batch[row - start], alone[i]), (rows, start, row)
+    finally:
+        torch.set_num_threads(threads)
