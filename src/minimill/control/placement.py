@@ -43,8 +43,8 @@ the asking site leaves it. Rules:
 
 The simulator (minimill.sim) places aggregated work with the same functions: `realtime_key`
 and `background_key` order sites, `finishes_before_outage` keeps work off sites that would not
-finish it before their announced outages, `deadline_risk` says when dearer sites must help,
-and `defer_background` picks the cheap windows.
+finish it before their announced outages, and `defer_background` picks the cheap windows; a
+dearer site takes what the cheaper free sites leave, as here (tests/sim/test_sim_vs_live.py).
 """
 
 from __future__ import annotations

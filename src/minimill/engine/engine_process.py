@@ -61,7 +61,7 @@ class ProcessEngine(StreamFrontend):
             raise _rebuild(message[1], message[2])
         _, tokenizer, limits, phases = message
         assert isinstance(limits, EngineLimits)
-        # The child's start, phase by phase: [(name, seconds)], its own birth first.
+        # The child's start after its interpreter and the spawn, phase by phase.
         self.start_phases: list[tuple[str, float]] = list(phases)
         super().__init__(tokenizer, limits)
         self._send_lock = threading.Lock()

@@ -11,8 +11,8 @@
   background work for cheaper hours that still meet its deadline). Realtime is never deferred.
 
 Free sites wait in heaps ordered by those keys, re-ranked every replan; the expected
-throughput of live sites sits in a Fenwick tree in background order (the fleet's rate, for
-defer_background, costs O(log n) per lease call).
+throughput of the live sites is kept as a running total (the fleet's rate, for
+defer_background).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from collections import deque
 
 from minimill.control import placement, ranking, site_health
 from minimill.control.placement import Outage, PlacementPolicy, SiteState
-from minimill.sim.fenwick import Fenwick
 from minimill.sim.world import SimSite
 
 # The policy the live control plane runs: it always knows announced outages and price
@@ -43,12 +42,9 @@ class Policy:
         self.bg_heap: list[tuple[int, int, int]] = []
         self.rt_rank = list(range(n))
         self.bg_rank = list(range(n))
-        self.bg_values: list[float] = [0.0] * n  # effective $/Mtok in rank order
         self.expected = [s.tokens_per_s for s in sites]
-        self.live_rate = Fenwick(n)
+        self.live_rate = sum(s.tokens_per_s for s in sites)
         self.alive = [True] * n
-        for s in sites:
-            self.live_rate.add(s.index, s.tokens_per_s)
 
     def state(self, site: SimSite, now: float, up_s: float, last_seen: float, granted: int,
               expired: int, outages: tuple[Outage, ...]) -> SiteState:
@@ -91,12 +87,8 @@ class Policy:
             self.bg_rank[i] = rank
         for rank, i in enumerate(sorted(range(len(states)), key=rt.__getitem__)):
             self.rt_rank[i] = rank
-        self.bg_values = [bg[i][0] for i in bg_order]
         self.expected = [site_health.expected_tokens_per_s(s, now, self.policy) for s in states]
-        self.live_rate = Fenwick(len(states))
-        for i, up in enumerate(self.alive):
-            if up:
-                self.live_rate.add(self.bg_rank[i], self.expected[i])
+        self.live_rate = sum(e for e, up in zip(self.expected, self.alive, strict=True) if up)
         free = [i for i, f in enumerate(self.free) if f]
         self.rt_heap, self.bg_heap = [], []
         for i in free:
@@ -106,7 +98,7 @@ class Policy:
     def set_alive(self, i: int, up: bool) -> None:
         if self.alive[i] != up:
             self.alive[i] = up
-            self.live_rate.add(self.bg_rank[i], self.expected[i] if up else -self.expected[i])
+            self.live_rate += self.expected[i] if up else -self.expected[i]
         if not up:
             self.free[i] = False
 
@@ -140,4 +132,4 @@ class Policy:
         self.free[i] = False
 
     def fleet_rate(self) -> float:
-        return self.live_rate.prefix(len(self.sites))
+        return self.live_rate
