@@ -129,11 +129,11 @@ def serve(
     boxes: int = typer.Option(4, min=0, help="Boxes (sandboxes) the local worker holds at "
                               "once; none where bubblewrap isolation is unavailable."),
     insecure_no_sandbox: bool = typer.Option(
-        False, "--insecure-no-sandbox", help="Let the local worker run boxes without "
-        "bubblewrap isolation where it is unavailable."),
+        False, "--insecure-no-sandbox", help="Let the local worker run boxes and agents' "
+        "harnesses without bubblewrap isolation where it is unavailable."),
     agents: int = typer.Option(8, min=0, envvar="MINIMILL_LOCAL_AGENTS",
                                help="Durable agents (harnesses) the local worker runs at "
-                               "once."),
+                               "once; none where harnesses cannot be sandboxed."),
     kv_cache_gb: float | None = KvCacheGbOption,
     kv_host_gb: float = KvHostGbOption,
     kv_flash_dir: str | None = KvFlashDirOption,
@@ -319,10 +319,10 @@ def worker(
         30.0, min=0.1, help="Snapshot a changed box at most this often (what losing this "
         "site may cost a box)."),
     insecure_no_sandbox: bool = typer.Option(
-        False, "--insecure-no-sandbox", help="Run boxes without bubblewrap isolation where "
-        "it is unavailable (their commands then see this host's files)."),
+        False, "--insecure-no-sandbox", help="Run boxes and agents' harnesses without "
+        "bubblewrap isolation where it is unavailable (they then see this host's files)."),
     agents: int = typer.Option(0, min=0, help="Durable agents (harnesses) this site runs at "
-                               "once."),
+                               "once, each in a sandboxed process."),
     kv_cache_gb: float | None = KvCacheGbOption,
     kv_host_gb: float = KvHostGbOption,
     kv_flash_dir: str | None = KvFlashDirOption,

@@ -8,8 +8,9 @@ the lease's epoch, go to the runner protocol with the site token. A journal appe
 for a stale epoch means another runner has the agent: this run stops. A stopping runner
 hands its agents back (`AgentRunner.stop`) instead of letting their leases expire.
 
-Harness code runs in the runner's process: a runner trusts the tenants whose harnesses it
-runs (their commands run in boxes, which are isolated).
+Harness code is a tenant's: it never runs in the runner's process, which holds the site token,
+but in a sandboxed process of its own that asks the runner for its effects
+(harness_process.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import contextlib
 import logging
 import os
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,13 @@ from minimill.agent_protocol import (
     JournalEntry,
     ReleasedAgent,
 )
-from minimill.agents.runtime import Budget, Ctx, Effects, Run, Suspend, load_main
+from minimill.agents.harness_process import (
+    HarnessProcess,
+    HarnessStart,
+    check_harness_isolation,
+)
+from minimill.agents.runtime import EffectFailed
+from minimill.boxes.sandbox import IsolationUnavailable
 from minimill.fleet.client import Backoff, ControlPlaneUnavailable, SiteAuthError, sleep_backoff
 from minimill.fleet.shutdown import send_within
 
@@ -48,12 +54,12 @@ POLL_WAIT_S = 2.0
 HAND_BACK_BEAT_S = 1.0  # how often a hand-back that waits for effects extends the leases
 
 
+class RunnerStartError(RuntimeError):
+    """This site cannot run harnesses (no sandbox, and the operator did not opt out)."""
+
+
 class LeaseLost(RuntimeError):
     """The control plane refused this run's epoch: the agent is someone else's now."""
-
-
-class EffectFailed(RuntimeError):
-    """The API answered an effect with an error (shown to the harness as this exception)."""
 
 
 class RunnerClient:
@@ -104,13 +110,12 @@ async def _retrying(call: Any, what: str) -> Any:
             await sleep_backoff(backoff, what, exc)
 
 
-class ApiEffects(Effects):
+class ApiEffects:
     """Effects through the public API with the lease's key; journal appends with the epoch."""
 
-    def __init__(self, client: RunnerClient, lease: AgentLease, run_ref: list[Run]) -> None:
+    def __init__(self, client: RunnerClient, lease: AgentLease) -> None:
         self.client = client
         self.lease = lease
-        self._run_ref = run_ref
         self._api = httpx.AsyncClient(base_url=client.server + "/v1",
                                       headers={"Authorization": f"Bearer {lease.api_key}"},
                                       timeout=httpx.Timeout(3600.0))
@@ -159,14 +164,12 @@ class ApiEffects(Effects):
                                 params={"path": args["path"]})
         return resp.content.decode(errors="replace")
 
-    async def journal(self, entry: JournalEntry) -> None:
-        run = self._run_ref[0]
-        replayed, run.replayed = run.replayed, 0
+    async def journal(self, key: str, kind: str, value: Any, replayed: int) -> None:
+        entry = JournalEntry(key=key, kind=kind, value=value)
         answer = await _retrying(lambda: self.client.append(self.lease.agent_id, JournalAppend(
             epoch=self.lease.epoch, entries=[entry], replayed=replayed)), "journal append")
         if answer.duplicates:
-            log.warning("agent %s: effect %s was journaled already", self.lease.agent_id,
-                        entry.key)
+            log.warning("agent %s: effect %s was journaled already", self.lease.agent_id, key)
 
     async def close(self) -> None:
         await self._api.aclose()
@@ -177,7 +180,7 @@ class HeldRun:
     """An agent this runner holds: its lease, its run and the task that runs it."""
 
     lease: AgentLease
-    run: Run
+    process: HarnessProcess
     effects: ApiEffects
     task: asyncio.Task[None] | None = None
     finishing: bool = False  # the harness ended: its outcome is on the way to the store
@@ -185,7 +188,7 @@ class HeldRun:
     @property
     def settled(self) -> bool:
         """Handed back with nothing left to journal or report: safe to cancel and release."""
-        return self.run.quiet and not self.finishing
+        return self.process.quiet and not self.finishing
 
 
 class AgentRunner:
@@ -196,9 +199,11 @@ class AgentRunner:
     then are abandoned: their calls carry idempotency keys, so the next runner gets their
     results instead of doing them again). A second `stop()` skips the wait."""
 
-    def __init__(self, client: RunnerClient, slots: int, drain_s: float | None = None) -> None:
+    def __init__(self, client: RunnerClient, slots: int, drain_s: float | None = None,
+                 insecure: bool = False) -> None:
         self.client = client
         self.slots = slots
+        self.insecure = insecure  # harnesses without a sandbox (the operator opted out)
         self.drain_s = (float(os.environ.get("MINIMILL_WORKER_DRAIN_S", "10"))
                         if drain_s is None else drain_s)
         self.running: dict[str, HeldRun] = {}
@@ -215,7 +220,7 @@ class AgentRunner:
             self.stopping.set()
             # At once, not when the poll in flight returns: no effect may start meanwhile.
             for held in self.running.values():
-                held.run.handing_back = True
+                held.process.hand_back()
         elif not self.hurry.is_set():
             log.info("stopping now: abandoning the effects still in flight")
             self.hurry.set()
@@ -256,13 +261,12 @@ class AgentRunner:
 
     def _start(self, lease: AgentLease) -> None:
         self.stats["agents"] += 1
-        run_ref: list[Run] = []
-        effects = ApiEffects(self.client, lease, run_ref)
-        run = Run(effects=effects, journal={e.key: e.value for e in lease.journal},
-                  model=lease.model,
-                  budget=Budget.from_journal(lease.budget_tokens, lease.journal))
-        run_ref.append(run)
-        held = HeldRun(lease=lease, run=run, effects=effects)
+        effects = ApiEffects(self.client, lease)
+        start = HarnessStart(code=lease.code, filename=lease.filename, task=lease.task,
+                             model=lease.model, budget_tokens=lease.budget_tokens,
+                             journal=[(e.key, e.kind, e.value) for e in lease.journal])
+        process = HarnessProcess(lease.agent_id, start, effects, insecure=self.insecure)
+        held = HeldRun(lease=lease, process=process, effects=effects)
         self.running[lease.agent_id] = held
         held.task = asyncio.create_task(self._run_agent(held))
 
@@ -291,7 +295,7 @@ class AgentRunner:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         handed = [ReleasedAgent(agent_id=h.lease.agent_id, epoch=h.lease.epoch,
-                                replayed=h.run.replayed) for h in self._handed]
+                                replayed=h.process.replayed) for h in self._handed]
         handed += self._unstarted
         self._handed, self._unstarted = [], []
         if not handed:
@@ -313,42 +317,63 @@ class AgentRunner:
             log.warning("%d agents not handed back; their leases will expire", len(handed))
 
     async def _run_agent(self, held: HeldRun) -> None:
-        lease, run, effects = held.lease, held.run, held.effects
+        lease, process, effects = held.lease, held.process, held.effects
         log.info("agent %s (epoch %d) starts; %d effects journaled", lease.agent_id,
                  lease.epoch, len(lease.journal))
-        done: AgentFinish
         try:
             try:
-                main = load_main(lease.code, lease.filename)
-                result = await main(Ctx(run), lease.task)
-                done = AgentFinish(epoch=lease.epoch, outcome="succeeded",
-                                   result=_jsonable(result))
-            except Suspend as sleep:
-                done = AgentFinish(epoch=lease.epoch, outcome="sleeping", wake_at=sleep.wake_at)
-            except (LeaseLost, asyncio.CancelledError):
-                raise
-            except Exception as exc:
-                tail = "".join(traceback.format_exception(exc)[-6:])[-4000:]
-                done = AgentFinish(epoch=lease.epoch, outcome="failed",
-                                   error={"code": "harness_error", "message": tail})
+                await process.start()
+                outcome = await process.wait()
+            except OSError as exc:  # the harness process could not start
+                outcome = {"outcome": "failed", "performed": 0,
+                           "message": f"the harness process could not start: {exc}"}
+            done = _finish(lease.epoch, outcome)
             held.finishing = True
-            if run.replayed:  # count what this run answered from the journal
+            if process.replayed:  # count what this run answered from the journal
                 await _retrying(lambda: self.client.append(lease.agent_id, JournalAppend(
-                    epoch=lease.epoch, entries=[], replayed=run.replayed)), "journal append")
+                    epoch=lease.epoch, entries=[], replayed=process.replayed)),
+                    "journal append")
             await _retrying(lambda: self.client.finish(lease.agent_id, done), "agent finish")
             self.stats["finished"] += 1
             log.info("agent %s %s (%d effects run, %d from the journal)", lease.agent_id,
-                     done.outcome, run.performed, len(lease.journal))
+                     done.outcome, outcome["performed"], len(lease.journal))
         except (LeaseLost, asyncio.CancelledError):
             mine = self.running.get(lease.agent_id) is held
-            if mine and run.handing_back:  # cancelled by the hand-back, not revoked
+            if mine and process.handing_back:  # cancelled by the hand-back, not revoked
                 self._handed.append(held)
             else:
                 log.info("agent %s: lease lost or revoked; stopping this run", lease.agent_id)
         finally:
             if self.running.get(lease.agent_id) is held:
                 del self.running[lease.agent_id]
+            await process.close()
             await effects.close()
+
+
+def open_runner(server: str, token: str, slots: int, insecure: bool) -> AgentRunner:
+    """A runner for `slots` agents at once; refuses to start where harnesses cannot be
+    sandboxed, unless the operator opted out (`insecure`)."""
+    if insecure:
+        log.warning("harnesses run WITHOUT a sandbox (--insecure-no-sandbox): a tenant's "
+                    "code can read what this process's user can read")
+    else:
+        try:
+            check_harness_isolation()
+        except IsolationUnavailable as exc:
+            raise RunnerStartError(f"cannot run agents: {exc}") from None
+    return AgentRunner(RunnerClient(server, token), slots, insecure=insecure)
+
+
+def _finish(epoch: int, outcome: dict[str, Any]) -> AgentFinish:
+    """The store's record of how a harness process ended."""
+    if outcome["outcome"] == "succeeded":
+        return AgentFinish(epoch=epoch, outcome="succeeded",
+                           result=_jsonable(outcome.get("result")))
+    if outcome["outcome"] == "sleeping":
+        return AgentFinish(epoch=epoch, outcome="sleeping", wake_at=float(outcome["wake_at"]))
+    return AgentFinish(epoch=epoch, outcome="failed",
+                       error={"code": "harness_error",
+                              "message": str(outcome.get("message") or "")[-4000:]})
 
 
 def _jsonable(value: Any) -> Any:

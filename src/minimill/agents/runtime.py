@@ -21,14 +21,16 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from minimill.agent_protocol import JournalEntry
-
 T = TypeVar("T")
 DEFAULT_MAX_TOKENS = 256
 
 
 class BudgetExceeded(RuntimeError):
     """The agent spent its token budget; ctx.chat refuses further calls."""
+
+
+class EffectFailed(RuntimeError):
+    """The API answered an effect with an error (shown to the harness as this exception)."""
 
 
 class Suspend(BaseException):
@@ -58,12 +60,14 @@ class Budget:
         self.spent_usd += float(usage.get("cost_usd") or 0.0)
 
     @classmethod
-    def from_journal(cls, limit_tokens: int | None, entries: list[JournalEntry]) -> Budget:
-        """What the agent spent in its earlier runs: the usage of every journaled call."""
+    def from_journal(cls, limit_tokens: int | None,
+                     entries: Sequence[tuple[str, Any]]) -> Budget:
+        """What the agent spent in its earlier runs: the usage of every journaled call
+        (`entries`: each journal entry's kind and value)."""
         budget = cls(limit_tokens=limit_tokens)
-        for entry in entries:
-            if entry.kind == "chat" and isinstance(entry.value, dict):
-                budget.charge(entry.value.get("usage") or {})
+        for kind, value in entries:
+            if kind == "chat" and isinstance(value, dict):
+                budget.charge(value.get("usage") or {})
         return budget
 
 
@@ -81,7 +85,9 @@ class Effects:
         """`key`: the effect's journal key, so that the call can be made idempotent."""
         raise NotImplementedError
 
-    async def journal(self, entry: JournalEntry) -> None:
+    async def journal(self, key: str, kind: str, value: Any) -> None:
+        """Append an effect's result to the agent's journal (with the count of effects
+        answered from the journal since the last append, `Run.take_replayed`)."""
         raise NotImplementedError
 
 
@@ -100,6 +106,24 @@ class Run:
     handing_back: bool = False
     # Effects (and subagent results) performing or being journaled right now.
     in_flight: int = 0
+    # Called once the run is quiet (handed back, nothing in flight).
+    on_quiet: Callable[[], None] | None = None
+
+    def take_replayed(self) -> int:
+        """The effects answered from the journal since the last call (they are reported with
+        the next journal append)."""
+        replayed, self.replayed = self.replayed, 0
+        return replayed
+
+    def hand_back(self) -> None:
+        """Start no new effect from now on; `on_quiet` says when the ones in flight are
+        journaled."""
+        self.handing_back = True
+        self._tell_quiet()
+
+    def _tell_quiet(self) -> None:
+        if self.quiet and self.on_quiet is not None:
+            self.on_quiet()
 
     async def begin_effect(self) -> None:
         """Called before an effect starts: it parks for good (until the runner cancels the
@@ -111,6 +135,7 @@ class Run:
 
     def end_effect(self) -> None:
         self.in_flight -= 1
+        self._tell_quiet()
 
     @property
     def quiet(self) -> bool:
@@ -145,7 +170,7 @@ class Ctx:
         await run.begin_effect()
         try:
             value = await perform(key)
-            await run.effects.journal(JournalEntry(key=key, kind=kind, value=value))
+            await run.effects.journal(key, kind, value)
         finally:
             run.end_effect()
         run.journal[key] = value
@@ -193,7 +218,7 @@ class Ctx:
                 value = await subagent(Ctx(run, f"{key}/"), item)
             await run.begin_effect()
             try:
-                await run.effects.journal(JournalEntry(key=key, kind="subagent", value=value))
+                await run.effects.journal(key, "subagent", value)
             finally:
                 run.end_effect()
             run.journal[key] = value

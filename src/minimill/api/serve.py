@@ -130,6 +130,22 @@ def _local_boxes(boxes: int, insecure_no_sandbox: bool) -> int:
     return boxes
 
 
+def _local_agents(agents: int, insecure_no_sandbox: bool) -> int:
+    """Agents the local worker runs: none, with a warning, where harnesses cannot be
+    sandboxed (tokens are served all the same)."""
+    if agents <= 0 or insecure_no_sandbox:
+        return max(agents, 0)
+    from minimill.agents.harness_process import check_harness_isolation
+    from minimill.boxes.sandbox import IsolationUnavailable
+
+    try:
+        check_harness_isolation()
+    except IsolationUnavailable as exc:
+        log.warning("the local worker runs no agents: %s", exc)
+        return 0
+    return agents
+
+
 def run_serve(*, host: str, port: int, db: str | None, model: str, dtype: str,
               local_worker: bool, price_per_hour: float, kv: KvOptions | None = None,
               boxes: int = 4, insecure_no_sandbox: bool = False, agents: int = 8) -> None:
@@ -171,7 +187,8 @@ def run_serve(*, host: str, port: int, db: str | None, model: str, dtype: str,
                              kv=kv,
                              boxes=_local_boxes(boxes, insecure_no_sandbox) if local_worker
                              else 0, insecure_no_sandbox=insecure_no_sandbox,
-                             agents=agents if local_worker else 0)
+                             agents=_local_agents(agents, insecure_no_sandbox) if local_worker
+                             else 0)
     supervisor = WorkerSupervisor(command, token) if local_worker else None
     log.info("control plane on http://%s:%d/v1 (store %s)%s", host, port, store.url,
              ", starting the local worker" if local_worker else "")

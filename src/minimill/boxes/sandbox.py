@@ -21,7 +21,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,16 +88,22 @@ def box_uid() -> int:
     return UNPRIVILEGED_UID if _runs_as_root() else os.geteuid()
 
 
-def _bwrap_args(workspace: Path, network: bool) -> list[str]:
+def bwrap_args(workspace: Path | None, network: bool,
+                extra: Sequence[str] = ()) -> list[str]:
+    """bubblewrap's arguments up to the command's, ending with "--". With no `workspace` the
+    sandbox starts in /tmp; `extra` adds mounts (bubblewrap options)."""
     bwrap = bwrap_path()
     if bwrap is None:
         raise IsolationUnavailable("bubblewrap (bwrap) is not installed")
     args = [bwrap, "--unshare-all", "--die-with-parent", "--new-session",
             "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "box",
             "--ro-bind", "/usr", "/usr", "--proc", "/proc", "--dev", "/dev",
-            "--size", str(TMP_BYTES), "--tmpfs", "/tmp",
-            "--bind", str(workspace), WORKSPACE_MOUNT, "--chdir", WORKSPACE_MOUNT,
-            "--clearenv"]
+            "--size", str(TMP_BYTES), "--tmpfs", "/tmp", "--clearenv"]
+    if workspace is not None:
+        args += ["--bind", str(workspace), WORKSPACE_MOUNT, "--chdir", WORKSPACE_MOUNT]
+    else:
+        args += ["--chdir", "/tmp"]
+    args += extra
     if network:
         args.append("--share-net")
     # Merged-/usr systems have /bin -> usr/bin; others have real directories.
@@ -286,7 +292,7 @@ def _run_exec_once(workspace: Path, command: list[str], *, stdin: bytes = b"",
         argv = [*_prlimit_args(limits, fsize), *command]
     else:
         env_args = [a for k, v in box_env.items() for a in ("--setenv", k, v)]
-        bwrap = _bwrap_args(workspace, network)
+        bwrap = bwrap_args(workspace, network)
         argv = [*_prlimit_args(limits, fsize), *bwrap[:-1], *env_args, "--", *command]
     root = _runs_as_root()
     started = time.monotonic()

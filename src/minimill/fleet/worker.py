@@ -28,7 +28,7 @@ from collections.abc import Coroutine
 from types import FrameType
 from typing import Any
 
-from minimill.agents.runner import AgentRunner, RunnerClient
+from minimill.agents.runner import AgentRunner, RunnerStartError, open_runner
 from minimill.boxes.host import BoxHost
 from minimill.boxes.host_setup import BoxHostStartError, BoxOptions, open_box_host
 from minimill.fleet.client import (
@@ -133,7 +133,7 @@ async def _amain(*, server: str, site: str, token: str, engine: str, model: str,
                  agents: int = 0) -> None:
     # Boxes first: a host that cannot isolate them says so before a long model load.
     box_host = open_box_host(server, token, site, boxes) if boxes.slots > 0 else None
-    runner = AgentRunner(RunnerClient(server, token), agents) if agents > 0 else None
+    runner = open_runner(server, token, agents, boxes.insecure_no_sandbox) if agents else None
     loop = asyncio.get_running_loop()
     if engine == NO_ENGINE:
         if box_host is None and runner is None:
@@ -226,7 +226,7 @@ def run_worker(*, server: str, site: str, token: str, price_per_hour: float | No
             server=server, site=site, token=token, engine=engine, model=model, dtype=dtype,
             capacity=capacity, price_per_hour=price_per_hour, chip=chip, clock=clock,
             kv=kv or KvOptions(), boxes=boxes or BoxOptions(), agents=agents)))
-    except (EngineStartError, SiteAuthError, BoxHostStartError) as exc:
+    except (EngineStartError, SiteAuthError, BoxHostStartError, RunnerStartError) as exc:
         log.error("%s", exc)
         raise SystemExit(2) from None
     except StoppedWhileStarting as exc:
