@@ -108,6 +108,10 @@ class LeaseRequest(BaseModel):
     # answer at a new epoch, before any new work, so that they resume here from the KV on
     # flash instead of being recomputed elsewhere. They count towards `capacity`.
     adopt_held: bool = False
+    # With nothing to hand out, the control plane holds the call open up to this long (at most
+    # a third of the lease TTL) and answers as soon as work arrives: an idle worker waits
+    # there instead of asking again and again.
+    wait_s: float = Field(default=0.0, ge=0.0, le=60.0, allow_inf_nan=False)
 
 
 class Lease(BaseModel):

@@ -25,6 +25,8 @@ from sqlalchemy.engine import make_url
 
 from minimill import __version__
 from minimill.api import errors, metrics
+from minimill.api.box_wakeup import Wakeup
+from minimill.api.lease_wakeup import lease_wakeup_of
 from minimill.api.limits import BodyLimitMiddleware
 from minimill.api.progress import ProgressWatcher
 from minimill.api.routes import (
@@ -56,10 +58,13 @@ __all__ = ["Settings", "create_app"]
 log = logging.getLogger("minimill.api")
 
 
-async def _janitor(store: Store, config: ControlConfig, interval_s: float) -> None:
+async def _janitor(store: Store, config: ControlConfig, interval_s: float,
+                  requeued: Wakeup) -> None:
     while True:
         try:
             report = await anyio.to_thread.run_sync(tick, store, time.time(), config, False)
+            if report.reaped_leases:
+                requeued.notify()  # back in the queue: a waiting worker takes them up
             if (report.reaped_leases or report.expired_batches or report.reaped_boxes
                     or report.reaped_agents or report.idle_boxes):
                 log.info("janitor: %s", report)
@@ -69,7 +74,7 @@ async def _janitor(store: Store, config: ControlConfig, interval_s: float) -> No
 
 
 async def _batch_jobs(store: Store, config: ControlConfig, wake: asyncio.Event,
-                      interval_s: float, in_process: bool) -> None:
+                      interval_s: float, in_process: bool, queued: Wakeup) -> None:
     """Ingest new batches as they come and finalize finished ones (a create wakes it; it also
     polls, for batches of other processes or left behind by a dead one). A store held only
     in this process's memory cannot be opened by another: then the jobs run in a thread."""
@@ -86,6 +91,8 @@ async def _batch_jobs(store: Store, config: ControlConfig, wake: asyncio.Event,
                                                        config, cancellable=True)
             if any(done):
                 log.info("batch jobs: %d validated, %d finalized", *done)
+            if done[0]:
+                queued.notify()  # a validated batch's requests are queued
         except Exception:  # the store may be briefly unreachable; try again
             log.exception("batch jobs failed")
         with contextlib.suppress(TimeoutError):
@@ -105,11 +112,14 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         tasks = [asyncio.create_task(watcher.run(), name="minimill-progress")]
         if settings.run_janitor:
+            wakeup = lease_wakeup_of(_app)
             tasks.append(asyncio.create_task(
-                _janitor(the_store, config, settings.janitor_interval_s), name="minimill-janitor"))
+                _janitor(the_store, config, settings.janitor_interval_s, wakeup),
+                name="minimill-janitor"))
             tasks.append(asyncio.create_task(
                 _batch_jobs(the_store, config, ingest_wake, settings.janitor_interval_s,
-                            settings.batch_jobs_in_process), name="minimill-batch-jobs"))
+                            settings.batch_jobs_in_process, wakeup),
+                name="minimill-batch-jobs"))
         if settings.run_webhooks:
             tasks.append(asyncio.create_task(
                 run_webhook_sender(the_store, config, settings.webhook_interval_s,

@@ -10,7 +10,10 @@ import contextlib
 
 from fastapi import Request
 
-POLL_INTERVAL_S = 0.2
+POLL_INTERVAL_S = 0.2  # how often a tenant's wait looks at the store
+# How often a host's or runner's held poll looks at the store when nothing in this process woke
+# it (each look costs the control plane a query, and idle sites are many).
+HOST_RECHECK_S = 1.0
 
 
 class Wakeup:

@@ -15,6 +15,7 @@ import anyio
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
+from minimill.api.lease_wakeup import lease_wakeup
 from minimill.api.progress import ProgressWatcher, Watch
 from minimill.api.streaming import WAKE_S, ChunkStream, num_choices
 from minimill.control.bodies import ChatBody, CompletionBody, prepare_body
@@ -75,6 +76,7 @@ async def serve_realtime(request: Request, kind: Kind, body: ChatBody | Completi
     idempotency_key = (request.headers.get("idempotency-key") or "")[:500] or None
     request_id = await anyio.to_thread.run_sync(submit, store, tenant.id, prepared,
                                                 time.time(), config, idempotency_key)
+    lease_wakeup(request).notify()  # a worker waiting in its lease call takes it at once
     watch = watcher.watch(request_id)
     handed_over = False
     record: RequestRecord | None = await anyio.to_thread.run_sync(get_request, store,

@@ -49,6 +49,11 @@ from minimill.protocol import (
 log = logging.getLogger("minimill.worker")
 
 IDLE_POLL_S = 0.2  # lease poll interval when the control plane had nothing
+# A worker that holds nothing and got nothing from its last lease call waits at the control
+# plane up to this long for work (answered at once when work comes): an idle worker costs the
+# control plane little. A worker holding work asks again every IDLE_POLL_S instead: its
+# capacity grows as its requests finish, and a held call would still offer the old one.
+LEASE_WAIT_S = 2.0
 BUSY_POLL_S = 0.05  # shortest gap between lease calls while slots free up
 COMPLETE_BATCH_S = 0.03  # results wait this long to share one POST
 MAX_COMPLETIONS_PER_POST = 256
@@ -158,6 +163,7 @@ class Worker:
 
     async def lease_loop(self) -> None:
         backoff = Backoff()
+        wait_s = 0.0  # the first call, and one after a grant, come back at once
         while not self.stopping.is_set():
             if self.give_back_held:
                 await self._give_back_held(backoff)
@@ -172,7 +178,8 @@ class Worker:
                     capacity=free, models=self.adapter.models,
                     tokens_per_s=self.adapter.tokens_per_s(),
                     price_per_hour=self.price_per_hour, chip=self.chip,
-                    held_sessions=held_sessions, adopt_held=self.adopt_held))
+                    held_sessions=held_sessions, adopt_held=self.adopt_held,
+                    wait_s=0.0 if self.adopt_held else wait_s))
             except ControlPlaneUnavailable as exc:
                 if held_sessions is not None:
                     self.sessions.unsent()
@@ -194,8 +201,9 @@ class Worker:
                          len(taken), len(resumed), sum(h.resumed_tokens for h in resumed),
                          " ".join(h.request_id for h in resumed[:8])
                          + (" ..." if len(resumed) > 8 else ""))
+            wait_s = LEASE_WAIT_S if not resp.leases and not self.held else 0.0
             await asyncio.sleep(BUSY_POLL_S)
-            if not resp.leases:
+            if not resp.leases and self.held:
                 await self.wait(self._wake_lease, IDLE_POLL_S)
 
     async def _give_back_held(self, backoff: Backoff) -> None:

@@ -20,7 +20,7 @@ from minimill.agent_protocol import (
     JournalAppend,
     JournalAppended,
 )
-from minimill.api.box_wakeup import POLL_INTERVAL_S, BoxWakeups, box_wakeups
+from minimill.api.box_wakeup import HOST_RECHECK_S, BoxWakeups, box_wakeups
 from minimill.api.deps import ConfigDep, SiteDep, StoreDep
 from minimill.api.errors import error_responses
 from minimill.control import agents
@@ -39,7 +39,7 @@ async def poll(ask: AgentPollRequest, store: StoreDep, site: SiteDep, config: Co
                                                 config)
         if answer.leases or answer.revoked or time.monotonic() >= deadline:
             return answer
-        await wakeups.work.wait(min(POLL_INTERVAL_S, max(deadline - time.monotonic(), 0)))
+        await wakeups.work.wait(min(HOST_RECHECK_S, max(deadline - time.monotonic(), 0)))
 
 
 @router.post("/{agent_id}/journal", response_model=JournalAppended,

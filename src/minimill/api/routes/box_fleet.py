@@ -14,7 +14,7 @@ import anyio
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
 
-from minimill.api.box_wakeup import POLL_INTERVAL_S, BoxWakeups, box_wakeups
+from minimill.api.box_wakeup import HOST_RECHECK_S, BoxWakeups, box_wakeups
 from minimill.api.deps import ConfigDep, SiteDep, StoreDep
 from minimill.api.errors import error_responses
 from minimill.api.routes.boxes import body_chunks
@@ -48,7 +48,7 @@ async def poll(ask: BoxPollRequest, store: StoreDep, site: SiteDep, config: Conf
                                                 config)
         if answer.leases or answer.ops or answer.revoked or time.monotonic() >= deadline:
             return answer
-        await wakeups.work.wait(min(POLL_INTERVAL_S, max(deadline - time.monotonic(), 0)))
+        await wakeups.work.wait(min(HOST_RECHECK_S, max(deadline - time.monotonic(), 0)))
 
 
 @router.post("/results", response_model=BoxResultsResponse)

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
+from typing import Annotated
 
 import anyio
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends, Request
 
+from minimill.api.box_wakeup import Wakeup
 from minimill.api.deps import ConfigDep, SiteDep, StoreDep, WatcherDep
 from minimill.api.errors import error_responses
+from minimill.api.lease_wakeup import RECHECK_S, lease_wakeup
 from minimill.api.schemas import (
     OutageCreate,
     OutageCreated,
@@ -38,12 +41,28 @@ from minimill.protocol import (
 )
 
 router = APIRouter(prefix=FLEET_PREFIX, tags=["fleet"], responses=error_responses(400, 401))
+LeaseWakeupDep = Annotated[Wakeup, Depends(lease_wakeup)]
 
 
 @router.post("/lease", response_model=LeaseResponse)
-async def lease(ask: LeaseRequest, store: StoreDep, site: SiteDep,
-                config: ConfigDep) -> LeaseResponse:
-    return await anyio.to_thread.run_sync(leases.lease, store, site, ask, time.time(), config)
+async def lease(ask: LeaseRequest, request: Request, store: StoreDep, site: SiteDep,
+                config: ConfigDep, wakeup: LeaseWakeupDep) -> LeaseResponse:
+    """Work for the worker; with `wait_s`, held open until there is some or the time is up."""
+    deadline = time.monotonic() + min(ask.wait_s, config.lease_ttl_s / 3)
+    while True:
+        answer = await anyio.to_thread.run_sync(leases.lease, store, site, ask, time.time(),
+                                                config)
+        left = deadline - time.monotonic()
+        if answer.leases or left <= 0:
+            return answer
+        # Later calls of this one only look for work: the site was touched, any held leases
+        # adopted and its sessions recorded by the first.
+        ask = ask.model_copy(update={"adopt_held": False, "held_sessions": None})
+        await wakeup.wait(min(RECHECK_S, left))
+        if await request.is_disconnected():
+            # A stopping worker dropped the call: what it would be granted would wait out
+            # its lease.
+            return answer
 
 
 @router.post("/heartbeat", response_model=HeartbeatResponse)
@@ -68,10 +87,12 @@ async def complete(done: CompleteRequest, store: StoreDep, site: SiteDep, config
 
 @router.post("/release", response_model=ReleaseResponse)
 async def release_leases(ask: ReleaseRequest, store: StoreDep, site: SiteDep, config: ConfigDep,
-                         watcher: WatcherDep) -> ReleaseResponse:
+                         watcher: WatcherDep, wakeup: LeaseWakeupDep) -> ReleaseResponse:
     answer = await anyio.to_thread.run_sync(release.release, store, site, ask, time.time(),
                                             config)
     watcher.poke(answer.released)
+    if answer.released:
+        wakeup.notify()  # given back to the queue: a waiting worker takes them up
     return answer
 
 
