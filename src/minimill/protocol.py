@@ -109,9 +109,12 @@ class LeaseRequest(BaseModel):
     # flash instead of being recomputed elsewhere. They count towards `capacity`.
     adopt_held: bool = False
     # With nothing to hand out, the control plane holds the call open up to this long (at most
-    # a third of the lease TTL) and answers as soon as work arrives: an idle worker waits
-    # there instead of asking again and again.
+    # a third of the lease TTL) and answers as soon as work arrives: a worker waits there
+    # instead of asking again and again.
     wait_s: float = Field(default=0.0, ge=0.0, le=60.0, allow_inf_nan=False)
+    # The worker's slots in all. A held call offers, at each look, these slots less the leases
+    # the site still holds (its requests finish while the call waits); without it, `capacity`.
+    slots: int | None = Field(default=None, ge=0, le=2**31 - 1)
 
 
 class Lease(BaseModel):

@@ -28,13 +28,18 @@ def env(request: pytest.FixtureRequest,
     stop_env(the_env)
 
 
-def lease(env: ApiEnv, wait_s: float) -> tuple[dict[str, Any], float]:
-    start = time.monotonic()
-    resp = httpx.post(f"{env.v1}/fleet/lease", timeout=60,
-                      headers={"Authorization": f"Bearer {env.site_token}"},
-                      json={"capacity": 4, "models": [MODEL], "wait_s": wait_s})
+def fleet(env: ApiEnv, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    resp = httpx.post(f"{env.v1}/fleet/{path}", timeout=60, json=body,
+                      headers={"Authorization": f"Bearer {env.site_token}"})
     assert resp.status_code == 200, resp.text
-    return resp.json(), time.monotonic() - start
+    answer: dict[str, Any] = resp.json()
+    return answer
+
+
+def lease(env: ApiEnv, wait_s: float, **ask: Any) -> tuple[dict[str, Any], float]:
+    start = time.monotonic()
+    answer = fleet(env, "lease", {"capacity": 4, "models": [MODEL], "wait_s": wait_s, **ask})
+    return answer, time.monotonic() - start
 
 
 def test_a_held_lease_call_waits_for_work_and_takes_it(env: ApiEnv) -> None:
@@ -61,13 +66,39 @@ def test_a_held_lease_call_waits_for_work_and_takes_it(env: ApiEnv) -> None:
     assert seconds < 10.0  # answered when the work came, not at the end of its wait
 
 
-def _ask(client: OpenAI) -> None:
+def _ask(client: OpenAI, content: str = "wake the worker") -> None:
     try:  # nobody completes it: only its lease matters here
         client.chat.completions.create(
-            model=MODEL, max_tokens=4,
-            messages=[{"role": "user", "content": "wake the worker"}])
+            model=MODEL, max_tokens=4, messages=[{"role": "user", "content": content}])
     except Exception:
         pass
+
+
+def test_a_held_call_offers_the_slots_its_finished_requests_freed(env: ApiEnv) -> None:
+    """A worker with 2 slots, both busy, waits in its lease call; one request ends (its result
+    comes in another call) and the held call takes one queued request, not two."""
+    client = OpenAI(base_url=env.v1, api_key=env.key, max_retries=0, timeout=30)
+    for n in range(4):
+        threading.Thread(target=_ask, args=(client, f"request {n}"), daemon=True).start()
+    busy: list[dict[str, Any]] = []
+    deadline = time.monotonic() + 30
+    while len(busy) < 2:
+        assert time.monotonic() < deadline, busy
+        busy += lease(env, 0.0, capacity=2 - len(busy))[0]["leases"]
+    answer: list[tuple[dict[str, Any], float]] = []
+    held = threading.Thread(target=lambda: answer.append(
+        lease(env, 10.0, capacity=0, slots=2)))
+    held.start()
+    time.sleep(1.5)  # it has looked at least once with no slot free
+    assert not answer
+    done = busy[0]
+    accepted = fleet(env, "complete", {"results": [{
+        "request_id": done["request_id"], "epoch": done["epoch"], "outcome": "failed",
+        "error": {"code": "server_error", "message": "ended by the test"}}]})
+    assert accepted["accepted"] == [done["request_id"]]
+    held.join(timeout=30)
+    assert answer, "the held lease call did not come back"
+    assert len(answer[0][0]["leases"]) == 1, answer[0][0]
 
 
 def test_a_lease_wait_out_of_range_is_refused(env: ApiEnv) -> None:

@@ -365,6 +365,14 @@ def _billed_as(conn: Connection, request_ids: list[str]) -> dict[str, tuple[str,
 
 
 @retry_conflicts
+def held_by(store: Store, site_id: str) -> int:
+    """Leases the site holds now."""
+    with store.read() as conn:
+        return int(conn.execute(
+            select(func.count()).select_from(requests)
+            .where(requests.c.site_id == site_id, requests.c.status.in_(_HELD))).scalar() or 0)
+
+
 def reap_expired(store: Store, now: float) -> int:
     """Send expired leases back to the queue with their checkpoints; returns how many."""
     with store.write() as conn:

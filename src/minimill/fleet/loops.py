@@ -49,10 +49,9 @@ from minimill.protocol import (
 log = logging.getLogger("minimill.worker")
 
 IDLE_POLL_S = 0.2  # lease poll interval when the control plane had nothing
-# A worker that holds nothing and got nothing from its last lease call waits at the control
-# plane up to this long for work (answered at once when work comes): an idle worker costs the
-# control plane little. A worker holding work asks again every IDLE_POLL_S instead: its
-# capacity grows as its requests finish, and a held call would still offer the old one.
+# A lease call after one that got nothing waits at the control plane up to this long for work
+# (answered at once when work comes, with the slots the worker's finished requests freed
+# meanwhile): a worker costs the control plane a call every few seconds, not several a second.
 LEASE_WAIT_S = 2.0
 BUSY_POLL_S = 0.05  # shortest gap between lease calls while slots free up
 COMPLETE_BATCH_S = 0.03  # results wait this long to share one POST
@@ -179,7 +178,10 @@ class Worker:
                     tokens_per_s=self.adapter.tokens_per_s(),
                     price_per_hour=self.price_per_hour, chip=self.chip,
                     held_sessions=held_sessions, adopt_held=self.adopt_held,
-                    wait_s=0.0 if self.adopt_held else wait_s))
+                    wait_s=0.0 if self.adopt_held else wait_s,
+                    # Free slots plus every lease held: as the control plane counts a held
+                    # call's slots (a request of n choices frees n slots, one lease).
+                    slots=free + len(self.held)))
             except ControlPlaneUnavailable as exc:
                 if held_sessions is not None:
                     self.sessions.unsent()
@@ -201,10 +203,8 @@ class Worker:
                          len(taken), len(resumed), sum(h.resumed_tokens for h in resumed),
                          " ".join(h.request_id for h in resumed[:8])
                          + (" ..." if len(resumed) > 8 else ""))
-            wait_s = LEASE_WAIT_S if not resp.leases and not self.held else 0.0
+            wait_s = 0.0 if resp.leases else LEASE_WAIT_S
             await asyncio.sleep(BUSY_POLL_S)
-            if not resp.leases and self.held:
-                await self.wait(self._wake_lease, IDLE_POLL_S)
 
     async def _give_back_held(self, backoff: Backoff) -> None:
         try:

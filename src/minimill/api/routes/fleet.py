@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
-from typing import Annotated
+from typing import Annotated, Any
 
 import anyio
 from fastapi import APIRouter, Depends, Request
@@ -55,14 +55,19 @@ async def lease(ask: LeaseRequest, request: Request, store: StoreDep, site: Site
         left = deadline - time.monotonic()
         if answer.leases or left <= 0:
             return answer
-        # Later calls of this one only look for work: the site was touched, any held leases
-        # adopted and its sessions recorded by the first.
-        ask = ask.model_copy(update={"adopt_held": False, "held_sessions": None})
         await wakeup.wait(min(RECHECK_S, left))
         if await request.is_disconnected():
             # A stopping worker dropped the call: what it would be granted would wait out
             # its lease.
             return answer
+        # Later looks of this call only look for work (the first touched the site, adopted
+        # any held leases and recorded its sessions), with the slots its finished requests
+        # freed meanwhile.
+        update: dict[str, Any] = {"adopt_held": False, "held_sessions": None}
+        if ask.slots is not None:
+            held = await anyio.to_thread.run_sync(leases.held_by, store, site.id)
+            update["capacity"] = max(0, ask.slots - held)
+        ask = ask.model_copy(update=update)
 
 
 @router.post("/heartbeat", response_model=HeartbeatResponse)
