@@ -21,6 +21,7 @@ from minimill.engine.kv_int4 import (
     dequantize_int4_v,
     paged_attention_int4_reference,
     quantize_int4,
+    stage_view,
     write_kv_int4_reference,
 )
 from minimill.engine.llm import LLM
@@ -55,17 +56,18 @@ def test_int4_quantization_error_is_within_half_a_step() -> None:
 
 
 class Int4Cache:
-    """One layer of an int4 pool with its staging slots, fed sequences step by step; keeps
-    the exact K/V written so far to compare with."""
+    """One layer of an int4 pool whose blocks also stage open blocks, fed sequences step by
+    step; keeps the exact K/V written so far to compare with."""
 
-    def __init__(self, tables: list[list[int]], slots: list[int], kv_heads: int,
+    def __init__(self, tables: list[list[int]], units: list[list[int]], kv_heads: int,
                  head_dim: int, seed: int, native: CpuKernels | None = None) -> None:
         self.native = native
-        num_blocks = max(b for t in tables for b in t) + 1
+        num_blocks = max(b for t in (*tables, *units) for b in t) + 1
         self.pool = allocate_kv_cache(num_blocks, 1, kv_heads, G, head_dim, torch.uint8, CPU)
-        self.stage = allocate_kv_cache(max(slots) + 1, 1, kv_heads, G, head_dim, torch.int8,
-                                       CPU)
-        self.tables, self.slots = tables, slots
+        # Staging units share the pool's bytes; whatever those blocks held is overwritten.
+        self.pool.fill_(0xFF)
+        self.stage = stage_view(self.pool, head_dim)
+        self.tables, self.units = tables, units
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.g = torch.Generator().manual_seed(seed)
         self.k: list[torch.Tensor] = [torch.empty(0, kv_heads, head_dim) for _ in tables]
@@ -77,8 +79,8 @@ class Int4Cache:
     def step(self, query_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, object]:
         """Write this many new tokens per sequence; returns (new k, new v, metadata)."""
         seq_lens = [len(k) + q for k, q in zip(self.k, query_lens, strict=True)]
-        meta = build_metadata(query_lens, seq_lens, self.tables, G, CPU, self.slots,
-                              self.stage)
+        tables = [t[:n // G] for t, n in zip(self.tables, seq_lens, strict=True)]  # full
+        meta = build_metadata(query_lens, seq_lens, tables, G, CPU, self.units, self.stage)
         shape = (sum(query_lens), self.kv_heads, self.head_dim)
         k = torch.randn(shape, generator=self.g) + self.offsets
         v = torch.randn(shape, generator=self.g)
@@ -105,11 +107,11 @@ class Int4Cache:
 # that seal a block and that open one.
 STEPS = [[50, 64, 1, 130], [30, 1, 63, 1], [1, 1, 1, 1], [100, 62, 1, 17]]
 TABLES = [[5, 2, 7, 11], [1, 3], [9, 4], [0, 6, 8, 10, 12]]
-SLOTS = [2, 0, 3, 1]
+UNITS = [[15, 13], [14, 20], [17, 18], [16, 19]]  # pool blocks staging each open block
 
 
 def test_sealed_blocks_hold_each_group_within_its_ranges() -> None:
-    cache = Int4Cache(TABLES, SLOTS, kv_heads=3, head_dim=64, seed=1)
+    cache = Int4Cache(TABLES, UNITS, kv_heads=3, head_dim=64, seed=1)
     for query_lens in STEPS:
         cache.step(query_lens)
     k_cache, v_cache = layer_views(cache.pool, 0)
@@ -145,7 +147,7 @@ def _exact_attention(cache: Int4Cache, q: torch.Tensor, meta: object) -> torch.T
 def test_reference_attention_reads_sealed_and_staged_tokens() -> None:
     """Attention over the int4 cache stays near attention over the exact K/V; the newest
     tokens (staged in int8) are read at int8 accuracy."""
-    cache = Int4Cache(TABLES, SLOTS, kv_heads=3, head_dim=64, seed=2)
+    cache = Int4Cache(TABLES, UNITS, kv_heads=3, head_dim=64, seed=2)
     g = torch.Generator().manual_seed(7)
     for query_lens in STEPS:
         _k, _v, meta = cache.step(query_lens)
@@ -158,7 +160,7 @@ def test_reference_attention_reads_sealed_and_staged_tokens() -> None:
         assert (got - want).abs().max() < 0.4
         assert (got - want).abs().mean() < 0.03
     # With only open blocks (every token staged in int8) attention is int8-accurate.
-    cache = Int4Cache([[0], [1]], [0, 1], kv_heads=3, head_dim=64, seed=3)
+    cache = Int4Cache([[0], [1]], [[2, 3], [4, 5]], kv_heads=3, head_dim=64, seed=3)
     _k, _v, meta = cache.step([40, 63])
     q = torch.randn(103, 9, 64, generator=g)
     k_cache, v_cache = layer_views(cache.pool, 0)
@@ -182,7 +184,7 @@ def native() -> CpuKernels:
 def test_native_int4_attention_matches_the_reference(native: CpuKernels, dtype: torch.dtype,
                                                      heads: int, kv_heads: int,
                                                      head_dim: int) -> None:
-    cache = Int4Cache(TABLES, SLOTS, kv_heads=kv_heads, head_dim=head_dim, seed=4)
+    cache = Int4Cache(TABLES, UNITS, kv_heads=kv_heads, head_dim=head_dim, seed=4)
     g = torch.Generator().manual_seed(8)
     for query_lens in STEPS:  # decodes, prompt chunks and block seals in mixed steps
         _k, _v, meta = cache.step(query_lens)
@@ -201,22 +203,24 @@ def test_native_int4_attention_matches_the_reference(native: CpuKernels, dtype: 
 def test_native_int4_write_matches_the_reference(native: CpuKernels) -> None:
     """Sealing and staging in C++ store what the reference stores: the same ranges, and
     codes at most one step apart (a value on a rounding boundary may go either way)."""
-    ref = Int4Cache(TABLES, SLOTS, kv_heads=3, head_dim=64, seed=6)
-    nat = Int4Cache(TABLES, SLOTS, kv_heads=3, head_dim=64, seed=6, native=native)
+    ref = Int4Cache(TABLES, UNITS, kv_heads=3, head_dim=64, seed=6)
+    nat = Int4Cache(TABLES, UNITS, kv_heads=3, head_dim=64, seed=6, native=native)
+    sealed = sorted({b for t in TABLES for b in t})
+    staging = sorted({b for u in UNITS for b in u})
+    unit = G // 2
     for query_lens in STEPS:
         ref.step(query_lens)
         nat.step(query_lens)
-        for a, b in ((ref.pool, nat.pool), (ref.stage, nat.stage)):
-            if a.dtype == torch.uint8:
-                nbytes = G * 64 // 2
-                codes_a = torch.stack((a[..., :nbytes] & 15, a[..., :nbytes] >> 4)).int()
-                codes_b = torch.stack((b[..., :nbytes] & 15, b[..., :nbytes] >> 4)).int()
-                assert (codes_a - codes_b).abs().max() <= 1
-                assert (codes_a != codes_b).float().mean() < 1e-3
-                assert torch.equal(a[..., nbytes:], b[..., nbytes:])
-            else:
-                assert (a.float() - b.float()).abs()[..., :G * 64].max() <= 1
-                assert torch.equal(a[..., G * 64:], b[..., G * 64:])
+        a, b = ref.pool[sealed], nat.pool[sealed]
+        nbytes = G * 64 // 2
+        codes_a = torch.stack((a[..., :nbytes] & 15, a[..., :nbytes] >> 4)).int()
+        codes_b = torch.stack((b[..., :nbytes] & 15, b[..., :nbytes] >> 4)).int()
+        assert (codes_a - codes_b).abs().max() <= 1
+        assert (codes_a != codes_b).float().mean() < 1e-3
+        assert torch.equal(a[..., nbytes:], b[..., nbytes:])
+        a, b = ref.stage[staging], nat.stage[staging]
+        assert (a.float() - b.float()).abs()[..., :unit * 64].max() <= 1
+        assert torch.equal(a[..., unit * 64:], b[..., unit * 64:])
 
 
 def test_int4_config_sizes_blocks_and_staging_from_one_budget(smol_f32: LoadedModel) -> None:
@@ -230,11 +234,16 @@ def test_int4_config_sizes_blocks_and_staging_from_one_budget(smol_f32: LoadedMo
     # ranges included, against bf16's 23040.
     assert int4.kv_bytes_per_token(mc) == 6480
     assert bf16.kv_bytes_per_token(mc) / int4.kv_bytes_per_token(mc) >= 3.5
-    assert int4.num_kv_stage_slots and int4.num_kv_stage_slots >= 1
-    used = (int4.num_kv_blocks * int4.kv_block_bytes(mc)  # type: ignore[operator]
-            + int4.num_kv_stage_slots * int4.kv_stage_slot_bytes(mc))
-    assert budget - int4.kv_block_bytes(mc) < used <= budget
-    assert bf16.num_kv_stage_slots == 0
+    # Staging units are pool blocks: the whole budget is blocks.
+    assert int4.num_kv_blocks == budget // int4.kv_block_bytes(mc)
+    assert 0 < int4.kv_stage_unit_bytes(mc) <= int4.kv_block_bytes(mc)
+    assert bf16.kv_stage_unit_bytes(mc) == 0
+    # One sequence alone fits: its full blocks and two staging units.
+    assert int4.max_model_len == (int4.num_kv_blocks - 1) * G  # type: ignore[operator]
+    small = EngineConfig(dtype="float32", kv_dtype="int4", num_kv_blocks=4, model_config=mc)
+    assert small.max_model_len == 3 * G
+    with pytest.raises(InvalidRequestError, match="at least 2"):
+        EngineConfig(dtype="float32", kv_dtype="int4", num_kv_blocks=1, model_config=mc)
     with pytest.raises(InvalidRequestError, match="int4"):
         EngineConfig(dtype="bfloat16", kv_dtype="int3", model_config=mc)
 
@@ -268,3 +277,59 @@ def test_int4_prefix_reuse_shares_sealed_blocks(smol_f32: LoadedModel) -> None:
     second = llm.generate([prompt], params)[0]
     assert second.num_cached_tokens == 2 * G  # both full blocks of the prompt
     assert second.output_token_ids == first.output_token_ids
+
+
+def _text_ids(model: LoadedModel, n: int, shift: int = 0) -> list[int]:
+    tok = model.tokenizer
+    text = " ".join(PROMPTS[(i + shift) % len(PROMPTS)] for i in range(12))
+    ids = tok.encode(text, add_special_tokens=True)
+    assert len(ids) >= n
+    return ids[:n]
+
+
+def test_int4_running_sequences_hold_full_blocks_and_staging_units(
+        smol_f32: LoadedModel) -> None:
+    """Every step, each running int4 sequence holds a block per full block and one staging
+    unit per started half of its open block, nothing else; so 9 blocks run three 100-token
+    prompts at once (1 full block + 2 units each) and no fourth, without preempting."""
+    llm = LLM(smol_f32, dtype="float32", kv_dtype="int4", num_kv_blocks=9, max_model_len=512)
+    core = llm.engine
+    scheduler, bm = core.scheduler, core.scheduler.block_manager
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for i in range(5):
+        core.add_request(f"r{i}", _text_ids(smol_f32, 100, shift=i), params)
+    seen = 0
+    while scheduler.has_unfinished:
+        core.step()
+        held = 0
+        for seq in scheduler.running:
+            n = seq.num_computed_tokens
+            assert len(seq.block_table) == n // G
+            assert len(seq.stage_blocks) == -(-(n % G) // (G // 2))
+            assert not set(seq.stage_blocks) & set(seq.block_table)
+            held += len(seq.block_table) + len(seq.stage_blocks)
+        assert held + bm.num_free_blocks == bm.num_blocks
+        assert len(scheduler.running) <= 3
+        seen += 1
+    assert scheduler.max_num_running == 3 and scheduler.num_preemptions == 0
+    assert bm.num_free_blocks == bm.num_blocks and seen > 4
+
+
+def test_int4_sequence_preempted_with_an_open_block_resumes_identically(
+        smol_f32: LoadedModel) -> None:
+    """Two 70-token prompts in 5 blocks: when both need a second staging unit the newer one
+    is preempted with an open block, then recomputed from its cached sealed block; its greedy
+    tokens are those of an uninterrupted run."""
+    prompts = [_text_ids(smol_f32, 70), _text_ids(smol_f32, 70, shift=5)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    roomy = LLM(smol_f32, dtype="float32", kv_dtype="int4", num_kv_blocks=16,
+                max_model_len=256)
+    want = [o.output_token_ids for o in roomy.generate(prompts, params)]
+    assert roomy.engine.scheduler.num_preemptions == 0
+    tight = LLM(smol_f32, dtype="float32", kv_dtype="int4", num_kv_blocks=5,
+                max_model_len=256)
+    got = [o.output_token_ids for o in tight.generate(prompts, params)]
+    scheduler = tight.engine.scheduler
+    assert scheduler.num_preemptions > 0 and scheduler.num_cached_tokens_total >= G
+    assert got == want
+    assert scheduler.block_manager.num_free_blocks == 5

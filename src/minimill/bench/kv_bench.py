@@ -147,7 +147,7 @@ def _window_nll(llm: Any, ids: list[int], chunk: int) -> tuple[float, int]:
                     raise ValueError("the KV pool is too small for a perplexity window")
                 end = start + len(new)
                 meta = build_metadata([len(new)], [end], [seq.block_table],
-                                      blocks.block_size, runner.device, [seq.stage_slot],
+                                      blocks.block_size, runner.device, [seq.stage_blocks],
                                       runner.kv_stage)
                 logits = runner.model.forward(
                     torch.tensor(new, device=runner.device),
@@ -202,8 +202,8 @@ def _at_budget(loaded: Any, dtype: str, kv_dtype: str, options: KvBenchOptions
     tokens = sum(len(o.output_token_ids) for o in outs)
     peak = scheduler.max_num_running
     return {"kv_blocks": llm.config.num_kv_blocks,
-            "kv_stage_slots": llm.config.num_kv_stage_slots,
-            "stage_slot_bytes": llm.config.kv_stage_slot_bytes(loaded.config),
+            "block_bytes": llm.config.kv_block_bytes(loaded.config),
+            "stage_unit_bytes": llm.config.kv_stage_unit_bytes(loaded.config),
             "max_concurrent_seqs": peak,
             "preemptions": scheduler.num_preemptions,
             "output_tok_s": round(tokens / seconds, 2)}

@@ -38,6 +38,7 @@ class AttentionMetadata:
     """Built once per step by the model runner, read by every layer."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: block * block_size + offset of each token
+    # (empty for an int4 cache, which places tokens through `int4`)
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, rows padded with block 0
     query_start: torch.Tensor  # [num_seqs + 1] int32, cumulative new-token counts
     seq_lens: torch.Tensor  # [num_seqs] int32, tokens of KV after this step's writes
@@ -49,12 +50,16 @@ class AttentionMetadata:
 
 def build_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
                    block_size: int, device: torch.device,
-                   stage_slots: list[int] | None = None,
+                   stage_blocks: list[list[int]] | None = None,
                    kv_stage: torch.Tensor | None = None) -> AttentionMetadata:
     """Metadata for sequences with these new-token counts, total lengths and block tables
-    (for an int4 cache also their staging slots and the staging area)."""
+    (for an int4 cache also their staging units and the pool's staging view)."""
     slots: list[int] = []
+    # An int4 cache places tokens with its own indices (and its block tables hold full blocks
+    # only): no slot mapping.
     for q_len, seq_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
+        if kv_stage is not None:
+            break
         for pos in range(seq_len - q_len, seq_len):
             slots.append(table[pos // block_size] * block_size + pos % block_size)
     width = max((-(-n // block_size) for n in seq_lens), default=1)
@@ -70,11 +75,11 @@ def build_metadata(query_lens: list[int], seq_lens: list[int], block_tables: lis
         starts.append(starts[-1] + q_len)
     int4 = None
     if kv_stage is not None:
-        assert stage_slots is not None
+        assert stage_blocks is not None
         from minimill.engine.kv_int4 import int4_step
 
-        int4 = int4_step(query_lens, seq_lens, block_tables, block_size, stage_slots,
-                          kv_stage, device)
+        int4 = int4_step(query_lens, seq_lens, block_tables, block_size, stage_blocks,
+                         kv_stage, device)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         block_tables=tables.to(device),

@@ -15,6 +15,12 @@ block that is saved and reused in the same step is read before it is overwritten
 With a flash tier, every block is also written through as soon as it is full and computed
 (`take_new_full_blocks`): a process killed without warning leaves its sequences' KV on flash,
 so a request resumed by the restarted process reloads its context instead of recomputing it.
+
+With an int4 cache (`int4_staging`, kv_int4.py) a sequence's block table holds its full blocks
+only: a block's pool block is handed out in the step that fills it, and until then the open
+block's tokens are staged in one pool block per half block (`seq.stage_blocks`), taken as the
+block fills and given back once no step reads them. Staging and blocks come out of one pool,
+so what a running sequence holds is what admission counts.
 """
 
 from __future__ import annotations
@@ -72,12 +78,9 @@ class BlockManager:
     """Owns every KV block; sequences hold block ids in `seq.block_table`."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 tiers: KvTiers | None = None, num_stage_slots: int = 0) -> None:
+                 tiers: KvTiers | None = None, int4_staging: bool = False) -> None:
         self.block_size = block_size
-        # int4 cache: staging slots for open blocks (kv_int4.py); a sequence takes one when
-        # it first has an open block and keeps it until freed. 0: not used.
-        self.num_stage_slots = num_stage_slots
-        self._free_stage: list[int] = list(range(num_stage_slots - 1, -1, -1))
+        self.int4_staging = int4_staging
         self.enable_prefix_caching = enable_prefix_caching
         self.tiers = tiers if enable_prefix_caching and tiers is not None \
             and tiers.enabled else None
@@ -103,7 +106,22 @@ class BlockManager:
         return len(self._free)
 
     def blocks_needed(self, num_tokens: int) -> int:
+        """Pool blocks a sequence of this many computed tokens holds in its block table."""
+        if self.int4_staging:
+            return num_tokens // self.block_size  # full blocks; the open one is staged
         return -(-num_tokens // self.block_size)
+
+    def stage_units_needed(self, num_computed: int, num_total: int) -> int:
+        """int4: staging units (pool blocks of half a block each) that a step computing tokens
+        num_computed..num_total reads or writes: those holding the open block's staged tokens
+        (sealed this step or not) and those the tokens after the last full block go to."""
+        if not self.int4_staging:
+            return 0
+        half = self.block_size // 2
+        staged, after = num_computed % self.block_size, num_total % self.block_size
+        if num_total // self.block_size == num_computed // self.block_size:
+            return -(-after // half)  # still the same open block
+        return max(-(-staged // half), -(-after // half))
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Pool blocks holding a computed prefix of a sequence that has no blocks yet."""
@@ -161,12 +179,13 @@ class BlockManager:
         num_new_blocks = self.blocks_needed(total) - len(seq.block_table) - len(cached.block_ids)
         # Cached blocks that nobody holds right now come out of the free pool too.
         num_reclaimed = sum(1 for b in cached.block_ids if self.blocks[b].ref_count == 0)
-        if num_new_blocks + num_reclaimed > len(self._free):
+        num_units = self.stage_units_needed(seq.num_computed_tokens + num_cached_tokens, total)
+        num_new_units = max(0, num_units - len(seq.stage_blocks))
+        num_released = max(0, len(seq.stage_blocks) - num_units)
+        if num_new_blocks + num_reclaimed + num_new_units > len(self._free) + num_released:
             return False
-        if self.num_stage_slots and seq.stage_slot < 0 and total % self.block_size:
-            if not self._free_stage:
-                return False
-            seq.stage_slot = self._free_stage.pop()
+        while len(seq.stage_blocks) > num_units:  # staged tokens no step reads any more
+            self._release(seq.stage_blocks.pop())
         if cached.num_blocks:
             hashes = self._seq_hashes.setdefault(seq.request_id, [])
             for block_id in cached.block_ids:
@@ -191,6 +210,8 @@ class BlockManager:
             seq.num_cached_tokens += num_cached_tokens
         for _ in range(max(0, num_new_blocks)):
             seq.block_table.append(self._take_free_block())
+        for _ in range(num_new_units):
+            seq.stage_blocks.append(self._take_free_block())
         return True
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -238,12 +259,20 @@ class BlockManager:
             if block.ref_count == 0:
                 self._free[block_id] = None
         seq.block_table = []
-        if seq.stage_slot >= 0:
-            self._free_stage.append(seq.stage_slot)
-            seq.stage_slot = -1
+        for block_id in seq.stage_blocks:
+            self._release(block_id)
+        seq.stage_blocks = []
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
         self._seq_hashes.pop(seq.request_id, None)
+
+    def _release(self, block_id: int) -> None:
+        """Give back a staging unit: it caches nothing, so it is handed out again first."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count == 0 and block.block_hash is None
+        self._free[block_id] = None
+        self._free.move_to_end(block_id, last=False)
 
     def _take_free_block(self) -> int:
         block_id, _ = self._free.popitem(last=False)

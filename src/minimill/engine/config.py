@@ -24,10 +24,6 @@ _CPU_KV_FRACTION = 0.15
 _CPU_KV_MAX_BYTES = 2 << 30
 # On an accelerator the KV pool takes most of what is free once the weights are loaded.
 _GPU_KV_FRACTION = 0.85
-# int4: the share of the KV budget given to staging slots (the open block of each running
-# sequence, kept in int8 until it fills; kv_int4.py). A slot costs about two int4 blocks,
-# and a running sequence holds one slot and a few blocks, so about 40% keeps both in step.
-_INT4_STAGE_FRACTION = 0.4
 KV_DTYPE_NAMES = ("int8", "int4")
 
 
@@ -50,9 +46,6 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
     kv_cache_memory_bytes: int | None = None  # KV pool size; None: a share of free memory
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_bytes (tests give tiny pools)
-    # int4 only: staging slots for open blocks; None: a share of the budget (or, with
-    # num_kv_blocks given, one per block up to max_num_seqs). 0 for other dtypes.
-    num_kv_stage_slots: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     # KV tiers under the device pool (kv_tiers.py), used with prefix caching: host RAM, then
@@ -107,21 +100,19 @@ class EngineConfig:
             return
         if self.max_model_len is None:
             self.max_model_len = model_config.max_position_embeddings
-        if self.kv_dtype != "int4":
-            self.num_kv_stage_slots = 0
+        # int4 stages open blocks in pool blocks (kv_int4.py): the whole budget is blocks, and
+        # a sequence needs two besides its full blocks.
+        min_blocks = 2 if self.kv_dtype == "int4" else 1
         if self.num_kv_blocks is None:
             budget = self.kv_cache_memory_bytes or self._default_kv_bytes()
-            if self.num_kv_stage_slots is None:
-                slot_bytes = self.kv_stage_slot_bytes(model_config)
-                self.num_kv_stage_slots = max(1, min(
-                    self.max_num_seqs, int(budget * _INT4_STAGE_FRACTION) // slot_bytes))
-            # Staging comes out of the same budget: the pool's bytes stay what was asked.
-            budget -= self.num_kv_stage_slots * self.kv_stage_slot_bytes(model_config)
-            self.num_kv_blocks = max(1, budget // self.kv_block_bytes(model_config))
-        elif self.num_kv_stage_slots is None:
-            self.num_kv_stage_slots = max(1, min(self.max_num_seqs, self.num_kv_blocks))
-        # One request alone must always fit, or preemption could never make room for it.
-        self.max_model_len = min(self.max_model_len, self.num_kv_blocks * self.block_size)
+            self.num_kv_blocks = max(min_blocks, budget // self.kv_block_bytes(model_config))
+        elif self.num_kv_blocks < min_blocks:
+            raise InvalidRequestError(
+                f"num_kv_blocks must be at least {min_blocks} for kv_dtype {self.kv_dtype}")
+        # One request alone must always fit, or preemption could never make room for it (its
+        # last token's KV is never computed; int4: its open block takes two blocks of staging).
+        self.max_model_len = min(self.max_model_len,
+                                 (self.num_kv_blocks - min_blocks + 1) * self.block_size)
         # Every running request must be able to decode in the same step.
         self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_num_seqs)
 
@@ -146,18 +137,19 @@ class EngineConfig:
                 * block_elems(self.block_size, model_config.head_dim, dtype) * dtype.itemsize)
 
     def kv_bytes_per_token(self, model_config: ModelConfig) -> float:
-        """Bytes per token of full blocks (int4: sealed; open blocks' staging is counted per
-        running sequence, kv_stage_slot_bytes, and taken out of the same budget)."""
+        """Bytes per token of full blocks (int4: sealed; an open block's staging takes one or
+        two pool blocks per running sequence, kv_stage_unit_bytes)."""
         return self.kv_block_bytes(model_config) / self.block_size
 
-    def kv_stage_slot_bytes(self, model_config: ModelConfig) -> int:
-        """Bytes of one int4 staging slot across all layers (0 unless kv_dtype is int4)."""
+    def kv_stage_unit_bytes(self, model_config: ModelConfig) -> int:
+        """Bytes of one int4 staging unit (half a block's tokens, in int8) across all layers:
+        each is held in one pool block. 0 unless kv_dtype is int4."""
         if self.kv_dtype != "int4":
             return 0
         from minimill.engine.kv_int4 import stage_elems
 
         return (model_config.num_hidden_layers * 2 * model_config.num_key_value_heads
-                * stage_elems(self.block_size, model_config.head_dim))
+                * stage_elems(model_config.head_dim))
 
     def _default_kv_bytes(self) -> int:
         if self.device.startswith("cuda") and torch.cuda.is_available():

@@ -10,11 +10,18 @@ of G = block_size tokens (INT4_GROUP). A sealed (full) block holds, per layer an
     V: 4-bit values [G, head_dim / 2] (token-major; channel 2j low, 2j + 1 high), then G
        float16 scales and G float16 minimums: one range per token
 with value = minimum + scale * q, q in 0..15; each region is padded to the same size,
-G * head_dim / 2 + 4 * max(G, head_dim) bytes. The open (not yet full) last block of a
-sequence keeps its tokens in a staging slot instead, in the int8 layout above (about 4x the
-resolution), until its last token arrives: then the block is quantized as a whole ("sealed")
-and the staging slot's contents are no longer read. Staging slots come out of the same memory
-budget as the blocks (config.py), one per running sequence that has an open block
+G * head_dim / 2 + 4 * max(G, head_dim) bytes.
+
+The open (not yet full) last block of a sequence has no pool block of its own: its tokens
+are staged in the int8 layout of attention.py (about 4x the resolution), in units of
+U = G / 2 tokens (INT4_STAGE_UNIT). One unit, K and V of every layer, fits in one pool block
+(per layer and kv head, U * (head_dim + 3) int8 bytes of K and as many of V, within the
+block's K and V regions), so staging units are pool blocks too, seen through `stage_view`: a
+sequence holds one while its open block has 1..U tokens and two past that. When the block's
+last token arrives, the block manager hands out a pool block for it and the block is
+quantized there as a whole ("sealed") from the staged tokens and the new ones; the units are
+no longer read, and the block manager takes back those the next open block does not need. So
+a running sequence holds its sealed blocks plus one or two blocks, all out of one pool
 (block_manager.py). Prefix caching only shares full blocks, so only sealed blocks are shared.
 """
 
@@ -37,32 +44,37 @@ from minimill.engine.attention import (
 # channel per 64 tokens (3.56x fewer bytes than bf16 for a 64-dim head); 32 would not reach
 # 3.5x.
 INT4_GROUP = 64
+# Tokens per staging unit (one pool block) of an open block; two units stage a whole group.
+INT4_STAGE_UNIT = INT4_GROUP // 2
 
 
 @dataclass(slots=True)
 class Int4Step:
-    """What an int4 cache's writes and reads need beyond the slot mapping, built with the
-    metadata (indices into the step's tokens, the pool and the staging slots)."""
+    """What an int4 cache's writes and reads need beyond the metadata's block tables, built
+    with the metadata (indices into the step's tokens and the pool)."""
 
-    kv_stage: torch.Tensor  # [stage slots, layers, 2, kv_heads, int8 block elements] int8
-    stage_slots: torch.Tensor  # [num_seqs] int32: each sequence's staging slot (-1: none)
+    kv_stage: torch.Tensor  # stage_view of the pool: [blocks, layers, 2, kv_heads, unit elems]
+    stage_slots: torch.Tensor  # [num_seqs, 2] int32: each sequence's staging units (-1: none)
     stage_tokens: torch.Tensor  # [n] int64: tokens written into an open block's staging
-    stage_mapping: torch.Tensor  # [n] int64: stage slot * block_size + offset of each
+    stage_mapping: torch.Tensor  # [n] int64: unit block * INT4_STAGE_UNIT + offset in it
     seal_blocks: torch.Tensor  # [m] int64: pool blocks that fill (and are sealed) this step
-    seal_stage: torch.Tensor  # [m] int64: staging slot holding their earlier tokens
+    seal_stage: torch.Tensor  # [m, 2] int64: the staging units holding their earlier tokens
     seal_tokens: torch.Tensor  # [k] int64: this step's tokens that land in sealed blocks
     seal_rows: torch.Tensor  # [k] int64: ... index into seal_blocks
     seal_offsets: torch.Tensor  # [k] int64: ... offset in the block
     open_seqs: torch.Tensor  # [o] int64: sequences whose last block is open after the writes
-    open_blocks: torch.Tensor  # [o] int64: ... its index in the block table
+    open_blocks: torch.Tensor  # [o] int64: ... its index (past the table's full blocks)
 
 
 def int4_step(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-               block_size: int, stage_slots: list[int], kv_stage: torch.Tensor,
-               device: torch.device) -> Int4Step:
+              block_size: int, stage_units: list[list[int]], kv_stage: torch.Tensor,
+              device: torch.device) -> Int4Step:
     """Where each new token goes in an int4 cache: a block that fills this step is sealed
-    from its staged tokens plus the new ones; tokens of a block still open go to staging."""
+    from its staged tokens plus the new ones into its pool block (the block table holds full
+    blocks only); tokens of a block still open go to the sequence's staging units."""
     bs = block_size
+    unit = bs // 2
+    slots: list[int] = []
     stage_tokens: list[int] = []
     stage_mapping: list[int] = []
     seal_blocks: list[int] = []
@@ -75,23 +87,26 @@ def int4_step(query_lens: list[int], seq_lens: list[int], block_tables: list[lis
     token = 0
     for s, (q_len, seq_len, table) in enumerate(zip(query_lens, seq_lens, block_tables,
                                                       strict=True)):
-        slot = stage_slots[s]
+        units = stage_units[s]
+        pair = [units[0] if units else -1, units[1] if len(units) > 1 else -1]
+        slots.extend(pair)
         for pos in range(seq_len - q_len, seq_len):
             b, offset = pos // bs, pos % bs
             if (b + 1) * bs <= seq_len:  # the block is full once this step is written
                 if offset == 0 or pos == seq_len - q_len:
                     seal_blocks.append(table[b])
-                    # Tokens before this step's first come from staging (a block begun
-                    # this step has none there: any slot will do, all are overwritten).
-                    seal_stage.append(max(slot, 0))
+                    # Tokens before this step's first come from staging (a unit that holds
+                    # none of them can be any block: its tokens are all overwritten).
+                    seal_stage.extend(max(u, 0) for u in pair)
                 seal_tokens.append(token)
                 seal_rows.append(len(seal_blocks) - 1)
                 seal_offsets.append(offset)
             else:
-                if slot < 0:
-                    raise ValueError("an open int4 block needs a staging slot")
+                if offset // unit >= len(units):
+                    raise ValueError("an open int4 block needs a staging unit per "
+                                     f"{unit} tokens")
                 stage_tokens.append(token)
-                stage_mapping.append(slot * bs + offset)
+                stage_mapping.append(units[offset // unit] * unit + offset % unit)
             token += 1
         if seq_len % bs:
             open_seqs.append(s)
@@ -102,17 +117,31 @@ def int4_step(query_lens: list[int], seq_lens: list[int], block_tables: list[lis
 
     return Int4Step(
         kv_stage=kv_stage,
-        stage_slots=torch.tensor(stage_slots, dtype=torch.int32, device=device),
+        stage_slots=torch.tensor(slots, dtype=torch.int32, device=device).view(-1, 2),
         stage_tokens=longs(stage_tokens), stage_mapping=longs(stage_mapping),
-        seal_blocks=longs(seal_blocks), seal_stage=longs(seal_stage),
+        seal_blocks=longs(seal_blocks), seal_stage=longs(seal_stage).view(-1, 2),
         seal_tokens=longs(seal_tokens), seal_rows=longs(seal_rows),
         seal_offsets=longs(seal_offsets), open_seqs=longs(open_seqs),
         open_blocks=longs(open_blocks))
 
 
-def stage_elems(block_size: int, head_dim: int) -> int:
-    """Elements (int8) of one int4 staging slot of one layer, K or V, and kv head."""
-    return block_elems(block_size, head_dim, torch.int8)
+def stage_elems(head_dim: int) -> int:
+    """Elements (int8) of one staging unit of one layer, K or V, and kv head."""
+    return block_elems(INT4_STAGE_UNIT, head_dim, torch.int8)
+
+
+def stage_view(pool: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The int4 pool [blocks, layers, 2, kv_heads, block elements] seen as staging units:
+    int8 [blocks, layers, 2 (K, V), kv_heads, unit elements], unit b in pool block b (per
+    layer, K of every kv head then V, inside that layer's K and V regions)."""
+    num_blocks, layers, _two, heads, elems = pool.shape
+    unit_elems = stage_elems(head_dim)
+    if unit_elems > elems:
+        raise ValueError("an int4 staging unit does not fit in a pool block")
+    flat = pool.view(torch.int8)
+    return flat.as_strided((num_blocks, layers, 2, heads, unit_elems),
+                           (layers * 2 * heads * elems, 2 * heads * elems, heads * unit_elems,
+                            unit_elems, 1), flat.storage_offset())
 
 
 def quantize_int4(x: torch.Tensor, dim: int
@@ -183,21 +212,24 @@ def write_kv_int4_reference(k_cache: torch.Tensor, v_cache: torch.Tensor,
                             k_stage: torch.Tensor, v_stage: torch.Tensor, k: torch.Tensor,
                             v: torch.Tensor, meta: AttentionMetadata) -> None:
     """k, v: [num_tokens, kv_heads, head_dim] into one layer's int4 cache: blocks that fill
-    this step are sealed, the other tokens go to their sequence's staging slot."""
+    this step are sealed, the other tokens go to their sequence's staging units."""
     step = meta.int4
     assert step is not None
     bs = meta.block_size
+    unit = bs // 2
     # Sealing first: it reads the staged tokens of a block that this step's tokens of the
-    # sequence's next (open) block then overwrite in the same staging slot.
+    # sequence's next (open) block then overwrite in the same staging units.
     if step.seal_blocks.numel():
-        group_k = unpacked_k(k_stage[step.seal_stage], bs)  # [m, heads, bs, d] float32
-        group_v = unpacked_v(v_stage[step.seal_stage], bs)
+        group_k = torch.cat([unpacked_k(k_stage[step.seal_stage[:, i]], unit)
+                             for i in range(2)], dim=-2)  # [m, heads, bs, d] float32
+        group_v = torch.cat([unpacked_v(v_stage[step.seal_stage[:, i]], unit)
+                             for i in range(2)], dim=-2)
         group_k[step.seal_rows, :, step.seal_offsets] = k[step.seal_tokens].float()
         group_v[step.seal_rows, :, step.seal_offsets] = v[step.seal_tokens].float()
         seal_int4(k_cache, v_cache, step.seal_blocks, group_k, group_v)
     if step.stage_tokens.numel():
         write_kv_reference(k_stage, v_stage, k[step.stage_tokens], v[step.stage_tokens],
-                           step.stage_mapping, bs)
+                           step.stage_mapping, unit)
 
 
 def paged_attention_int4_reference(q: torch.Tensor, k_cache: torch.Tensor,
@@ -205,7 +237,7 @@ def paged_attention_int4_reference(q: torch.Tensor, k_cache: torch.Tensor,
                                    v_stage: torch.Tensor, meta: AttentionMetadata,
                                    scale: float) -> torch.Tensor:
     """paged_attention_reference over an int4 cache: sealed blocks from the pool, each
-    sequence's open last block from its staging slot, all in float32."""
+    sequence's open last block from its staging units, all in float32."""
     step = meta.int4
     assert step is not None
     num_tokens, num_heads, head_dim = q.shape
@@ -218,9 +250,18 @@ def paged_attention_int4_reference(q: torch.Tensor, k_cache: torch.Tensor,
     keys = dequantize_int4_k(k_cache[tables], bs, head_dim)  # [seqs, width, heads, bs, d]
     values = dequantize_int4_v(v_cache[tables], bs, head_dim)
     if step.open_seqs.numel():
-        slots = step.stage_slots.long()[step.open_seqs]
-        keys[step.open_seqs, step.open_blocks] = unpacked_k(k_stage[slots], bs)
-        values[step.open_seqs, step.open_blocks] = unpacked_v(v_stage[slots], bs)
+        units = step.stage_slots.long()[step.open_seqs].clamp(min=0)  # [o, 2]
+        unit = bs // 2
+        keys[step.open_seqs, step.open_blocks] = torch.cat(
+            [unpacked_k(k_stage[units[:, i]], unit) for i in range(2)], dim=-2)
+        values[step.open_seqs, step.open_blocks] = torch.cat(
+            [unpacked_v(v_stage[units[:, i]], unit) for i in range(2)], dim=-2)
     keys = keys.transpose(1, 2).reshape(num_seqs, kv_heads, -1, head_dim)
     values = values.transpose(1, 2).reshape(num_seqs, kv_heads, -1, head_dim)
+    # Past each sequence's length the gathered bytes are anything (table padding, unwritten
+    # staging, staging units' bytes read as int4): masked out, but a NaN there would still
+    # reach the output through a zero weight.
+    written = torch.arange(keys.shape[2], device=q.device)[None, :] < meta.seq_lens[:, None]
+    keys = torch.where(written[:, None, :, None], keys, 0.0)
+    values = torch.where(written[:, None, :, None], values, 0.0)
     return attend_gathered(q, keys, values, meta, scale)

@@ -18,6 +18,7 @@ from minimill.engine.attention import allocate_kv_cache, build_metadata
 from minimill.engine.config import EngineConfig
 from minimill.engine.core_split import CoreWorkers, core_workers, plan_groups
 from minimill.engine.kernels import select_kernels
+from minimill.engine.kv_int4 import stage_view
 from minimill.engine.model import DecoderModel
 from minimill.engine.sampler import sample
 from minimill.engine.scheduler import ModelOutput, ScheduledSequence, SchedulerOutput
@@ -60,13 +61,10 @@ class ModelRunner:
                                           mc.num_key_value_heads, config.block_size,
                                           mc.head_dim, config.kv_torch_dtype, self.device,
                                           prefault=config.prefault_kv)
-        # int4: the staging slots of open blocks, int8 blocks of the same size in tokens.
+        # int4: open blocks are staged in pool blocks, seen through this int8 view.
         self.kv_stage: torch.Tensor | None = None
         if config.kv_dtype == "int4":
-            self.kv_stage = allocate_kv_cache(config.num_kv_stage_slots or 1,
-                                              mc.num_hidden_layers, mc.num_key_value_heads,
-                                              config.block_size, mc.head_dim, torch.int8,
-                                              self.device)
+            self.kv_stage = stage_view(self.kv_cache, mc.head_dim)
         # Set to a list to record every step's shape (benchmarks); None costs nothing.
         self.step_log: list[StepShape] | None = None
         # CPU: big steps run as groups of sequences, one per core (core_split.py).
@@ -134,7 +132,7 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         tables: list[list[int]] = []
-        stage_slots: list[int] = []
+        stage_blocks: list[list[int]] = []
         logits_rows: list[int] = []
         for e in entries:
             seq = e.seq
@@ -144,12 +142,12 @@ class ModelRunner:
             query_lens.append(e.num_new_tokens)
             seq_lens.append(end)
             tables.append(seq.block_table)
-            stage_slots.append(seq.stage_slot)
+            stage_blocks.append(seq.stage_blocks)
             if e.sample:
                 logits_rows.append(len(input_ids) - 1)
         dev = self.device
         meta = build_metadata(query_lens, seq_lens, tables, self.config.block_size, dev,
-                              stage_slots, self.kv_stage)
+                              stage_blocks, self.kv_stage)
         logits = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),

@@ -63,7 +63,7 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching, tiers,
-                                          num_stage_slots=config.num_kv_stage_slots or 0)
+                                          int4_staging=config.kv_dtype == "int4")
         # request_id -> hashes of the full prompt blocks it is computing (not cached yet).
         self._inflight: dict[str, list[int]] = {}
         self.waiting: deque[Sequence] = deque()

@@ -39,8 +39,8 @@ class Sequence:
     __slots__ = (
         "block_table", "eos_token_ids", "logprobs", "num_cached_prompt_tokens",
         "num_cached_tokens", "num_computed_tokens",
-        "num_prompt_tokens", "output_counts", "params", "request_id", "seed", "stage_slot",
-        "status", "token_ids",
+        "num_prompt_tokens", "output_counts", "params", "request_id", "seed",
+        "stage_blocks", "status", "token_ids",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -55,7 +55,8 @@ class Sequence:
         # Prompt tokens found cached when first admitted: what the client is told and billed.
         self.num_cached_prompt_tokens = 0
         self.block_table: list[int] = []
-        self.stage_slot = -1  # int4 cache: the staging slot of its open block (-1: none)
+        # int4 cache: the pool blocks staging its open block, one per half block (kv_int4.py).
+        self.stage_blocks: list[int] = []
         self.params = params
         self.seed = seed
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids

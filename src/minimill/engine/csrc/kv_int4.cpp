@@ -1,11 +1,12 @@
 // Attention over an int4 KV cache (attention.py has the layout and the reference path).
 //
 // Sealed blocks hold 4-bit codes with float16 ranges, K per channel over the block's tokens
-// and V per token; each sequence's open last block is read from its staging slot (the int8
-// layout of attention.cpp). Codes are dequantized as they are read, never into a copy of the
-// cache: a work item (up to 16 query rows of one sequence and one kv head) dequantizes one
-// block at a time into a float tile of block_size x head_dim that stays in L1, and every row
-// and query head of the group scores and accumulates from it, with an online softmax.
+// and V per token; each sequence's open last block is read from its two staging units (pool
+// blocks seen in the int8 layout of attention.cpp, block_size / 2 tokens each; kv_int4.py).
+// Codes are dequantized as they are read, never into a copy of the cache: a work item (up to
+// 16 query rows of one sequence and one kv head) dequantizes one block at a time into a float
+// tile of block_size x head_dim that stays in L1, and every row and query head of the group
+// scores and accumulates from it, with an online softmax.
 
 #include <array>
 
@@ -30,37 +31,41 @@ struct Int4Args {
   int64_t cache_block_stride, cache_head_stride;
   int64_t stage_slot_stride, stage_head_stride;
   int64_t block_size, head_dim, group_heads;
+  int64_t unit;  // tokens per staging unit: block_size / 2
 };
 
-// One block of one kv head, K and V, dequantized into float tiles [n][d] (a few KiB that stay
-// in L1, shared by every query row and head of the work item): sealed int4 or staged int8.
-void dequantize_block(const Int4Args& a, const uint8_t* kblock, const uint8_t* vblock,
-                      const int8_t* kstage, const int8_t* vstage, int64_t n, float* kt,
-                      float* vt) {
+// One sealed block of one kv head, K and V, dequantized into float tiles [n][d] (a few KiB
+// that stay in L1, shared by every query row and head of the work item).
+void dequantize_block(const Int4Args& a, const uint8_t* kblock, const uint8_t* vblock, int64_t n,
+                      float* kt, float* vt) {
   const int64_t bs = a.block_size, d = a.head_dim;
-  if (kblock != nullptr) {
-    const uint8_t* kmeta = kblock + bs * d / 2;
-    for (int64_t c = 0; c < d; ++c) {
-      const float scale = half_at(kmeta, c), low = half_at(kmeta, d + c);
-      const uint8_t* row = kblock + c * (bs / 2);
-      for (int64_t j = 0; 2 * j < n; ++j) {
-        kt[2 * j * d + c] = low + scale * static_cast<float>(row[j] & 15);
-        if (2 * j + 1 < n) kt[(2 * j + 1) * d + c] = low + scale * static_cast<float>(row[j] >> 4);
-      }
+  const uint8_t* kmeta = kblock + bs * d / 2;
+  for (int64_t c = 0; c < d; ++c) {
+    const float scale = half_at(kmeta, c), low = half_at(kmeta, d + c);
+    const uint8_t* row = kblock + c * (bs / 2);
+    for (int64_t j = 0; 2 * j < n; ++j) {
+      kt[2 * j * d + c] = low + scale * static_cast<float>(row[j] & 15);
+      if (2 * j + 1 < n) kt[(2 * j + 1) * d + c] = low + scale * static_cast<float>(row[j] >> 4);
     }
-    const uint8_t* vmeta = vblock + bs * d / 2;
-    for (int64_t t = 0; t < n; ++t) {
-      const float scale = half_at(vmeta, t), low = half_at(vmeta, bs + t);
-      const uint8_t* row = vblock + t * (d / 2);
-      float* dst = vt + t * d;
-      for (int64_t j = 0; j < d / 2; ++j) {
-        dst[2 * j] = low + scale * static_cast<float>(row[j] & 15);
-        dst[2 * j + 1] = low + scale * static_cast<float>(row[j] >> 4);
-      }
-    }
-  } else {
-    dequantize_int8_rows(kstage, vstage, n, bs, d, kt, vt);  // staged (open) block
   }
+  const uint8_t* vmeta = vblock + bs * d / 2;
+  for (int64_t t = 0; t < n; ++t) {
+    const float scale = half_at(vmeta, t), low = half_at(vmeta, bs + t);
+    const uint8_t* row = vblock + t * (d / 2);
+    float* dst = vt + t * d;
+    for (int64_t j = 0; j < d / 2; ++j) {
+      dst[2 * j] = low + scale * static_cast<float>(row[j] & 15);
+      dst[2 * j + 1] = low + scale * static_cast<float>(row[j] >> 4);
+    }
+  }
+}
+
+// The first n tokens of an open block: its first staging unit's, then its second's.
+void dequantize_staged(const Int4Args& a, const int8_t* k0, const int8_t* v0, const int8_t* k1,
+                       const int8_t* v1, int64_t n, float* kt, float* vt) {
+  const int64_t u = a.unit, d = a.head_dim;
+  dequantize_int8_rows(k0, v0, std::min(n, u), u, d, kt, vt);
+  if (n > u) dequantize_int8_rows(k1, v1, n - u, u, d, kt + u * d, vt + u * d);
 }
 
 inline float dot(const float* x, const float* y, int64_t d) {
@@ -127,13 +132,17 @@ void attention_int4_impl(at::Tensor& out, const at::Tensor& q, const Int4Args& a
         if ((b + 1) * bs <= seq_len) {
           const int64_t off = tables[s * width + b] * args.cache_block_stride +
                               kh * args.cache_head_stride;
-          dequantize_block(args, args.k_cache + off, args.v_cache + off, nullptr, nullptr, n,
-                           kt.data(), vt.data());
+          dequantize_block(args, args.k_cache + off, args.v_cache + off, n, kt.data(),
+                           vt.data());
         } else {
-          TORCH_CHECK(slots[s] >= 0, "paged_attention_int4: an open block without a slot");
-          const int64_t off = slots[s] * args.stage_slot_stride + kh * args.stage_head_stride;
-          dequantize_block(args, nullptr, nullptr, args.k_stage + off, args.v_stage + off, n,
-                           kt.data(), vt.data());
+          const int32_t u0 = slots[2 * s], u1 = slots[2 * s + 1];
+          TORCH_CHECK(u0 >= 0 && (n <= args.unit || u1 >= 0),
+                      "paged_attention_int4: an open block without its staging units");
+          const int64_t head = kh * args.stage_head_stride;
+          const int64_t off0 = u0 * args.stage_slot_stride + head;
+          const int64_t off1 = n > args.unit ? u1 * args.stage_slot_stride + head : off0;
+          dequantize_staged(args, args.k_stage + off0, args.v_stage + off0,
+                            args.k_stage + off1, args.v_stage + off1, n, kt.data(), vt.data());
         }
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t pos = first_pos + r0 + i;
@@ -226,9 +235,13 @@ void paged_attention_int4(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::
   check_view(k_cache, "k_cache", at::kByte, elems);
   check_view(v_cache, "v_cache", at::kByte, elems);
   TORCH_CHECK(k_cache.strides() == v_cache.strides(), "paged_attention_int4: K and V views");
-  check_view(k_stage, "k_stage", at::kChar, block_size * (head_dim + 3));
-  check_view(v_stage, "v_stage", at::kChar, block_size * (head_dim + 3));
+  const int64_t unit = block_size / 2;
+  check_view(k_stage, "k_stage", at::kChar, unit * (head_dim + 3));
+  check_view(v_stage, "v_stage", at::kChar, unit * (head_dim + 3));
   TORCH_CHECK(k_stage.strides() == v_stage.strides(), "paged_attention_int4: staging views");
+  TORCH_CHECK(stage_slots.dim() == 2 && stage_slots.size(1) == 2 &&
+                  stage_slots.size(0) == seq_lens.size(0),
+              "paged_attention_int4: stage_slots [num_seqs, 2]");
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) == q.size(0) &&
                   out.size(1) == q.size(1) * head_dim && out.scalar_type() == q.scalar_type(),
               "paged_attention_int4: out [tokens, heads * d] in q's dtype");
@@ -241,7 +254,7 @@ void paged_attention_int4(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::
                 k_cache.stride(0),          k_cache.stride(1),
                 k_stage.stride(0),          k_stage.stride(1),
                 block_size,                 head_dim,
-                q.size(1) / kv_heads};
+                q.size(1) / kv_heads,       unit};
   const float s = static_cast<float>(scale);
   if (q.scalar_type() == at::kFloat) {
     attention_int4_impl<float>(out, q, args, block_tables, stage_slots, query_start, seq_lens, s);
@@ -260,8 +273,9 @@ namespace minimill {
 
 // kv_int4.py's write_kv_int4_reference: blocks that fill this step are sealed from their
 // staged tokens and the new ones (K per channel, V per token); every other new token is
-// quantized to int8 into its sequence's staging slot. Sealing runs first and completes
-// before staging starts, as a sequence's next open block reuses the slot just read.
+// quantized to int8 into its sequence's staging units (block_size / 2 tokens each). Sealing
+// runs first and completes before staging starts, as a sequence's next open block reuses the
+// units just read.
 void kv_int4_write(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
                    at::Tensor k_stage, at::Tensor v_stage, at::Tensor stage_tokens,
                    at::Tensor stage_mapping, at::Tensor seal_blocks, at::Tensor seal_stage,
@@ -272,11 +286,11 @@ void kv_int4_write(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_
                   v.scalar_type() == at::kFloat,
               "kv_int4_write: k and v contiguous float32 [tokens, kv_heads, d]");
   const int64_t heads = k.size(1), d = k.size(2), bs = block_size;
-  const int64_t elems = bs * d / 2 + 4 * std::max(bs, d);
+  const int64_t elems = bs * d / 2 + 4 * std::max(bs, d), unit = bs / 2;
   check_view(k_cache, "k_cache", at::kByte, elems);
   check_view(v_cache, "v_cache", at::kByte, elems);
-  check_view(k_stage, "k_stage", at::kChar, bs * (d + 3));
-  check_view(v_stage, "v_stage", at::kChar, bs * (d + 3));
+  check_view(k_stage, "k_stage", at::kChar, unit * (d + 3));
+  check_view(v_stage, "v_stage", at::kChar, unit * (d + 3));
   TORCH_CHECK(k_cache.strides() == v_cache.strides() && k_stage.strides() == v_stage.strides() &&
                   k_cache.size(1) == heads && bs % 2 == 0 && d % 2 == 0,
               "kv_int4_write: K and V views alike, kv_heads as k, even sizes");
@@ -285,6 +299,9 @@ void kv_int4_write(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
                 "kv_int4_write: indices must be contiguous int64 CPU tensors");
   }
+  TORCH_CHECK(seal_stage.dim() == 2 && seal_stage.size(1) == 2 &&
+                  seal_stage.size(0) == seal_blocks.size(0),
+              "kv_int4_write: seal_stage [sealed blocks, 2]");
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   uint8_t* kc = k_cache.data_ptr<uint8_t>();
@@ -311,10 +328,13 @@ void kv_int4_write(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_
       std::vector<uint8_t> codes(bs * d);
       for (int64_t item = begin; item < end; ++item) {
         const int64_t m = item / heads, h = item % heads;
-        // Staged tokens, dequantized (int8: K [d][bs], V [bs][d], then scales and zeros).
-        const int8_t* kst = ks + slots[m] * sb + h * sh;
-        const int8_t* vst = vs + slots[m] * sb + h * sh;
-        dequantize_int8_rows(kst, vst, bs, bs, d, xk.data(), xv.data());
+        // Staged tokens, dequantized from both units (int8: K [d][unit], V [unit][d], then
+        // scales and zeros); the tokens this step writes replace what a unit held before.
+        for (int64_t half = 0; half < 2; ++half) {
+          const int64_t at = slots[2 * m + half] * sb + h * sh;
+          dequantize_int8_rows(ks + at, vs + at, unit, unit, d, xk.data() + half * unit * d,
+                               xv.data() + half * unit * d);
+        }
         for (int64_t i = first[m]; i < first[m + 1]; ++i) {
           std::memcpy(&xk[offsets[i] * d], kp + tokens[i] * tok + h * d, d * sizeof(float));
           std::memcpy(&xv[offsets[i] * d], vp + tokens[i] * tok + h * d, d * sizeof(float));
@@ -350,13 +370,15 @@ void kv_int4_write(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_
     at::parallel_for(0, num_staged * heads, grain_rows(2 * d), [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
         const int64_t i = item / heads, h = item % heads;
-        const int64_t slot = mapping[i] / bs, offset = mapping[i] % bs;
+        const int64_t slot = mapping[i] / unit, offset = mapping[i] % unit;
         int8_t* kst = ks + slot * sb + h * sh;
         int8_t* vst = vs + slot * sb + h * sh;
-        int8_scales(kst, bs, d)[offset] = quantize_i8(
-            kp + tokens[i] * tok + h * d, d, kst + offset, bs, int8_zeros(kst, bs, d) + offset);
-        int8_scales(vst, bs, d)[offset] = quantize_i8(
-            vp + tokens[i] * tok + h * d, d, vst + offset * d, 1, int8_zeros(vst, bs, d) + offset);
+        int8_scales(kst, unit, d)[offset] = quantize_i8(
+            kp + tokens[i] * tok + h * d, d, kst + offset, unit,
+            int8_zeros(kst, unit, d) + offset);
+        int8_scales(vst, unit, d)[offset] = quantize_i8(
+            vp + tokens[i] * tok + h * d, d, vst + offset * d, 1,
+            int8_zeros(vst, unit, d) + offset);
       }
     });
   }
