@@ -25,7 +25,6 @@ from typing import Any
 
 from minimill.agents.runtime import (
     Budget,
-    BudgetExceeded,
     Ctx,
     EffectFailed,
     Effects,
@@ -65,9 +64,8 @@ class Channel:
         if waiting is None or waiting.done():
             return
         error = message.get("error")
-        if error is not None:
-            kind = BudgetExceeded if error.get("type") == "BudgetExceeded" else EffectFailed
-            waiting.set_exception(kind(str(error.get("message") or "")))
+        if error is not None:  # the API refused the effect
+            waiting.set_exception(EffectFailed(str(error.get("message") or "")))
         else:
             waiting.set_result(message.get("value"))
 

@@ -10,7 +10,7 @@ operator may opt out (`--insecure-no-sandbox`): the harness then runs in a plain
 process with an empty environment.
 
 The harness asks for effects over its stdout and this side performs them with the lease's
-key (`ApiEffects` of runner.py), journaling each with the lease's epoch; its results go back
+key (`api_effects.ApiEffects`), journaling each with the lease's epoch; its results go back
 over its stdin.
 """
 
@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 from collections import deque
@@ -47,7 +48,7 @@ BOX_CALLS = ("exec", "write", "read")
 
 
 class Performer(Protocol):
-    """What performs a harness's effects (runner.ApiEffects)."""
+    """What performs a harness's effects (api_effects.ApiEffects)."""
 
     async def chat(self, body: dict[str, Any], key: str) -> dict[str, Any]: ...
 
@@ -190,13 +191,9 @@ class HarnessProcess:
 
     async def close(self) -> None:
         """Kill the process (if it still runs) and stop serving it."""
-        proc = self._proc
-        if proc is not None and proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, 9)
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
+        await self.close_process()
+        if self._proc is not None:
+            await self._proc.wait()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -252,10 +249,11 @@ class HarnessProcess:
         self._failed(f"the harness process ended with exit code {code} and no outcome")
 
     async def close_process(self) -> None:
+        """Kill the process and everything in its session (a sandbox's whole tree)."""
         proc = self._proc
         if proc is not None and proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, 9)
+                os.killpg(proc.pid, signal.SIGKILL)
 
     def _on_message(self, message: dict[str, Any]) -> None:
         op = message.get("op")

@@ -72,8 +72,8 @@ class Budget:
 
 
 class Effects:
-    """What a run does to the world; the runner supplies it (runner.py). Each call performs
-    the effect and returns a JSON-able value."""
+    """What a run does to the world, performed by the runner (harness_child.PipeEffects asks
+    it over a pipe). Each call performs the effect and returns a JSON-able value."""
 
     async def chat(self, body: dict[str, Any], key: str) -> dict[str, Any]:
         raise NotImplementedError

@@ -17,7 +17,7 @@ import os
 import shutil
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import uvicorn
 
@@ -115,35 +115,32 @@ async def _serve(server: _Server, sock: socket.socket,
             await asyncio.gather(worker_task, return_exceptions=True)
 
 
-def _local_boxes(boxes: int, insecure_no_sandbox: bool) -> int:
-    """Boxes the local worker offers: none, with a warning, where isolation is unavailable
-    (tokens are served all the same)."""
-    if boxes <= 0 or insecure_no_sandbox:
-        return max(boxes, 0)
-    from minimill.boxes.sandbox import IsolationUnavailable, check_isolation
-
-    try:
-        check_isolation()
-    except IsolationUnavailable as exc:
-        log.warning("the local worker offers no boxes: %s", exc)
-        return 0
-    return boxes
-
-
-def _local_agents(agents: int, insecure_no_sandbox: bool) -> int:
-    """Agents the local worker runs: none, with a warning, where harnesses cannot be
-    sandboxed (tokens are served all the same)."""
-    if agents <= 0 or insecure_no_sandbox:
-        return max(agents, 0)
-    from minimill.agents.harness_process import check_harness_isolation
+def _sandboxed_count(count: int, insecure_no_sandbox: bool, check: Callable[[], None],
+                     what: str) -> int:
+    """How many boxes or agents the local worker offers: none, with a warning, where `check`
+    finds their sandbox unavailable (tokens are served all the same)."""
+    if count <= 0 or insecure_no_sandbox:
+        return max(count, 0)
     from minimill.boxes.sandbox import IsolationUnavailable
 
     try:
-        check_harness_isolation()
+        check()
     except IsolationUnavailable as exc:
-        log.warning("the local worker runs no agents: %s", exc)
+        log.warning("the local worker offers no %s: %s", what, exc)
         return 0
-    return agents
+    return count
+
+
+def _local_boxes(boxes: int, insecure_no_sandbox: bool) -> int:
+    from minimill.boxes.sandbox import check_isolation
+
+    return _sandboxed_count(boxes, insecure_no_sandbox, check_isolation, "boxes")
+
+
+def _local_agents(agents: int, insecure_no_sandbox: bool) -> int:
+    from minimill.agents.harness_process import check_harness_isolation
+
+    return _sandboxed_count(agents, insecure_no_sandbox, check_harness_isolation, "agents")
 
 
 def run_serve(*, host: str, port: int, db: str | None, model: str, dtype: str,
