@@ -364,7 +364,6 @@ def _billed_as(conn: Connection, request_ids: list[str]) -> dict[str, tuple[str,
     return found
 
 
-@retry_conflicts
 def held_by(store: Store, site_id: str) -> int:
     """Leases the site holds now."""
     with store.read() as conn:
@@ -373,6 +372,7 @@ def held_by(store: Store, site_id: str) -> int:
             .where(requests.c.site_id == site_id, requests.c.status.in_(_HELD))).scalar() or 0)
 
 
+@retry_conflicts
 def reap_expired(store: Store, now: float) -> int:
     """Send expired leases back to the queue with their checkpoints; returns how many."""
     with store.write() as conn:

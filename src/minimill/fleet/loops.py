@@ -48,7 +48,7 @@ from minimill.protocol import (
 
 log = logging.getLogger("minimill.worker")
 
-IDLE_POLL_S = 0.2  # lease poll interval when the control plane had nothing
+IDLE_POLL_S = 0.2  # with no free slot, how long before looking again
 # A lease call after one that got nothing waits at the control plane up to this long for work
 # (answered at once when work comes, with the slots the worker's finished requests freed
 # meanwhile): a worker costs the control plane a call every few seconds, not several a second.
