@@ -78,6 +78,9 @@ def test_two_control_planes_on_one_store(backend: str, request: pytest.FixtureRe
             deltas = [c.choices[0].delta.content for c in chunks
                       if c.choices and c.choices[0].delta.content]
             assert "".join(deltas) == "echo a b c d e f" and len(deltas) >= 3
+            # The stream ends when the plane stores the result; the site records it when the
+            # plane's answer to its complete call reaches it, a moment later.
+            wait_for(lambda: len(echo.completed) >= 2, timeout_s=10)
             assert len(echo.completed) == 2
     finally:
         stop_env(back)
