@@ -64,6 +64,20 @@ def test_shared_prefix_is_reused_with_reference_counts() -> None:
     assert all(bm.blocks[i].ref_count == 1 for i in b.block_table[:2])
 
 
+def test_reset_prefix_cache_forgets_prefixes_only_when_the_pool_is_idle() -> None:
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    prefix = list(range(100, 108))
+    a = make_seq("a", [*prefix, 1])
+    compute(bm, a, a.num_tokens)
+    assert not bm.reset_prefix_cache()  # a still holds its blocks
+    assert len(bm.find_cached_prefix(make_seq("b", [*prefix, 2]))) == 2
+    bm.free(a)
+    assert len(bm.find_cached_prefix(make_seq("b", [*prefix, 2]))) == 2  # cached while free
+    assert bm.reset_prefix_cache()
+    assert bm.find_cached_prefix(make_seq("c", [*prefix, 3])) == []
+    assert bm.cached_blocks() == [] and bm.num_free_blocks == 16
+
+
 def test_different_earlier_tokens_break_the_chain() -> None:
     bm = BlockManager(num_blocks=16, block_size=BS)
     a = make_seq("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])

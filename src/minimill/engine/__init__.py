@@ -15,3 +15,8 @@ and sampling together are ~25 ms per step, and the Python around the step (sched
 metadata, detokenizing 256 streams) ~3 ms. Prompt chunks (2048 tokens a step) run at ~80% of
 the matmul rate; the prefix cache skips the shared prompt blocks.
 """
+
+from minimill.engine.hardware import use_huge_pages_for_tensors
+
+# Before any large tensor of this process (weights, KV pool): see the function.
+use_huge_pages_for_tensors()

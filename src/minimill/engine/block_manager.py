@@ -239,6 +239,17 @@ class BlockManager:
         fresh, self._new_full = self._new_full, []
         return fresh
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix in the pool (tiers below are left as they are), so the
+        next requests compute their prompts in full, as on a fresh engine (benchmarks run a
+        workload twice). Only when no sequence holds a block: False, and nothing done, else."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash, block.token_ids = None, ()
+        self._hash_to_block.clear()
+        return True
+
     def cached_blocks(self) -> list[tuple[int, int, tuple[int, ...]]]:
         """(block id, chained hash, token ids) of every computed block the pool holds."""
         return [(b, h, self.blocks[b].token_ids) for h, b in self._hash_to_block.items()]

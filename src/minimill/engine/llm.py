@@ -86,6 +86,11 @@ class LLM:
                          else list(p) for p in prompts]
         return self._run(token_prompts, per_prompt, resume_token_ids, resume_texts, use_tqdm)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the pool's cached prefixes (between runs of a benchmark); False while any
+        request is running."""
+        return self.engine.scheduler.block_manager.reset_prefix_cache()
+
     def chat(self, conversations: Seq[list[dict[str, str]]],
              params: SamplingParams | Seq[SamplingParams] | None = None, *,
              use_tqdm: bool = False) -> list[RequestOutput]:
