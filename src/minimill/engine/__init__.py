@@ -13,7 +13,7 @@ about a seventh, and sampling, scheduling and the Python around each step the re
 64 rows and more run as one group of sequences per core (core_split.py).
 """
 
-from minimill.engine.huge_pages import use_huge_pages_for_tensors
+from minimill.engine.memory import use_huge_pages_for_tensors
 
 # Before any large tensor of this process (weights, KV pool): see the function.
 use_huge_pages_for_tensors()

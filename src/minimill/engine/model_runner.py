@@ -19,6 +19,7 @@ from minimill.engine.config import EngineConfig
 from minimill.engine.core_split import CoreWorkers, core_workers, plan_groups
 from minimill.engine.kernels import select_kernels
 from minimill.engine.kv_int4 import stage_view
+from minimill.engine.memory import keep_freed_memory
 from minimill.engine.model import DecoderModel
 from minimill.engine.sampler import sample
 from minimill.engine.scheduler import ModelOutput, ScheduledSequence, SchedulerOutput
@@ -43,6 +44,8 @@ class ModelRunner:
         assert config.num_kv_blocks is not None and config.max_model_len is not None
         self.config = config
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # before the weights, the pool and the core threads' arenas
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
         mc = loaded.config
