@@ -23,7 +23,13 @@ from minimill.agent_protocol import (
     JournalEntry,
 )
 from minimill.agents.runtime import EffectFailed
-from minimill.fleet.client import Backoff, ControlPlaneUnavailable, SiteAuthError, sleep_backoff
+from minimill.fleet.client import (
+    Backoff,
+    ControlPlaneUnavailable,
+    SiteAuthError,
+    retrying,
+    sleep_backoff,
+)
 
 log = logging.getLogger("minimill.agents")
 
@@ -69,15 +75,6 @@ class RunnerClient:
 
     async def close(self) -> None:
         await self._fleet.aclose()
-
-
-async def retrying(call: Any, what: str) -> Any:
-    backoff = Backoff()
-    while True:
-        try:
-            return await call()
-        except ControlPlaneUnavailable as exc:
-            await sleep_backoff(backoff, what, exc)
 
 
 class ApiEffects:

@@ -33,14 +33,14 @@ from minimill.agent_protocol import (
     JournalAppend,
     ReleasedAgent,
 )
-from minimill.agents.api_effects import ApiEffects, LeaseLost, RunnerClient, retrying
+from minimill.agents.api_effects import ApiEffects, LeaseLost, RunnerClient
 from minimill.agents.harness_process import (
     HarnessProcess,
     HarnessStart,
     check_harness_isolation,
 )
 from minimill.boxes.sandbox import IsolationUnavailable
-from minimill.fleet.client import Backoff, ControlPlaneUnavailable, sleep_backoff
+from minimill.fleet.client import Backoff, ControlPlaneUnavailable, retrying, sleep_backoff
 from minimill.fleet.shutdown import send_within
 
 log = logging.getLogger("minimill.agents")

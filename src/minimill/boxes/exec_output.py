@@ -28,8 +28,8 @@ from minimill.box_protocol import (
     BoxOutputRequest,
     OutputStream,
 )
-from minimill.boxes.host_client import BoxHostClient, NotHeld, retrying
-from minimill.fleet.client import SiteAuthError
+from minimill.boxes.host_client import BoxHostClient, NotHeld
+from minimill.fleet.client import SiteAuthError, retrying
 
 log = logging.getLogger("minimill.boxes")
 FLUSH_INTERVAL_S = 0.25

@@ -44,9 +44,9 @@ from minimill.box_protocol import (
 )
 from minimill.boxes import sandbox, snapshots, workspace
 from minimill.boxes.exec_output import ExecOutput
-from minimill.boxes.host_client import BoxHostClient, NotHeld, ParentMissing, retrying
+from minimill.boxes.host_client import BoxHostClient, NotHeld, ParentMissing
 from minimill.boxes.ops import MUTATING, OpError, Workspace, run_op
-from minimill.fleet.client import Backoff, ControlPlaneUnavailable, sleep_backoff
+from minimill.fleet.client import Backoff, ControlPlaneUnavailable, retrying, sleep_backoff
 
 log = logging.getLogger("minimill.boxes")
 POLL_WAIT_S = 2.0

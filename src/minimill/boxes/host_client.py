@@ -1,6 +1,7 @@
 """A box host's HTTP client for the control plane's `/v1/fleet/boxes` routes.
 
-Network trouble raises ControlPlaneUnavailable (the caller retries with backoff, `retrying`);
+Network trouble raises ControlPlaneUnavailable (the caller retries with backoff:
+`fleet.client.retrying`);
 a 401/403 raises SiteAuthError; a 404/409 (a snapshot upload, streamed output) means the box
 or the operation is no longer this host's, except an incremental snapshot's 409 saying that
 its parent is gone (ParentMissing).
@@ -8,7 +9,6 @@ its parent is gone (ParentMissing).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import httpx
@@ -28,14 +28,11 @@ from minimill.box_protocol import (
     SnapshotStored,
 )
 from minimill.fleet.client import (
-    Backoff,
     ControlPlaneUnavailable,
     SiteAuthError,
-    sleep_backoff,
 )
 
 R = TypeVar("R", bound=BaseModel)
-T = TypeVar("T")
 
 
 class NotHeld(RuntimeError):
@@ -112,13 +109,3 @@ class BoxHostClient:
 
     async def close(self) -> None:
         await self._client.aclose()
-
-
-async def retrying(call: Callable[[], Awaitable[T]], what: str) -> T:
-    """Call until the control plane answers; NotHeld and SiteAuthError go to the caller."""
-    backoff = Backoff()
-    while True:
-        try:
-            return await call()
-        except ControlPlaneUnavailable as exc:
-            await sleep_backoff(backoff, what, exc)

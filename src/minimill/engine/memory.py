@@ -5,7 +5,7 @@ package without importing torch."""
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import logging
 import os
 from pathlib import Path
@@ -44,6 +44,7 @@ def use_huge_pages_for_tensors() -> bool:
     return True
 
 
+@functools.cache
 def keep_freed_memory() -> bool:
     """Tell glibc's malloc to keep freed memory instead of handing it back to the OS at once.
 
@@ -54,12 +55,10 @@ def keep_freed_memory() -> bool:
     engine`, two alternating pairs): 1,894.8 and 1,905.6 tok/s kept, 1,852.7 and 1,759.4 not,
     peak RSS 16-30 MB higher.
     The price is that the process keeps up to KEEP_FREED_BYTES it no longer uses. False where
-    the C library is not glibc (the call is then left out)."""
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
+    the C library is not glibc (the call is then left out). Once per process: every engine
+    the process starts calls it."""
     try:
-        libc = ctypes.CDLL(name)
+        libc = ctypes.CDLL(None)  # the process's own symbols: its C library's among them
         mallopt = libc.mallopt
         libc.gnu_get_libc_version  # only glibc has these parameters  # noqa: B018
     except (OSError, AttributeError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import httpx
@@ -29,6 +30,7 @@ from minimill.protocol import (
 
 log = logging.getLogger("minimill.worker")
 R = TypeVar("R", bound=BaseModel)
+T = TypeVar("T")
 
 
 class SiteAuthError(RuntimeError):
@@ -108,3 +110,14 @@ async def sleep_backoff(backoff: Backoff, what: str, exc: Exception) -> None:
     if backoff.failures in (1, 5) or backoff.failures % 20 == 0:
         log.warning("%s failed (%s); retrying in %.1fs", what, exc, delay)
     await asyncio.sleep(delay)
+
+
+async def retrying(call: Callable[[], Awaitable[T]], what: str) -> T:
+    """Call until the control plane answers, backing off between tries; any error other than
+    ControlPlaneUnavailable (an auth error, a lost lease) goes to the caller."""
+    backoff = Backoff()
+    while True:
+        try:
+            return await call()
+        except ControlPlaneUnavailable as exc:
+            await sleep_backoff(backoff, what, exc)
