@@ -78,7 +78,7 @@ def engine_logits(llm: LLM, prompts: list[list[int]], chunk: int | None = None
                 seq_lens.append(lo + len(new))
             meta = build_metadata(q_lens, seq_lens, [s.block_table for s in seqs],
                                   bm.block_size, runner.device,
-                                  [s.stage_blocks for s in seqs], runner.kv_stage)
+                                  [s.stage_units for s in seqs], runner.kv_stage)
             with torch.inference_mode():
                 logits = runner.model.forward(torch.tensor(ids), torch.tensor(pos), meta,
                                               runner.kv_cache, torch.arange(len(ids)))

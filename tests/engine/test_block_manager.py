@@ -123,53 +123,67 @@ def test_prefix_caching_off_never_hits() -> None:
 
 def test_int4_open_blocks_hold_staging_units_not_blocks() -> None:
     """int4 KV: the block table holds full blocks only; an open block holds one staging unit
-    (a pool block) per half block, taken as it fills and given back once no step reads it;
-    its own block is handed out in the step that fills (seals) it."""
-    bm = BlockManager(num_blocks=6, block_size=BS, int4_staging=True)
+    (a slice of a pool block) per started unit of tokens, taken as it fills and given back
+    once no step reads it; sequences share staging blocks, and a staging block goes back to
+    the pool once all its slices are free; a block's own pool block is handed out in the step
+    that fills (seals) it."""
+    bm = BlockManager(num_blocks=6, block_size=BS, int4_staging=True, stage_unit_tokens=2,
+                      stage_units_per_block=2)
     a = make_seq("a", list(range(8)))
     compute(bm, a, 8)
-    assert len(a.block_table) == 2 and a.stage_blocks == []  # two full blocks: nothing open
-    assert bm.num_free_blocks == 4
+    assert len(a.block_table) == 2 and a.stage_units == []  # two full blocks: nothing open
+    assert bm.num_free_blocks == 4 and bm.num_staging_blocks == 0
     b = make_seq("b", list(range(9)))
     compute(bm, b, 9)  # 2 full blocks, 1 token open: one unit, no block for it
-    assert len(b.block_table) == 2 and len(b.stage_blocks) == 1
-    assert not set(b.stage_blocks) & set(b.block_table) and bm.num_free_blocks == 1
+    assert len(b.block_table) == 2 and len(b.stage_units) == 1
+    assert bm.num_free_blocks == 1 and bm.num_staging_blocks == 1
+    staging = b.stage_units[0] // 2
+    assert staging not in b.block_table and staging not in a.block_table
     b.append_token(9)
     compute(bm, b, 1)  # 2 of 4 tokens open: still one unit
-    assert len(b.block_table) == 2 and len(b.stage_blocks) == 1
+    assert len(b.stage_units) == 1
     b.append_token(10)
-    compute(bm, b, 1)  # 3 of 4: the second half takes a second unit
-    assert len(b.block_table) == 2 and len(b.stage_blocks) == 2 and bm.num_free_blocks == 0
-    b.append_token(11)
+    compute(bm, b, 1)  # 3 of 4: a second unit, the other slice of the same staging block
+    assert [u // 2 for u in b.stage_units] == [staging, staging]
+    assert bm.num_free_blocks == 1 and bm.num_staging_blocks == 1
     a.append_token(8)
-    blocks, units = bm.num_free_blocks, list(a.stage_blocks)
-    assert not bm.allocate_slots(a, 1)  # a's 9th token opens a block: no unit is free
-    assert a.stage_blocks == units and len(a.block_table) == 2 and bm.num_free_blocks == blocks
+    assert bm.allocate_slots(a, 1)  # a's 9th token opens a block: a new staging block
+    assert len(a.block_table) == 2 and len(a.stage_units) == 1 and bm.num_free_blocks == 0
+    c = make_seq("c", [5])
+    assert bm.allocate_slots(c, 1)  # no free block, but a free slice of a's staging block
+    assert c.stage_units[0] // 2 == a.stage_units[0] // 2 and bm.num_staging_blocks == 2
+    b.append_token(11)
+    blocks, units = bm.num_free_blocks, list(b.stage_units)
+    assert not bm.allocate_slots(b, 1)  # b's 12th token fills its block: no block is free
+    assert b.stage_units == units and len(b.block_table) == 2 and bm.num_free_blocks == blocks
+    bm.free(c)
+    assert bm.num_free_blocks == 0  # a still holds the other slice
     bm.free(a)
-    assert bm.num_free_blocks == 2  # a's two blocks
+    assert bm.num_free_blocks == 3 and bm.num_staging_blocks == 1  # a's two blocks, staging
     # b's 12th token fills its third block: a block for it now, its units read by the seal.
     assert bm.allocate_slots(b, 1)
-    assert len(b.block_table) == 3 and len(b.stage_blocks) == 2 and bm.num_free_blocks == 1
+    assert len(b.block_table) == 3 and len(b.stage_units) == 2 and bm.num_free_blocks == 2
     b.num_computed_tokens += 1
     bm.cache_full_blocks(b)
     b.append_token(12)
     compute(bm, b, 1)  # a fresh open block: one unit is enough, the other goes back
-    assert len(b.block_table) == 3 and len(b.stage_blocks) == 1 and bm.num_free_blocks == 2
+    assert len(b.block_table) == 3 and len(b.stage_units) == 1 and bm.num_free_blocks == 2
     bm.free(b)
-    assert b.stage_blocks == [] and b.block_table == [] and bm.num_free_blocks == 6
+    assert b.stage_units == [] and b.block_table == [] and bm.num_free_blocks == 6
+    assert bm.num_staging_blocks == 0
 
 
 def test_int4_prefill_across_blocks_keeps_the_units_its_seal_reads() -> None:
     """A chunk that seals a block holding staged tokens and opens the next keeps every unit
     the seal reads, however few the new open block needs."""
     bm = BlockManager(num_blocks=8, block_size=BS, int4_staging=True,
-                      enable_prefix_caching=False)
+                      enable_prefix_caching=False, stage_unit_tokens=2, stage_units_per_block=1)
     seq = make_seq("a", list(range(13)))
     compute(bm, seq, 3)  # 3 staged tokens: two units
-    assert seq.block_table == [] and len(seq.stage_blocks) == 2
+    assert seq.block_table == [] and len(seq.stage_units) == 2
     compute(bm, seq, 2)  # seals block 0 (3 staged + 1 new), 1 token open
-    assert len(seq.block_table) == 1 and len(seq.stage_blocks) == 2
+    assert len(seq.block_table) == 1 and len(seq.stage_units) == 2
     compute(bm, seq, 8)  # seals blocks 1 and 2, 1 open: only unit 0 is read or written
-    assert len(seq.block_table) == 3 and len(seq.stage_blocks) == 1
+    assert len(seq.block_table) == 3 and len(seq.stage_units) == 1
     assert bm.num_free_blocks == 8 - 4
 

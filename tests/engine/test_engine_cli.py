@@ -118,3 +118,25 @@ def test_bench_engine_measures_a_shape_with_random_weights(minimill_home: Path, 
                       minimill_home)
     assert refused.returncode == 1 and "--random-weights" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def test_bench_kv_measures_each_kv_dtype_against_the_model_dtype(minimill_home: Path) -> None:
+    """`bench kv` on a small slice of its text: bytes, perplexity and greedy agreement for
+    each KV dtype beside the model dtype's, and at one small budget int4 runs at least 3x the
+    sequences at once."""
+    result = run_cli(["bench", "kv", "--json", "--perplexity-tokens", "300", "--prompts", "4",
+                      "--new-tokens", "8", "--budget-mb", "8"], minimill_home)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    kv = report["kv"]
+    assert set(kv) == {report["reference_kv"], "int8", "int4"}
+    assert report["perplexity_tokens"] == 300
+    base = kv[report["reference_kv"]]
+    for name in ("int8", "int4"):
+        row = kv[name]
+        assert row["bytes_ratio"] == round(base["bytes_per_token"] / row["bytes_per_token"], 3)
+        assert 0 < row["perplexity"] < 2 * base["perplexity"]
+        assert 0 < row["greedy_agreement"] <= 1  # a broken cache diverges at once
+        assert row["output_tok_s"] > 0 and row["mean_concurrent_seqs"] > 0
+    assert kv["int8"]["bytes_ratio"] >= 1.9 and kv["int4"]["bytes_ratio"] >= 3.5
+    assert kv["int4"]["max_concurrent_seqs"] >= 3 * base["max_concurrent_seqs"]

@@ -17,10 +17,14 @@ from minimill.engine.config import EngineConfig
 from minimill.engine.kernels import CpuKernels
 from minimill.engine.kv_int4 import (
     INT4_GROUP,
+    INT4_STAGE_UNIT,
+    INT4_UNITS_PER_GROUP,
     dequantize_int4_k,
     dequantize_int4_v,
     paged_attention_int4_reference,
     quantize_int4,
+    stage_layer_views,
+    stage_units_per_block,
     stage_view,
     write_kv_int4_reference,
 )
@@ -62,7 +66,9 @@ class Int4Cache:
     def __init__(self, tables: list[list[int]], units: list[list[int]], kv_heads: int,
                  head_dim: int, seed: int, native: CpuKernels | None = None) -> None:
         self.native = native
-        num_blocks = max(b for t in (*tables, *units) for b in t) + 1
+        per_block = stage_units_per_block(head_dim)
+        num_blocks = max(max(b for t in tables for b in t),
+                         max(u // per_block for us in units for u in us)) + 1
         self.pool = allocate_kv_cache(num_blocks, 1, kv_heads, G, head_dim, torch.uint8, CPU)
         # Staging units share the pool's bytes; whatever those blocks held is overwritten.
         self.pool.fill_(0xFF)
@@ -85,7 +91,7 @@ class Int4Cache:
         k = torch.randn(shape, generator=self.g) + self.offsets
         v = torch.randn(shape, generator=self.g)
         k_cache, v_cache = layer_views(self.pool, 0)
-        k_stage, v_stage = layer_views(self.stage, 0)
+        k_stage, v_stage = stage_layer_views(self.stage, 0)
         if self.native is None:
             write_kv_int4_reference(k_cache, v_cache, k_stage, v_stage, k, v, meta)
         else:
@@ -107,7 +113,18 @@ class Int4Cache:
 # that seal a block and that open one.
 STEPS = [[50, 64, 1, 130], [30, 1, 63, 1], [1, 1, 1, 1], [100, 62, 1, 17]]
 TABLES = [[5, 2, 7, 11], [1, 3], [9, 4], [0, 6, 8, 10, 12]]
-UNITS = [[15, 13], [14, 20], [17, 18], [16, 19]]  # pool blocks staging each open block
+
+
+def shared_units(num_seqs: int, first_block: int, head_dim: int) -> list[list[int]]:
+    """A whole open block's staging units for each sequence, handed out in turn from pool
+    blocks first_block on, so every staging block holds several sequences' units."""
+    per_block = stage_units_per_block(head_dim)
+    ids = range(first_block * per_block, (first_block + 8) * per_block + INT4_UNITS_PER_GROUP
+                * num_seqs)
+    return [list(ids[i::num_seqs][:INT4_UNITS_PER_GROUP]) for i in range(num_seqs)]
+
+
+UNITS = shared_units(4, 13, 64)
 
 
 def test_sealed_blocks_hold_each_group_within_its_ranges() -> None:
@@ -153,18 +170,18 @@ def test_reference_attention_reads_sealed_and_staged_tokens() -> None:
         _k, _v, meta = cache.step(query_lens)
         q = torch.randn(sum(query_lens), 9, 64, generator=g)
         k_cache, v_cache = layer_views(cache.pool, 0)
-        k_stage, v_stage = layer_views(cache.stage, 0)
+        k_stage, v_stage = stage_layer_views(cache.stage, 0)
         got = paged_attention_int4_reference(q, k_cache, v_cache, k_stage, v_stage,
                                              meta, 0.125)  # type: ignore[arg-type]
         want = _exact_attention(cache, q, meta)
         assert (got - want).abs().max() < 0.4
         assert (got - want).abs().mean() < 0.03
     # With only open blocks (every token staged in int8) attention is int8-accurate.
-    cache = Int4Cache([[0], [1]], [[2, 3], [4, 5]], kv_heads=3, head_dim=64, seed=3)
+    cache = Int4Cache([[0], [1]], shared_units(2, 2, 64), kv_heads=3, head_dim=64, seed=3)
     _k, _v, meta = cache.step([40, 63])
     q = torch.randn(103, 9, 64, generator=g)
     k_cache, v_cache = layer_views(cache.pool, 0)
-    k_stage, v_stage = layer_views(cache.stage, 0)
+    k_stage, v_stage = stage_layer_views(cache.stage, 0)
     got = paged_attention_int4_reference(q, k_cache, v_cache, k_stage, v_stage, meta,
                                          0.125)  # type: ignore[arg-type]
     error = (got - _exact_attention(cache, q, meta)).abs()
@@ -184,13 +201,14 @@ def native() -> CpuKernels:
 def test_native_int4_attention_matches_the_reference(native: CpuKernels, dtype: torch.dtype,
                                                      heads: int, kv_heads: int,
                                                      head_dim: int) -> None:
-    cache = Int4Cache(TABLES, UNITS, kv_heads=kv_heads, head_dim=head_dim, seed=4)
+    cache = Int4Cache(TABLES, shared_units(4, 13, head_dim), kv_heads=kv_heads,
+                      head_dim=head_dim, seed=4)
     g = torch.Generator().manual_seed(8)
     for query_lens in STEPS:  # decodes, prompt chunks and block seals in mixed steps
         _k, _v, meta = cache.step(query_lens)
         q = torch.randn(sum(query_lens), heads, head_dim, generator=g).to(dtype)
         k_cache, v_cache = layer_views(cache.pool, 0)
-        k_stage, v_stage = layer_views(cache.stage, 0)
+        k_stage, v_stage = stage_layer_views(cache.stage, 0)
         scale = head_dim ** -0.5
         want = paged_attention_int4_reference(q, k_cache, v_cache, k_stage, v_stage, meta,
                                               scale)  # type: ignore[arg-type]
@@ -206,8 +224,10 @@ def test_native_int4_write_matches_the_reference(native: CpuKernels) -> None:
     ref = Int4Cache(TABLES, UNITS, kv_heads=3, head_dim=64, seed=6)
     nat = Int4Cache(TABLES, UNITS, kv_heads=3, head_dim=64, seed=6, native=native)
     sealed = sorted({b for t in TABLES for b in t})
-    staging = sorted({b for u in UNITS for b in u})
-    unit = G // 2
+    per_block = stage_units_per_block(64)
+    staging = sorted({u // per_block for us in UNITS for u in us})
+    assert len(staging) < sum(len(us) for us in UNITS)  # blocks shared by several units
+    unit = INT4_STAGE_UNIT
     for query_lens in STEPS:
         ref.step(query_lens)
         nat.step(query_lens)
@@ -238,12 +258,14 @@ def test_int4_config_sizes_blocks_and_staging_from_one_budget(smol_f32: LoadedMo
     assert int4.num_kv_blocks == budget // int4.kv_block_bytes(mc)
     assert 0 < int4.kv_stage_unit_bytes(mc) <= int4.kv_block_bytes(mc)
     assert bf16.kv_stage_unit_bytes(mc) == 0
-    # One sequence alone fits: its full blocks and two staging units.
-    assert int4.max_model_len == (int4.num_kv_blocks - 1) * G  # type: ignore[operator]
+    # Eight 4-token staging units per pool block (64-dim heads), so a whole open block's
+    # sixteen take two blocks: one sequence alone fits in its full blocks and those two.
+    assert int4.stage_units_per_block == 8 and bf16.stage_units_per_block == 0
+    assert int4.max_model_len == (int4.num_kv_blocks - 2) * G  # type: ignore[operator]
     small = EngineConfig(dtype="float32", kv_dtype="int4", num_kv_blocks=4, model_config=mc)
-    assert small.max_model_len == 3 * G
-    with pytest.raises(InvalidRequestError, match="at least 2"):
-        EngineConfig(dtype="float32", kv_dtype="int4", num_kv_blocks=1, model_config=mc)
+    assert small.max_model_len == 2 * G
+    with pytest.raises(InvalidRequestError, match="at least 3"):
+        EngineConfig(dtype="float32", kv_dtype="int4", num_kv_blocks=2, model_config=mc)
     with pytest.raises(InvalidRequestError, match="int4"):
         EngineConfig(dtype="bfloat16", kv_dtype="int3", model_config=mc)
 
@@ -290,46 +312,54 @@ def _text_ids(model: LoadedModel, n: int, shift: int = 0) -> list[int]:
 def test_int4_running_sequences_hold_full_blocks_and_staging_units(
         smol_f32: LoadedModel) -> None:
     """Every step, each running int4 sequence holds a block per full block and one staging
-    unit per started half of its open block, nothing else; so 9 blocks run three 100-token
-    prompts at once (1 full block + 2 units each) and no fourth, without preempting."""
+    unit per started INT4_STAGE_UNIT (4) tokens of its open block, nothing else, and staging
+    blocks are shared: 9 blocks run four 100-token prompts at once (1 full block + 9 to 10
+    units each: 4 blocks, and 36 to 40 of the 5 staging blocks' 40 slices) and no fifth,
+    without preempting."""
     llm = LLM(smol_f32, dtype="float32", kv_dtype="int4", num_kv_blocks=9, max_model_len=512)
     core = llm.engine
     scheduler, bm = core.scheduler, core.scheduler.block_manager
+    per_block = bm.stage_units_per_block
+    assert (INT4_STAGE_UNIT, per_block) == (4, 8)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     for i in range(5):
         core.add_request(f"r{i}", _text_ids(smol_f32, 100, shift=i), params)
     seen = 0
     while scheduler.has_unfinished:
         core.step()
-        held = 0
+        full: set[int] = set()
+        units: list[int] = []
         for seq in scheduler.running:
             n = seq.num_computed_tokens
             assert len(seq.block_table) == n // G
-            assert len(seq.stage_blocks) == -(-(n % G) // (G // 2))
-            assert not set(seq.stage_blocks) & set(seq.block_table)
-            held += len(seq.block_table) + len(seq.stage_blocks)
-        assert held + bm.num_free_blocks == bm.num_blocks
-        assert len(scheduler.running) <= 3
+            assert len(seq.stage_units) == -(-(n % G) // INT4_STAGE_UNIT)
+            full.update(seq.block_table)
+            units.extend(seq.stage_units)
+        staging = {u // per_block for u in units}
+        assert len(set(units)) == len(units) and not staging & full
+        assert len(staging) == bm.num_staging_blocks == -(-len(units) // per_block)
+        assert len(full) + len(staging) + bm.num_free_blocks == bm.num_blocks
+        assert len(scheduler.running) <= 4
         seen += 1
-    assert scheduler.max_num_running == 3 and scheduler.num_preemptions == 0
+    assert scheduler.max_num_running == 4 and scheduler.num_preemptions == 0
     assert bm.num_free_blocks == bm.num_blocks and seen > 4
 
 
 def test_int4_sequence_preempted_with_an_open_block_resumes_identically(
         smol_f32: LoadedModel) -> None:
-    """Two 70-token prompts in 5 blocks: when both need a second staging unit the newer one
-    is preempted with an open block, then recomputed from its cached sealed block; its greedy
-    tokens are those of an uninterrupted run."""
+    """Two 70-token prompts in 4 blocks: when their staging units outgrow the two blocks left
+    after their sealed ones, the newer one is preempted with an open block, then recomputed
+    from its cached sealed block; its greedy tokens are those of an uninterrupted run."""
     prompts = [_text_ids(smol_f32, 70), _text_ids(smol_f32, 70, shift=5)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     roomy = LLM(smol_f32, dtype="float32", kv_dtype="int4", num_kv_blocks=16,
                 max_model_len=256)
     want = [o.output_token_ids for o in roomy.generate(prompts, params)]
     assert roomy.engine.scheduler.num_preemptions == 0
-    tight = LLM(smol_f32, dtype="float32", kv_dtype="int4", num_kv_blocks=5,
+    tight = LLM(smol_f32, dtype="float32", kv_dtype="int4", num_kv_blocks=4,
                 max_model_len=256)
     got = [o.output_token_ids for o in tight.generate(prompts, params)]
     scheduler = tight.engine.scheduler
     assert scheduler.num_preemptions > 0 and scheduler.num_cached_tokens_total >= G
     assert got == want
-    assert scheduler.block_manager.num_free_blocks == 5
+    assert scheduler.block_manager.num_free_blocks == 4

@@ -102,6 +102,8 @@ def _bench(options: KvBenchOptions, err: Any) -> dict[str, Any]:
                                                               greedy[reference], strict=True))
         row["concurrent_ratio"] = round(row["max_concurrent_seqs"]
                                         / max(1, base["max_concurrent_seqs"]), 3)
+        row["mean_concurrent_ratio"] = round(row["mean_concurrent_seqs"]
+                                             / max(1, base["mean_concurrent_seqs"]), 3)
         row["tok_s_ratio"] = round(row["output_tok_s"] / base["output_tok_s"], 3)
         target = TARGETS.get(kv_dtype)
         if target:
@@ -147,7 +149,7 @@ def _window_nll(llm: Any, ids: list[int], chunk: int) -> tuple[float, int]:
                     raise ValueError("the KV pool is too small for a perplexity window")
                 end = start + len(new)
                 meta = build_metadata([len(new)], [end], [seq.block_table],
-                                      blocks.block_size, runner.device, [seq.stage_blocks],
+                                      blocks.block_size, runner.device, [seq.stage_units],
                                       runner.kv_stage)
                 logits = runner.model.forward(
                     torch.tensor(new, device=runner.device),
@@ -182,7 +184,7 @@ def _agreement(runs: list[list[int]], reference: list[list[int]]) -> float:
 def _at_budget(loaded: Any, dtype: str, kv_dtype: str, options: KvBenchOptions
                ) -> dict[str, Any]:
     """The workload's prompts (the text's, 64 tokens) x new_tokens at a fixed KV budget:
-    sequences admitted at once (at most) and output tokens/s."""
+    sequences running at once (at most, and on average over steps) and output tokens/s."""
     from minimill.engine.llm import LLM
     from minimill.engine.params import SamplingParams
 
@@ -195,7 +197,7 @@ def _at_budget(loaded: Any, dtype: str, kv_dtype: str, options: KvBenchOptions
     params = SamplingParams(max_tokens=options.new_tokens, temperature=0.0, ignore_eos=True)
     scheduler = llm.engine.scheduler
     llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
-    scheduler.max_num_running = 0
+    scheduler.max_num_running = scheduler.running_seq_steps = scheduler.num_steps = 0
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
@@ -205,5 +207,8 @@ def _at_budget(loaded: Any, dtype: str, kv_dtype: str, options: KvBenchOptions
             "block_bytes": llm.config.kv_block_bytes(loaded.config),
             "stage_unit_bytes": llm.config.kv_stage_unit_bytes(loaded.config),
             "max_concurrent_seqs": peak,
+            # The peak counts sequences just admitted; the mean over steps is what ran on.
+            "mean_concurrent_seqs": round(scheduler.running_seq_steps
+                                          / max(1, scheduler.num_steps), 1),
             "preemptions": scheduler.num_preemptions,
             "output_tok_s": round(tokens / seconds, 2)}

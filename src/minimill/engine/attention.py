@@ -50,7 +50,7 @@ class AttentionMetadata:
 
 def build_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
                    block_size: int, device: torch.device,
-                   stage_blocks: list[list[int]] | None = None,
+                   stage_units: list[list[int]] | None = None,
                    kv_stage: torch.Tensor | None = None) -> AttentionMetadata:
     """Metadata for sequences with these new-token counts, total lengths and block tables
     (for an int4 cache also their staging units and the pool's staging view)."""
@@ -75,10 +75,10 @@ def build_metadata(query_lens: list[int], seq_lens: list[int], block_tables: lis
         starts.append(starts[-1] + q_len)
     int4 = None
     if kv_stage is not None:
-        assert stage_blocks is not None
+        assert stage_units is not None
         from minimill.engine.kv_int4 import int4_step
 
-        int4 = int4_step(query_lens, seq_lens, block_tables, block_size, stage_blocks,
+        int4 = int4_step(query_lens, seq_lens, block_tables, block_size, stage_units,
                          kv_stage, device)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),

@@ -18,9 +18,12 @@ so a request resumed by the restarted process reloads its context instead of rec
 
 With an int4 cache (`int4_staging`, kv_int4.py) a sequence's block table holds its full blocks
 only: a block's pool block is handed out in the step that fills it, and until then the open
-block's tokens are staged in one pool block per half block (`seq.stage_blocks`), taken as the
-block fills and given back once no step reads them. Staging and blocks come out of one pool,
-so what a running sequence holds is what admission counts.
+block's tokens are staged in units of a few tokens (`seq.stage_units`), taken as the block
+fills and given back once no step reads them. A unit is one of the `stage_units_per_block`
+slices of a pool block: a staging block is taken from the pool when no slice of one is free
+and goes back once all its slices are, so sequences share staging blocks and one just past a
+sealed block holds a slice, not a block. Staging and blocks come out of one pool, so what a
+running sequence holds is what admission counts.
 """
 
 from __future__ import annotations
@@ -78,9 +81,22 @@ class BlockManager:
     """Owns every KV block; sequences hold block ids in `seq.block_table`."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 tiers: KvTiers | None = None, int4_staging: bool = False) -> None:
+                 tiers: KvTiers | None = None, int4_staging: bool = False,
+                 stage_units_per_block: int = 1, stage_unit_tokens: int | None = None
+                 ) -> None:
         self.block_size = block_size
         self.int4_staging = int4_staging
+        self.stage_units_per_block = max(1, stage_units_per_block)  # 0: no int4 staging
+        if stage_unit_tokens is None:
+            from minimill.engine.kv_int4 import INT4_STAGE_UNIT
+
+            stage_unit_tokens = INT4_STAGE_UNIT
+        self.stage_unit_tokens = stage_unit_tokens  # tokens per staging unit
+        # int4 staging blocks: block -> its slices handed out, and -> its free slices (only
+        # blocks with some free), so a unit is taken from a shared block before a new one.
+        self._stage_used: dict[int, int] = {}
+        self._stage_free: dict[int, list[int]] = {}
+        self._num_free_units = 0
         self.enable_prefix_caching = enable_prefix_caching
         self.tiers = tiers if enable_prefix_caching and tiers is not None \
             and tiers.enabled else None
@@ -111,17 +127,22 @@ class BlockManager:
             return num_tokens // self.block_size  # full blocks; the open one is staged
         return -(-num_tokens // self.block_size)
 
+    @property
+    def num_staging_blocks(self) -> int:
+        """Pool blocks that int4 staging units are cut from right now."""
+        return len(self._stage_used)
+
     def stage_units_needed(self, num_computed: int, num_total: int) -> int:
-        """int4: staging units (pool blocks of half a block each) that a step computing tokens
-        num_computed..num_total reads or writes: those holding the open block's staged tokens
-        (sealed this step or not) and those the tokens after the last full block go to."""
+        """int4: staging units that a step computing tokens num_computed..num_total reads or
+        writes: those holding the open block's staged tokens (sealed this step or not) and
+        those the tokens after the last full block go to."""
         if not self.int4_staging:
             return 0
-        half = self.block_size // 2
+        unit = self.stage_unit_tokens
         staged, after = num_computed % self.block_size, num_total % self.block_size
         if num_total // self.block_size == num_computed // self.block_size:
-            return -(-after // half)  # still the same open block
-        return max(-(-staged // half), -(-after // half))
+            return -(-after // unit)  # still the same open block
+        return max(-(-staged // unit), -(-after // unit))
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Pool blocks holding a computed prefix of a sequence that has no blocks yet."""
@@ -180,12 +201,16 @@ class BlockManager:
         # Cached blocks that nobody holds right now come out of the free pool too.
         num_reclaimed = sum(1 for b in cached.block_ids if self.blocks[b].ref_count == 0)
         num_units = self.stage_units_needed(seq.num_computed_tokens + num_cached_tokens, total)
-        num_new_units = max(0, num_units - len(seq.stage_blocks))
-        num_released = max(0, len(seq.stage_blocks) - num_units)
-        if num_new_blocks + num_reclaimed + num_new_units > len(self._free) + num_released:
+        num_new_units = max(0, num_units - len(seq.stage_units))
+        num_released = max(0, len(seq.stage_units) - num_units)
+        # New units come from free slices (those given back here included), then new blocks.
+        per_block = self.stage_units_per_block
+        num_unit_blocks = -(-max(0, num_new_units - self._num_free_units - num_released)
+                            // per_block)
+        if num_new_blocks + num_reclaimed + num_unit_blocks > len(self._free):
             return False
-        while len(seq.stage_blocks) > num_units:  # staged tokens no step reads any more
-            self._release(seq.stage_blocks.pop())
+        while len(seq.stage_units) > num_units:  # staged tokens no step reads any more
+            self._release_unit(seq.stage_units.pop())
         if cached.num_blocks:
             hashes = self._seq_hashes.setdefault(seq.request_id, [])
             for block_id in cached.block_ids:
@@ -211,7 +236,7 @@ class BlockManager:
         for _ in range(max(0, num_new_blocks)):
             seq.block_table.append(self._take_free_block())
         for _ in range(num_new_units):
-            seq.stage_blocks.append(self._take_free_block())
+            seq.stage_units.append(self._take_unit())
         return True
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -270,15 +295,45 @@ class BlockManager:
             if block.ref_count == 0:
                 self._free[block_id] = None
         seq.block_table = []
-        for block_id in seq.stage_blocks:
-            self._release(block_id)
-        seq.stage_blocks = []
+        for unit in seq.stage_units:
+            self._release_unit(unit)
+        seq.stage_units = []
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
         self._seq_hashes.pop(seq.request_id, None)
 
-    def _release(self, block_id: int) -> None:
-        """Give back a staging unit: it caches nothing, so it is handed out again first."""
+    def _take_unit(self) -> int:
+        """A staging unit (block * S + slice): a free slice of a staging block in use, else the
+        first slice of a block taken from the pool."""
+        per_block = self.stage_units_per_block
+        if self._stage_free:
+            block_id = next(reversed(self._stage_free))  # the latest: fill one block at a time
+            free = self._stage_free[block_id]
+            part = free.pop()
+            if not free:
+                del self._stage_free[block_id]
+            self._num_free_units -= 1
+        else:
+            block_id, part = self._take_free_block(), 0
+            if per_block > 1:
+                self._stage_free[block_id] = list(range(per_block - 1, 0, -1))
+                self._num_free_units += per_block - 1
+            self._stage_used[block_id] = 0
+        self._stage_used[block_id] += 1
+        return block_id * per_block + part
+
+    def _release_unit(self, unit: int) -> None:
+        """Give back a staging unit; its block goes back to the pool once all its slices are
+        free (it caches nothing, so it is handed out again first)."""
+        per_block = self.stage_units_per_block
+        block_id, part = divmod(unit, per_block)
+        self._stage_used[block_id] -= 1
+        if self._stage_used[block_id]:
+            self._stage_free.setdefault(block_id, []).append(part)
+            self._num_free_units += 1
+            return
+        del self._stage_used[block_id]
+        self._num_free_units -= len(self._stage_free.pop(block_id, []))
         block = self.blocks[block_id]
         block.ref_count -= 1
         assert block.ref_count == 0 and block.block_hash is None

@@ -61,6 +61,8 @@ class EngineConfig:
     # CPU: run a big step as groups of sequences, one group per core (core_split.py).
     split_steps: bool = True
     dtype_reason: str = ""  # why this dtype (set when dtype was "auto")
+    # int4: staging units (kv_int4.INT4_STAGE_UNIT tokens each) per pool block; derived.
+    stage_units_per_block: int = 0
     model_config: InitVar[ModelConfig | None] = None
 
     def __post_init__(self, model_config: ModelConfig | None) -> None:
@@ -100,9 +102,15 @@ class EngineConfig:
             return
         if self.max_model_len is None:
             self.max_model_len = model_config.max_position_embeddings
-        # int4 stages open blocks in pool blocks (kv_int4.py): the whole budget is blocks, and
-        # a sequence needs two besides its full blocks.
-        min_blocks = 2 if self.kv_dtype == "int4" else 1
+        # int4 stages open blocks in slices of pool blocks (kv_int4.py): the whole budget is
+        # blocks, and a sequence alone needs those of a whole open block's units besides its
+        # full blocks.
+        min_blocks = 1
+        if self.kv_dtype == "int4":
+            from minimill.engine.kv_int4 import stage_blocks_per_sequence, stage_units_per_block
+
+            self.stage_units_per_block = stage_units_per_block(model_config.head_dim)
+            min_blocks += stage_blocks_per_sequence(model_config.head_dim)
         if self.num_kv_blocks is None:
             budget = self.kv_cache_memory_bytes or self._default_kv_bytes()
             self.num_kv_blocks = max(min_blocks, budget // self.kv_block_bytes(model_config))
@@ -110,7 +118,7 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"num_kv_blocks must be at least {min_blocks} for kv_dtype {self.kv_dtype}")
         # One request alone must always fit, or preemption could never make room for it (its
-        # last token's KV is never computed; int4: its open block takes two blocks of staging).
+        # last token's KV is never computed; int4: its open block's staging takes blocks too).
         self.max_model_len = min(self.max_model_len,
                                  (self.num_kv_blocks - min_blocks + 1) * self.block_size)
         # Every running request must be able to decode in the same step.
@@ -137,13 +145,13 @@ class EngineConfig:
                 * block_elems(self.block_size, model_config.head_dim, dtype) * dtype.itemsize)
 
     def kv_bytes_per_token(self, model_config: ModelConfig) -> float:
-        """Bytes per token of full blocks (int4: sealed; an open block's staging takes one or
-        two pool blocks per running sequence, kv_stage_unit_bytes)."""
+        """Bytes per token of full blocks (int4: sealed; an open block's staging takes one unit
+        per INT4_STAGE_UNIT tokens, kv_stage_unit_bytes)."""
         return self.kv_block_bytes(model_config) / self.block_size
 
     def kv_stage_unit_bytes(self, model_config: ModelConfig) -> int:
-        """Bytes of one int4 staging unit (half a block's tokens, in int8) across all layers:
-        each is held in one pool block. 0 unless kv_dtype is int4."""
+        """Bytes of one int4 staging unit (INT4_STAGE_UNIT tokens in int8) across all layers;
+        stage_units_per_block of them share one pool block. 0 unless kv_dtype is int4."""
         if self.kv_dtype != "int4":
             return 0
         from minimill.engine.kv_int4 import stage_elems

@@ -14,19 +14,23 @@ G * head_dim / 2 + 4 * max(G, head_dim) bytes.
 
 The open (not yet full) last block of a sequence has no pool block of its own: its tokens
 are staged in the int8 layout of attention.py (about 4x the resolution), in units of
-U = G / 2 tokens (INT4_STAGE_UNIT). One unit, K and V of every layer, fits in one pool block
-(per layer and kv head, U * (head_dim + 3) int8 bytes of K and as many of V, within the
-block's K and V regions), so staging units are pool blocks too, seen through `stage_view`: a
-sequence holds one while its open block has 1..U tokens and two past that. When the block's
-last token arrives, the block manager hands out a pool block for it and the block is
-quantized there as a whole ("sealed") from the staged tokens and the new ones; the units are
-no longer read, and the block manager takes back those the next open block does not need. So
-a running sequence holds its sealed blocks plus one or two blocks, all out of one pool
-(block_manager.py). Prefix caching only shares full blocks, so only sealed blocks are shared.
+U = INT4_STAGE_UNIT tokens, so an open block takes one unit per started U tokens (up to
+G / U). A unit holds U tokens' K and V of every layer (per layer and kv head, U * (head_dim + 3)
+int8 bytes of K and as many of V), and S = stage_units_per_block of them fit in one pool block
+(inside each layer's K and V regions), so staging units are slices of pool blocks, seen through
+`stage_view`, and several sequences' units share a block. Unit u lives in pool block u // S, at
+slice u % S. When the block's last token arrives, the block manager hands out a pool block for
+it and the block is quantized there as a whole ("sealed") from the staged tokens and the new
+ones; the units are no longer read, and the block manager takes back those the next open block
+does not need. So a running sequence holds its sealed blocks plus a few units: with short
+sequences the per-sequence cost past the sealed blocks is a fraction of a block, not one or two
+blocks (block_manager.py). Prefix caching only shares full blocks, so only sealed blocks are
+shared.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,8 +48,12 @@ from minimill.engine.attention import (
 # channel per 64 tokens (3.56x fewer bytes than bf16 for a 64-dim head); 32 would not reach
 # 3.5x.
 INT4_GROUP = 64
-# Tokens per staging unit (one pool block) of an open block; two units stage a whole group.
-INT4_STAGE_UNIT = INT4_GROUP // 2
+# Tokens per staging unit of an open block (G / U units stage a whole group). Small units keep
+# what an open block holds close to what its tokens need: a sequence just past a sealed block
+# holds one unit, 1/S of a pool block (S = 8 for SmolLM2's 64-dim heads). Measured at bench
+# kv's 48 MB: int4 ran 97 sequences at once with 8-token units, against bf16's 33.
+INT4_STAGE_UNIT = 4
+INT4_UNITS_PER_GROUP = INT4_GROUP // INT4_STAGE_UNIT
 
 
 @dataclass(slots=True)
@@ -53,12 +61,12 @@ class Int4Step:
     """What an int4 cache's writes and reads need beyond the metadata's block tables, built
     with the metadata (indices into the step's tokens and the pool)."""
 
-    kv_stage: torch.Tensor  # stage_view of the pool: [blocks, layers, 2, kv_heads, unit elems]
-    stage_slots: torch.Tensor  # [num_seqs, 2] int32: each sequence's staging units (-1: none)
+    kv_stage: torch.Tensor  # stage_view: [blocks, S, layers, 2, kv_heads, unit elems]
+    stage_slots: torch.Tensor  # [num_seqs, G / U] int32: each sequence's units (-1: none)
     stage_tokens: torch.Tensor  # [n] int64: tokens written into an open block's staging
     stage_mapping: torch.Tensor  # [n] int64: unit block * INT4_STAGE_UNIT + offset in it
     seal_blocks: torch.Tensor  # [m] int64: pool blocks that fill (and are sealed) this step
-    seal_stage: torch.Tensor  # [m, 2] int64: the staging units holding their earlier tokens
+    seal_stage: torch.Tensor  # [m, G / U] int64: the units holding their earlier tokens
     seal_tokens: torch.Tensor  # [k] int64: this step's tokens that land in sealed blocks
     seal_rows: torch.Tensor  # [k] int64: ... index into seal_blocks
     seal_offsets: torch.Tensor  # [k] int64: ... offset in the block
@@ -73,7 +81,8 @@ def int4_step(query_lens: list[int], seq_lens: list[int], block_tables: list[lis
     from its staged tokens plus the new ones into its pool block (the block table holds full
     blocks only); tokens of a block still open go to the sequence's staging units."""
     bs = block_size
-    unit = bs // 2
+    unit = INT4_STAGE_UNIT
+    per_group = bs // unit
     slots: list[int] = []
     stage_tokens: list[int] = []
     stage_mapping: list[int] = []
@@ -88,8 +97,8 @@ def int4_step(query_lens: list[int], seq_lens: list[int], block_tables: list[lis
     for s, (q_len, seq_len, table) in enumerate(zip(query_lens, seq_lens, block_tables,
                                                       strict=True)):
         units = stage_units[s]
-        pair = [units[0] if units else -1, units[1] if len(units) > 1 else -1]
-        slots.extend(pair)
+        row = [*units, *[-1] * (per_group - len(units))]
+        slots.extend(row)
         for pos in range(seq_len - q_len, seq_len):
             b, offset = pos // bs, pos % bs
             if (b + 1) * bs <= seq_len:  # the block is full once this step is written
@@ -97,7 +106,7 @@ def int4_step(query_lens: list[int], seq_lens: list[int], block_tables: list[lis
                     seal_blocks.append(table[b])
                     # Tokens before this step's first come from staging (a unit that holds
                     # none of them can be any block: its tokens are all overwritten).
-                    seal_stage.extend(max(u, 0) for u in pair)
+                    seal_stage.extend(max(u, 0) for u in row)
                 seal_tokens.append(token)
                 seal_rows.append(len(seal_blocks) - 1)
                 seal_offsets.append(offset)
@@ -117,9 +126,9 @@ def int4_step(query_lens: list[int], seq_lens: list[int], block_tables: list[lis
 
     return Int4Step(
         kv_stage=kv_stage,
-        stage_slots=torch.tensor(slots, dtype=torch.int32, device=device).view(-1, 2),
+        stage_slots=torch.tensor(slots, dtype=torch.int32, device=device).view(-1, per_group),
         stage_tokens=longs(stage_tokens), stage_mapping=longs(stage_mapping),
-        seal_blocks=longs(seal_blocks), seal_stage=longs(seal_stage).view(-1, 2),
+        seal_blocks=longs(seal_blocks), seal_stage=longs(seal_stage).view(-1, per_group),
         seal_tokens=longs(seal_tokens), seal_rows=longs(seal_rows),
         seal_offsets=longs(seal_offsets), open_seqs=longs(open_seqs),
         open_blocks=longs(open_blocks))
@@ -130,18 +139,46 @@ def stage_elems(head_dim: int) -> int:
     return block_elems(INT4_STAGE_UNIT, head_dim, torch.int8)
 
 
+def stage_units_per_block(head_dim: int) -> int:
+    """Staging units that one pool block holds (S): each layer's K and V regions are cut in
+    slices of a unit's K (or V) of every kv head."""
+    return block_elems(INT4_GROUP, head_dim, torch.uint8) // stage_elems(head_dim)
+
+
+def stage_blocks_per_sequence(head_dim: int) -> int:
+    """Pool blocks that one sequence's staging can take at most (a whole open block's units,
+    in blocks shared with nobody)."""
+    return -(-INT4_UNITS_PER_GROUP // stage_units_per_block(head_dim))
+
+
 def stage_view(pool: torch.Tensor, head_dim: int) -> torch.Tensor:
     """The int4 pool [blocks, layers, 2, kv_heads, block elements] seen as staging units:
-    int8 [blocks, layers, 2 (K, V), kv_heads, unit elements], unit b in pool block b (per
-    layer, K of every kv head then V, inside that layer's K and V regions)."""
+    int8 [blocks, S, layers, 2 (K, V), kv_heads, unit elements], unit u at [u // S, u % S]
+    (per layer, K of every kv head then V, in the u % S-th slice of that layer's K and V
+    regions)."""
     num_blocks, layers, _two, heads, elems = pool.shape
     unit_elems = stage_elems(head_dim)
-    if unit_elems > elems:
+    per_block = elems // unit_elems
+    if per_block < 1:
         raise ValueError("an int4 staging unit does not fit in a pool block")
     flat = pool.view(torch.int8)
-    return flat.as_strided((num_blocks, layers, 2, heads, unit_elems),
-                           (layers * 2 * heads * elems, 2 * heads * elems, heads * unit_elems,
-                            unit_elems, 1), flat.storage_offset())
+    return flat.as_strided(
+        (num_blocks, per_block, layers, 2, heads, unit_elems),
+        (layers * 2 * heads * elems, 2 * heads * unit_elems, 2 * heads * elems,
+         heads * unit_elems, unit_elems, 1), flat.storage_offset())
+
+
+def stage_layer_views(kv_stage: torch.Tensor, layer: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V staging of one layer, each [blocks, S, kv_heads, unit elements] (views)."""
+    return kv_stage[:, :, layer, 0], kv_stage[:, :, layer, 1]
+
+
+def staged_units(stage: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
+    """The units `units` (ids, any shape) of one layer's K or V staging: [..., kv_heads,
+    unit elements] (a copy)."""
+    per_block = stage.shape[1]
+    return stage[units // per_block, units % per_block]
 
 
 def quantize_int4(x: torch.Tensor, dim: int
@@ -215,21 +252,33 @@ def write_kv_int4_reference(k_cache: torch.Tensor, v_cache: torch.Tensor,
     this step are sealed, the other tokens go to their sequence's staging units."""
     step = meta.int4
     assert step is not None
-    bs = meta.block_size
-    unit = bs // 2
+    unit = INT4_STAGE_UNIT
     # Sealing first: it reads the staged tokens of a block that this step's tokens of the
     # sequence's next (open) block then overwrite in the same staging units.
     if step.seal_blocks.numel():
-        group_k = torch.cat([unpacked_k(k_stage[step.seal_stage[:, i]], unit)
-                             for i in range(2)], dim=-2)  # [m, heads, bs, d] float32
-        group_v = torch.cat([unpacked_v(v_stage[step.seal_stage[:, i]], unit)
-                             for i in range(2)], dim=-2)
+        group_k = _staged_group(k_stage, step.seal_stage, unpacked_k)  # [m, heads, bs, d]
+        group_v = _staged_group(v_stage, step.seal_stage, unpacked_v)
         group_k[step.seal_rows, :, step.seal_offsets] = k[step.seal_tokens].float()
         group_v[step.seal_rows, :, step.seal_offsets] = v[step.seal_tokens].float()
         seal_int4(k_cache, v_cache, step.seal_blocks, group_k, group_v)
     if step.stage_tokens.numel():
-        write_kv_reference(k_stage, v_stage, k[step.stage_tokens], v[step.stage_tokens],
-                           step.stage_mapping, unit)
+        # One slice of the pool blocks at a time: each is a plain [blocks, heads, elems] view.
+        per_block = k_stage.shape[1]
+        units, offsets = step.stage_mapping // unit, step.stage_mapping % unit
+        for part in range(per_block):
+            rows = (units % per_block == part).nonzero().flatten()
+            if rows.numel():
+                tokens = step.stage_tokens[rows]
+                write_kv_reference(k_stage[:, part], v_stage[:, part], k[tokens], v[tokens],
+                                   units[rows] // per_block * unit + offsets[rows], unit)
+
+
+def _staged_group(stage: torch.Tensor, units: torch.Tensor,
+                  unpack: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    """float32 [rows, kv_heads, G, d]: the tokens of each row's staging units (ids [rows,
+    G / U]), in order."""
+    return torch.cat([unpack(staged_units(stage, units[:, i]), INT4_STAGE_UNIT)
+                      for i in range(units.shape[1])], dim=-2)
 
 
 def paged_attention_int4_reference(q: torch.Tensor, k_cache: torch.Tensor,
@@ -250,12 +299,9 @@ def paged_attention_int4_reference(q: torch.Tensor, k_cache: torch.Tensor,
     keys = dequantize_int4_k(k_cache[tables], bs, head_dim)  # [seqs, width, heads, bs, d]
     values = dequantize_int4_v(v_cache[tables], bs, head_dim)
     if step.open_seqs.numel():
-        units = step.stage_slots.long()[step.open_seqs].clamp(min=0)  # [o, 2]
-        unit = bs // 2
-        keys[step.open_seqs, step.open_blocks] = torch.cat(
-            [unpacked_k(k_stage[units[:, i]], unit) for i in range(2)], dim=-2)
-        values[step.open_seqs, step.open_blocks] = torch.cat(
-            [unpacked_v(v_stage[units[:, i]], unit) for i in range(2)], dim=-2)
+        units = step.stage_slots.long()[step.open_seqs].clamp(min=0)  # [o, G / U]
+        keys[step.open_seqs, step.open_blocks] = _staged_group(k_stage, units, unpacked_k)
+        values[step.open_seqs, step.open_blocks] = _staged_group(v_stage, units, unpacked_v)
     keys = keys.transpose(1, 2).reshape(num_seqs, kv_heads, -1, head_dim)
     values = values.transpose(1, 2).reshape(num_seqs, kv_heads, -1, head_dim)
     # Past each sequence's length the gathered bytes are anything (table padding, unwritten

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from minimill.engine.attention import AttentionMetadata, layer_views
 from minimill.engine.kernels import TorchKernels
+from minimill.engine.kv_int4 import stage_layer_views
 from minimill.engine.rope import RotaryEmbedding
 from minimill.models.types import ModelConfig, ModelFileError
 
@@ -99,7 +100,7 @@ class DecoderModel:
             qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
             k_cache, v_cache = layer_views(kv_cache, i)
             if meta.int4 is not None:
-                k_stage, v_stage = layer_views(meta.int4.kv_stage, i)
+                k_stage, v_stage = stage_layer_views(meta.int4.kv_stage, i)
                 q = ops.rotary_kv_write_int4(qkv, positions, cos_sin, k_cache, v_cache,
                                              k_stage, v_stage, meta, self.num_heads,
                                              self.num_kv_heads)

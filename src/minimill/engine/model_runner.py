@@ -135,7 +135,7 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         tables: list[list[int]] = []
-        stage_blocks: list[list[int]] = []
+        stage_units: list[list[int]] = []
         logits_rows: list[int] = []
         for e in entries:
             seq = e.seq
@@ -145,12 +145,12 @@ class ModelRunner:
             query_lens.append(e.num_new_tokens)
             seq_lens.append(end)
             tables.append(seq.block_table)
-            stage_blocks.append(seq.stage_blocks)
+            stage_units.append(seq.stage_units)
             if e.sample:
                 logits_rows.append(len(input_ids) - 1)
         dev = self.device
         meta = build_metadata(query_lens, seq_lens, tables, self.config.block_size, dev,
-                              stage_blocks, self.kv_stage)
+                              stage_units, self.kv_stage)
         logits = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),

@@ -63,7 +63,8 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching, tiers,
-                                          int4_staging=config.kv_dtype == "int4")
+                                          int4_staging=config.kv_dtype == "int4",
+                                          stage_units_per_block=config.stage_units_per_block)
         # request_id -> hashes of the full prompt blocks it is computing (not cached yet).
         self._inflight: dict[str, list[int]] = {}
         self.waiting: deque[Sequence] = deque()
@@ -71,6 +72,9 @@ class Scheduler:
         self.requests: dict[str, Sequence] = {}
         self.num_preemptions = 0  # since start, for tests and stats
         self.max_num_running = 0  # most requests running in one step, since start (or reset)
+        # Requests running, summed over steps, and steps: their mean (benchmarks; reset freely).
+        self.running_seq_steps = 0
+        self.num_steps = 0
         self.num_cached_tokens_total = 0  # prompt tokens found in the prefix cache, since start
 
     @property
@@ -153,6 +157,8 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(deferred))
         self.max_num_running = max(self.max_num_running, len(self.running))
+        self.running_seq_steps += len(self.running)
+        self.num_steps += 1
         return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted)
 
     def update_from_output(self, output: SchedulerOutput,

@@ -40,7 +40,7 @@ class Sequence:
         "block_table", "eos_token_ids", "logprobs", "num_cached_prompt_tokens",
         "num_cached_tokens", "num_computed_tokens",
         "num_prompt_tokens", "output_counts", "params", "request_id", "seed",
-        "stage_blocks", "status", "token_ids",
+        "stage_units", "status", "token_ids",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -55,8 +55,9 @@ class Sequence:
         # Prompt tokens found cached when first admitted: what the client is told and billed.
         self.num_cached_prompt_tokens = 0
         self.block_table: list[int] = []
-        # int4 cache: the pool blocks staging its open block, one per half block (kv_int4.py).
-        self.stage_blocks: list[int] = []
+        # int4 cache: the staging units (slices of pool blocks) holding its open block, in token
+        # order, one per INT4_STAGE_UNIT tokens (kv_int4.py).
+        self.stage_units: list[int] = []
         self.params = params
         self.seed = seed
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids

@@ -1,8 +1,8 @@
 // Attention over an int4 KV cache (attention.py has the layout and the reference path).
 //
 // Sealed blocks hold 4-bit codes with float16 ranges, K per channel over the block's tokens
-// and V per token; each sequence's open last block is read from its two staging units (pool
-// blocks seen in the int8 layout of attention.cpp, block_size / 2 tokens each; kv_int4.py).
+// and V per token; each sequence's open last block is read from its staging units (slices of
+// pool blocks in the int8 layout of attention.cpp, `unit` tokens each; kv_int4.py).
 // Codes are dequantized as they are read, never into a copy of the cache: a work item (up to
 // 16 query rows of one sequence and one kv head) dequantizes one block at a time into a float
 // tile of block_size x head_dim that stays in L1, and every row and query head of the group
@@ -29,9 +29,14 @@ struct Int4Args {
   const int8_t* k_stage;
   const int8_t* v_stage;
   int64_t cache_block_stride, cache_head_stride;
-  int64_t stage_slot_stride, stage_head_stride;
+  // Staging views [blocks, S, kv_heads, unit elements]: unit u is at [u / S, u % S].
+  int64_t stage_block_stride, stage_part_stride, stage_parts, stage_head_stride;
   int64_t block_size, head_dim, group_heads;
-  int64_t unit;  // tokens per staging unit: block_size / 2
+  int64_t unit;  // tokens per staging unit (kv_int4.INT4_STAGE_UNIT)
+
+  int64_t unit_offset(int64_t u) const {
+    return (u / stage_parts) * stage_block_stride + (u % stage_parts) * stage_part_stride;
+  }
 };
 
 // One sealed block of one kv head, K and V, dequantized into float tiles [n][d] (a few KiB
@@ -60,12 +65,16 @@ void dequantize_block(const Int4Args& a, const uint8_t* kblock, const uint8_t* v
   }
 }
 
-// The first n tokens of an open block: its first staging unit's, then its second's.
-void dequantize_staged(const Int4Args& a, const int8_t* k0, const int8_t* v0, const int8_t* k1,
-                       const int8_t* v1, int64_t n, float* kt, float* vt) {
+// The first n tokens of an open block of kv head kh, from its staging units in order.
+void dequantize_staged(const Int4Args& a, const int32_t* units, int64_t kh, int64_t n, float* kt,
+                       float* vt) {
   const int64_t u = a.unit, d = a.head_dim;
-  dequantize_int8_rows(k0, v0, std::min(n, u), u, d, kt, vt);
-  if (n > u) dequantize_int8_rows(k1, v1, n - u, u, d, kt + u * d, vt + u * d);
+  for (int64_t i = 0; i * u < n; ++i) {
+    TORCH_CHECK(units[i] >= 0, "paged_attention_int4: an open block without its staging units");
+    const int64_t off = a.unit_offset(units[i]) + kh * a.stage_head_stride;
+    dequantize_int8_rows(a.k_stage + off, a.v_stage + off, std::min(u, n - i * u), u, d,
+                         kt + i * u * d, vt + i * u * d);
+  }
 }
 
 inline float dot(const float* x, const float* y, int64_t d) {
@@ -93,6 +102,7 @@ void attention_int4_impl(at::Tensor& out, const at::Tensor& q, const Int4Args& a
   const int64_t width = block_tables.size(1);
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* slots = stage_slots.data_ptr<int32_t>();
+  const int64_t units_per_group = stage_slots.size(1);
   const int32_t* starts = query_start.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const T* qp = q.data_ptr<T>();
@@ -135,14 +145,7 @@ void attention_int4_impl(at::Tensor& out, const at::Tensor& q, const Int4Args& a
           dequantize_block(args, args.k_cache + off, args.v_cache + off, n, kt.data(),
                            vt.data());
         } else {
-          const int32_t u0 = slots[2 * s], u1 = slots[2 * s + 1];
-          TORCH_CHECK(u0 >= 0 && (n <= args.unit || u1 >= 0),
-                      "paged_attention_int4: an open block without its staging units");
-          const int64_t head = kh * args.stage_head_stride;
-          const int64_t off0 = u0 * args.stage_slot_stride + head;
-          const int64_t off1 = n > args.unit ? u1 * args.stage_slot_stride + head : off0;
-          dequantize_staged(args, args.k_stage + off0, args.v_stage + off0,
-                            args.k_stage + off1, args.v_stage + off1, n, kt.data(), vt.data());
+          dequantize_staged(args, slots + s * units_per_group, kh, n, kt.data(), vt.data());
         }
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t pos = first_pos + r0 + i;
@@ -196,6 +199,19 @@ void check_view(const at::Tensor& t, const char* name, at::ScalarType dtype, int
               " [blocks, kv_heads, ", elems, "] view with contiguous rows");
 }
 
+// A staging view: int8 [blocks, S, kv_heads, unit * (d + 3)], K and V alike.
+void check_stage_views(const at::Tensor& k, const at::Tensor& v, int64_t unit, int64_t d,
+                       int64_t heads) {
+  for (const auto* t : {&k, &v}) {
+    TORCH_CHECK(t->dim() == 4 && t->stride(3) == 1 && t->size(3) == unit * (d + 3) &&
+                    t->size(2) == heads && t->scalar_type() == at::kChar && t->device().is_cpu(),
+                "int4 KV: staging must be CPU int8 [blocks, S, kv_heads, ", unit * (d + 3),
+                "] views with contiguous rows");
+  }
+  TORCH_CHECK(k.strides() == v.strides() && k.sizes() == v.sizes(),
+              "int4 KV: K and V staging views alike");
+}
+
 // Quantizers, as kv_int4.py's quantize_int4 and attention.py's quantize_int8 (float16 ranges rounded so
 // that the range still fits, codes rounded half to even like torch.round).
 inline float half_round(float x) { return static_cast<float>(at::Half(x)); }
@@ -235,13 +251,11 @@ void paged_attention_int4(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::
   check_view(k_cache, "k_cache", at::kByte, elems);
   check_view(v_cache, "v_cache", at::kByte, elems);
   TORCH_CHECK(k_cache.strides() == v_cache.strides(), "paged_attention_int4: K and V views");
-  const int64_t unit = block_size / 2;
-  check_view(k_stage, "k_stage", at::kChar, unit * (head_dim + 3));
-  check_view(v_stage, "v_stage", at::kChar, unit * (head_dim + 3));
-  TORCH_CHECK(k_stage.strides() == v_stage.strides(), "paged_attention_int4: staging views");
-  TORCH_CHECK(stage_slots.dim() == 2 && stage_slots.size(1) == 2 &&
-                  stage_slots.size(0) == seq_lens.size(0),
-              "paged_attention_int4: stage_slots [num_seqs, 2]");
+  TORCH_CHECK(stage_slots.dim() == 2 && stage_slots.size(0) == seq_lens.size(0) &&
+                  stage_slots.size(1) > 0 && block_size % stage_slots.size(1) == 0,
+              "paged_attention_int4: stage_slots [num_seqs, units per block]");
+  const int64_t unit = block_size / stage_slots.size(1);
+  check_stage_views(k_stage, v_stage, unit, head_dim, kv_heads);
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) == q.size(0) &&
                   out.size(1) == q.size(1) * head_dim && out.scalar_type() == q.scalar_type(),
               "paged_attention_int4: out [tokens, heads * d] in q's dtype");
@@ -253,6 +267,7 @@ void paged_attention_int4(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::
                 k_stage.data_ptr<int8_t>(),  v_stage.data_ptr<int8_t>(),
                 k_cache.stride(0),          k_cache.stride(1),
                 k_stage.stride(0),          k_stage.stride(1),
+                k_stage.size(1),            k_stage.stride(2),
                 block_size,                 head_dim,
                 q.size(1) / kv_heads,       unit};
   const float s = static_cast<float>(scale);
@@ -273,7 +288,7 @@ namespace minimill {
 
 // kv_int4.py's write_kv_int4_reference: blocks that fill this step are sealed from their
 // staged tokens and the new ones (K per channel, V per token); every other new token is
-// quantized to int8 into its sequence's staging units (block_size / 2 tokens each). Sealing
+// quantized to int8 into its sequence's staging units (`unit` tokens each). Sealing
 // runs first and completes before staging starts, as a sequence's next open block reuses the
 // units just read.
 void kv_int4_write(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
@@ -286,22 +301,22 @@ void kv_int4_write(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_
                   v.scalar_type() == at::kFloat,
               "kv_int4_write: k and v contiguous float32 [tokens, kv_heads, d]");
   const int64_t heads = k.size(1), d = k.size(2), bs = block_size;
-  const int64_t elems = bs * d / 2 + 4 * std::max(bs, d), unit = bs / 2;
+  TORCH_CHECK(seal_stage.dim() == 2 && seal_stage.size(0) == seal_blocks.size(0) &&
+                  seal_stage.size(1) > 0 && bs % seal_stage.size(1) == 0,
+              "kv_int4_write: seal_stage [sealed blocks, units per block]");
+  const int64_t elems = bs * d / 2 + 4 * std::max(bs, d), per_group = seal_stage.size(1);
+  const int64_t unit = bs / per_group;
   check_view(k_cache, "k_cache", at::kByte, elems);
   check_view(v_cache, "v_cache", at::kByte, elems);
-  check_view(k_stage, "k_stage", at::kChar, unit * (d + 3));
-  check_view(v_stage, "v_stage", at::kChar, unit * (d + 3));
-  TORCH_CHECK(k_cache.strides() == v_cache.strides() && k_stage.strides() == v_stage.strides() &&
-                  k_cache.size(1) == heads && bs % 2 == 0 && d % 2 == 0,
+  check_stage_views(k_stage, v_stage, unit, d, heads);
+  TORCH_CHECK(k_cache.strides() == v_cache.strides() && k_cache.size(1) == heads &&
+                  bs % 2 == 0 && d % 2 == 0,
               "kv_int4_write: K and V views alike, kv_heads as k, even sizes");
   for (const auto* t : {&stage_tokens, &stage_mapping, &seal_blocks, &seal_stage, &seal_tokens,
                         &seal_rows, &seal_offsets}) {
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
                 "kv_int4_write: indices must be contiguous int64 CPU tensors");
   }
-  TORCH_CHECK(seal_stage.dim() == 2 && seal_stage.size(1) == 2 &&
-                  seal_stage.size(0) == seal_blocks.size(0),
-              "kv_int4_write: seal_stage [sealed blocks, 2]");
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   uint8_t* kc = k_cache.data_ptr<uint8_t>();
@@ -309,7 +324,9 @@ void kv_int4_write(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_
   int8_t* ks = k_stage.data_ptr<int8_t>();
   int8_t* vs = v_stage.data_ptr<int8_t>();
   const int64_t cb = k_cache.stride(0), ch = k_cache.stride(1);
-  const int64_t sb = k_stage.stride(0), sh = k_stage.stride(1);
+  const int64_t sb = k_stage.stride(0), sp = k_stage.stride(1), sh = k_stage.stride(2);
+  const int64_t parts = k_stage.size(1);
+  auto unit_offset = [&](int64_t u) { return (u / parts) * sb + (u % parts) * sp; };
   const int64_t tok = heads * d;  // stride of a token in k and v
 
   const int64_t num_seals = seal_blocks.size(0);
@@ -328,12 +345,12 @@ void kv_int4_write(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_
       std::vector<uint8_t> codes(bs * d);
       for (int64_t item = begin; item < end; ++item) {
         const int64_t m = item / heads, h = item % heads;
-        // Staged tokens, dequantized from both units (int8: K [d][unit], V [unit][d], then
+        // Staged tokens, dequantized from every unit (int8: K [d][unit], V [unit][d], then
         // scales and zeros); the tokens this step writes replace what a unit held before.
-        for (int64_t half = 0; half < 2; ++half) {
-          const int64_t at = slots[2 * m + half] * sb + h * sh;
-          dequantize_int8_rows(ks + at, vs + at, unit, unit, d, xk.data() + half * unit * d,
-                               xv.data() + half * unit * d);
+        for (int64_t i = 0; i < per_group; ++i) {
+          const int64_t at = unit_offset(slots[per_group * m + i]) + h * sh;
+          dequantize_int8_rows(ks + at, vs + at, unit, unit, d, xk.data() + i * unit * d,
+                               xv.data() + i * unit * d);
         }
         for (int64_t i = first[m]; i < first[m + 1]; ++i) {
           std::memcpy(&xk[offsets[i] * d], kp + tokens[i] * tok + h * d, d * sizeof(float));
@@ -371,8 +388,8 @@ void kv_int4_write(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_
       for (int64_t item = begin; item < end; ++item) {
         const int64_t i = item / heads, h = item % heads;
         const int64_t slot = mapping[i] / unit, offset = mapping[i] % unit;
-        int8_t* kst = ks + slot * sb + h * sh;
-        int8_t* vst = vs + slot * sb + h * sh;
+        int8_t* kst = ks + unit_offset(slot) + h * sh;
+        int8_t* vst = vs + unit_offset(slot) + h * sh;
         int8_scales(kst, unit, d)[offset] = quantize_i8(
             kp + tokens[i] * tok + h * d, d, kst + offset, unit,
             int8_zeros(kst, unit, d) + offset);
