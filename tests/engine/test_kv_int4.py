@@ -162,30 +162,40 @@ def _exact_attention(cache: Int4Cache, q: torch.Tensor, meta: object) -> torch.T
 
 
 def test_reference_attention_reads_sealed_and_staged_tokens() -> None:
-    """Attention over the int4 cache stays near attention over the exact K/V; the newest
-    tokens (staged in int8) are read at int8 accuracy."""
+    """Attention over the int4 cache stays near attention over the exact K/V; the step's own
+    tokens are read exactly, and the newest tokens before them (staged in int8) at int8
+    accuracy."""
     cache = Int4Cache(TABLES, UNITS, kv_heads=3, head_dim=64, seed=2)
     g = torch.Generator().manual_seed(7)
     for query_lens in STEPS:
-        _k, _v, meta = cache.step(query_lens)
+        k_new, v_new, meta = cache.step(query_lens)
         q = torch.randn(sum(query_lens), 9, 64, generator=g)
         k_cache, v_cache = layer_views(cache.pool, 0)
         k_stage, v_stage = stage_layer_views(cache.stage, 0)
-        got = paged_attention_int4_reference(q, k_cache, v_cache, k_stage, v_stage,
-                                             meta, 0.125)  # type: ignore[arg-type]
+        got = paged_attention_int4_reference(q, k_new, v_new, k_cache, v_cache, k_stage,
+                                             v_stage, meta, 0.125)  # type: ignore[arg-type]
         want = _exact_attention(cache, q, meta)
         assert (got - want).abs().max() < 0.4
         assert (got - want).abs().mean() < 0.03
-    # With only open blocks (every token staged in int8) attention is int8-accurate.
-    cache = Int4Cache([[0], [1]], shared_units(2, 2, 64), kv_heads=3, head_dim=64, seed=3)
-    _k, _v, meta = cache.step([40, 63])
-    q = torch.randn(103, 9, 64, generator=g)
+    # Prompts in their first step: every token they read is their own, so exact (the two
+    # fill a block and leave one open), however the cache holds them.
+    cache = Int4Cache([[0, 1], [2]], shared_units(2, 3, 64), kv_heads=3, head_dim=64, seed=3)
+    k_new, v_new, meta = cache.step([70, 62])
+    q = torch.randn(132, 9, 64, generator=g)
     k_cache, v_cache = layer_views(cache.pool, 0)
     k_stage, v_stage = stage_layer_views(cache.stage, 0)
-    got = paged_attention_int4_reference(q, k_cache, v_cache, k_stage, v_stage, meta,
-                                         0.125)  # type: ignore[arg-type]
+    got = paged_attention_int4_reference(q, k_new, v_new, k_cache, v_cache, k_stage, v_stage,
+                                         meta, 0.125)  # type: ignore[arg-type]
+    torch.testing.assert_close(got, _exact_attention(cache, q, meta), atol=1e-5, rtol=1e-5)
+    # Then one decoding token each: the 6 and 62 tokens before it in open blocks are read
+    # from int8 staging (int8-accurate), the first block from its sealed int4.
+    k_new, v_new, meta = cache.step([1, 1])
+    q = torch.randn(2, 9, 64, generator=g)
+    got = paged_attention_int4_reference(q, k_new, v_new, k_cache, v_cache, k_stage, v_stage,
+                                         meta, 0.125)  # type: ignore[arg-type]
     error = (got - _exact_attention(cache, q, meta)).abs()
-    assert error.max() < 0.1 and error.mean() < 0.008
+    assert 0 < error[1].max() < 0.1 and error[1].mean() < 0.008
+    assert 0 < error[0].max() < 0.4
 
 
 @pytest.fixture(scope="module")
@@ -205,15 +215,15 @@ def test_native_int4_attention_matches_the_reference(native: CpuKernels, dtype: 
                       head_dim=head_dim, seed=4)
     g = torch.Generator().manual_seed(8)
     for query_lens in STEPS:  # decodes, prompt chunks and block seals in mixed steps
-        _k, _v, meta = cache.step(query_lens)
+        k_new, v_new, meta = cache.step(query_lens)
         q = torch.randn(sum(query_lens), heads, head_dim, generator=g).to(dtype)
         k_cache, v_cache = layer_views(cache.pool, 0)
         k_stage, v_stage = stage_layer_views(cache.stage, 0)
         scale = head_dim ** -0.5
-        want = paged_attention_int4_reference(q, k_cache, v_cache, k_stage, v_stage, meta,
-                                              scale)  # type: ignore[arg-type]
-        got = native.paged_attention_int4(q, k_cache, v_cache, k_stage, v_stage, meta,
-                                          scale)  # type: ignore[arg-type]
+        want = paged_attention_int4_reference(q, k_new, v_new, k_cache, v_cache, k_stage,
+                                              v_stage, meta, scale)  # type: ignore[arg-type]
+        got = native.paged_attention_int4(q, k_new, v_new, k_cache, v_cache, k_stage,
+                                          v_stage, meta, scale)  # type: ignore[arg-type]
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 

@@ -96,6 +96,32 @@ def test_short_kv_preempts_the_newest_and_recomputes_it_later() -> None:
     assert s.block_manager.num_free_blocks == 6
 
 
+def test_a_long_prompt_waits_until_all_of_it_fits() -> None:
+    """A prompt longer than a step's budget is admitted only when the pool holds all of it,
+    not just its first chunk: admitted in part, it would preempt itself at its next chunk and
+    (without prefix reuse) compute the first one again and again."""
+    # 10 blocks of 4 tokens; a 16-token prompt holds 4, and 5 once it decodes.
+    s = make_scheduler(num_kv_blocks=10, max_num_batched_tokens=16,
+                       enable_prefix_caching=False)
+    first = add(s, "first", 16, max_tokens=4)
+    run_step(s)
+    assert first.num_computed_tokens == 16 and s.block_manager.num_free_blocks == 6
+    long = add(s, "long", 28, max_tokens=2)  # 7 blocks: only its first 15-token chunk fits
+    for _ in range(2):
+        out = run_step(s)
+        assert [e.seq.request_id for e in out.scheduled] == ["first"]
+        assert long.status == RequestStatus.WAITING and not long.block_table
+    run_step(s)  # first finishes and frees its blocks
+    assert first.status == RequestStatus.FINISHED_LENGTH
+    out = run_step(s)
+    assert [(e.seq.request_id, e.num_new_tokens) for e in out.scheduled] == [("long", 16)]
+    for _ in range(10):
+        if not s.has_unfinished:
+            break
+        run_step(s)
+    assert long.status == RequestStatus.FINISHED_LENGTH and s.num_preemptions == 0
+
+
 def test_eos_and_abort_free_blocks() -> None:
     s = make_scheduler()
     a = add(s, "a", 5, max_tokens=10, eos=frozenset({7}))

@@ -69,12 +69,12 @@ class TimedKernels:
         return self._timed(self._attention_name(meta), self._inner.paged_attention, q,
                            k_cache, v_cache, meta, scale)
 
-    def paged_attention_int4(self, q: torch.Tensor, k_cache: torch.Tensor,
-                             v_cache: torch.Tensor, k_stage: torch.Tensor,
-                             v_stage: torch.Tensor, meta: AttentionMetadata,
-                             scale: float) -> torch.Tensor:
+    def paged_attention_int4(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                             k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             k_stage: torch.Tensor, v_stage: torch.Tensor,
+                             meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return self._timed(self._attention_name(meta), self._inner.paged_attention_int4, q,
-                           k_cache, v_cache, k_stage, v_stage, meta, scale)
+                           k_new, v_new, k_cache, v_cache, k_stage, v_stage, meta, scale)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:

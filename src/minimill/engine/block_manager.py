@@ -186,15 +186,10 @@ class BlockManager:
             hashes.append(prev)
         return hashes
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
-                       cached: CachedPrefix | list[int] | tuple[int, ...] = ()) -> bool:
-        """Make room for `num_new_tokens` more computed tokens; False (and no change) if short.
-
-        `cached` (from `find_prefix`) is attached first and counts as computed; blocks restored
-        from a tier take fresh pool blocks, filled before the next model run.
-        """
-        if not isinstance(cached, CachedPrefix):
-            cached = CachedPrefix(list(cached))
+    def can_allocate(self, seq: Sequence, num_new_tokens: int,
+                     cached: CachedPrefix | None = None) -> bool:
+        """Whether `allocate_slots(seq, num_new_tokens, cached)` would find room (no change)."""
+        cached = cached if cached is not None else CachedPrefix()
         num_cached_tokens = cached.num_blocks * self.block_size
         total = seq.num_computed_tokens + num_cached_tokens + num_new_tokens
         num_new_blocks = self.blocks_needed(total) - len(seq.block_table) - len(cached.block_ids)
@@ -204,11 +199,26 @@ class BlockManager:
         num_new_units = max(0, num_units - len(seq.stage_units))
         num_released = max(0, len(seq.stage_units) - num_units)
         # New units come from free slices (those given back here included), then new blocks.
-        per_block = self.stage_units_per_block
         num_unit_blocks = -(-max(0, num_new_units - self._num_free_units - num_released)
-                            // per_block)
-        if num_new_blocks + num_reclaimed + num_unit_blocks > len(self._free):
+                            // self.stage_units_per_block)
+        return num_new_blocks + num_reclaimed + num_unit_blocks <= len(self._free)
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+                       cached: CachedPrefix | list[int] | tuple[int, ...] = ()) -> bool:
+        """Make room for `num_new_tokens` more computed tokens; False (and no change) if short.
+
+        `cached` (from `find_prefix`) is attached first and counts as computed; blocks restored
+        from a tier take fresh pool blocks, filled before the next model run.
+        """
+        if not isinstance(cached, CachedPrefix):
+            cached = CachedPrefix(list(cached))
+        if not self.can_allocate(seq, num_new_tokens, cached):
             return False
+        num_cached_tokens = cached.num_blocks * self.block_size
+        total = seq.num_computed_tokens + num_cached_tokens + num_new_tokens
+        num_new_blocks = self.blocks_needed(total) - len(seq.block_table) - len(cached.block_ids)
+        num_units = self.stage_units_needed(seq.num_computed_tokens + num_cached_tokens, total)
+        num_new_units = max(0, num_units - len(seq.stage_units))
         while len(seq.stage_units) > num_units:  # staged tokens no step reads any more
             self._release_unit(seq.stage_units.pop())
         if cached.num_blocks:

@@ -88,18 +88,22 @@ class TorchKernels:
                              cos_sin: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, k_stage: torch.Tensor,
                              v_stage: torch.Tensor, meta: AttentionMetadata, num_heads: int,
-                             num_kv_heads: int) -> torch.Tensor:
-        """rotary_kv_write for an int4 cache (kv_int4.py: sealing and staging)."""
+                             num_kv_heads: int
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """rotary_kv_write for an int4 cache (kv_int4.py: sealing and staging); returns q
+        and this step's exact K and V (float32 [tokens, kv_heads, d]), which its attention
+        reads for these tokens."""
         q, k, v = self._rotate(qkv, positions, cos_sin, num_heads, num_kv_heads)
+        k, v = k.contiguous(), v.float().contiguous()
         write_kv_int4_reference(k_cache, v_cache, k_stage, v_stage, k, v, meta)
-        return q
+        return q, k, v
 
-    def paged_attention_int4(self, q: torch.Tensor, k_cache: torch.Tensor,
-                             v_cache: torch.Tensor, k_stage: torch.Tensor,
-                             v_stage: torch.Tensor, meta: AttentionMetadata,
-                             scale: float) -> torch.Tensor:
-        return paged_attention_int4_reference(q, k_cache, v_cache, k_stage, v_stage, meta,
-                                              scale)
+    def paged_attention_int4(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                             k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             k_stage: torch.Tensor, v_stage: torch.Tensor,
+                             meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_attention_int4_reference(q, k_new, v_new, k_cache, v_cache, k_stage,
+                                              v_stage, meta, scale)
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -239,24 +243,27 @@ class CpuKernels(TorchKernels):
                              cos_sin: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, k_stage: torch.Tensor,
                              v_stage: torch.Tensor, meta: AttentionMetadata, num_heads: int,
-                             num_kv_heads: int) -> torch.Tensor:
-        """Rotary in PyTorch (as the reference), sealing and staging in C++."""
+                             num_kv_heads: int
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotary in PyTorch (as the reference), sealing and staging in C++; returns q and
+        this step's exact K and V, as TorchKernels does."""
         step = meta.int4
         assert step is not None
         q, k, v = self._rotate(qkv, positions, cos_sin, num_heads, num_kv_heads)
-        self._ops.kv_int4_write(k.contiguous(), v.float().contiguous(), k_cache, v_cache,
+        k, v = k.contiguous(), v.float().contiguous()
+        self._ops.kv_int4_write(k, v, k_cache, v_cache,
                                 k_stage, v_stage, step.stage_tokens, step.stage_mapping,
                                 step.seal_blocks, step.seal_stage, step.seal_tokens,
                                 step.seal_rows, step.seal_offsets, meta.block_size)
-        return q
+        return q, k, v
 
-    def paged_attention_int4(self, q: torch.Tensor, k_cache: torch.Tensor,
-                             v_cache: torch.Tensor, k_stage: torch.Tensor,
-                             v_stage: torch.Tensor, meta: AttentionMetadata,
-                             scale: float) -> torch.Tensor:
+    def paged_attention_int4(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                             k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             k_stage: torch.Tensor, v_stage: torch.Tensor,
+                             meta: AttentionMetadata, scale: float) -> torch.Tensor:
         assert meta.int4 is not None
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-        self._ops.paged_attention_int4(out, q, k_cache, v_cache, k_stage, v_stage,
+        self._ops.paged_attention_int4(out, q, k_new, v_new, k_cache, v_cache, k_stage, v_stage,
                                        meta.block_tables, meta.int4.stage_slots,
                                        meta.query_start, meta.seq_lens, scale, meta.block_size)
         return out

@@ -281,12 +281,16 @@ def _staged_group(stage: torch.Tensor, units: torch.Tensor,
                       for i in range(units.shape[1])], dim=-2)
 
 
-def paged_attention_int4_reference(q: torch.Tensor, k_cache: torch.Tensor,
-                                   v_cache: torch.Tensor, k_stage: torch.Tensor,
-                                   v_stage: torch.Tensor, meta: AttentionMetadata,
-                                   scale: float) -> torch.Tensor:
+def paged_attention_int4_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                                   k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                   k_stage: torch.Tensor, v_stage: torch.Tensor,
+                                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """paged_attention_reference over an int4 cache: sealed blocks from the pool, each
-    sequence's open last block from its staging units, all in float32."""
+    sequence's open last block from its staging units, and this step's own tokens from their
+    exact K and V (k_new, v_new [tokens, kv_heads, d], as written this step), all in float32.
+
+    A prompt chunk thus attends to itself at full precision and to what came before through
+    the compressed cache; a decoding token reads the tokens before it from the cache."""
     step = meta.int4
     assert step is not None
     num_tokens, num_heads, head_dim = q.shape
@@ -304,6 +308,13 @@ def paged_attention_int4_reference(q: torch.Tensor, k_cache: torch.Tensor,
         values[step.open_seqs, step.open_blocks] = _staged_group(v_stage, units, unpacked_v)
     keys = keys.transpose(1, 2).reshape(num_seqs, kv_heads, -1, head_dim)
     values = values.transpose(1, 2).reshape(num_seqs, kv_heads, -1, head_dim)
+    # This step's tokens: sequence and position of each.
+    q_lens = meta.query_start[1:] - meta.query_start[:-1]
+    seq_of = torch.repeat_interleave(torch.arange(num_seqs, device=q.device), q_lens)
+    pos = torch.arange(num_tokens, device=q.device) - meta.query_start[seq_of] \
+        + (meta.seq_lens - q_lens)[seq_of]
+    keys[seq_of, :, pos] = k_new.float()
+    values[seq_of, :, pos] = v_new.float()
     # Past each sequence's length the gathered bytes are anything (table padding, unwritten
     # staging, staging units' bytes read as int4): masked out, but a NaN there would still
     # reach the output through a zero weight.

@@ -101,11 +101,11 @@ class DecoderModel:
             k_cache, v_cache = layer_views(kv_cache, i)
             if meta.int4 is not None:
                 k_stage, v_stage = stage_layer_views(meta.int4.kv_stage, i)
-                q = ops.rotary_kv_write_int4(qkv, positions, cos_sin, k_cache, v_cache,
-                                             k_stage, v_stage, meta, self.num_heads,
-                                             self.num_kv_heads)
-                attn = ops.paged_attention_int4(q, k_cache, v_cache, k_stage, v_stage, meta,
-                                                self.scale)
+                q, k_new, v_new = ops.rotary_kv_write_int4(
+                    qkv, positions, cos_sin, k_cache, v_cache, k_stage, v_stage, meta,
+                    self.num_heads, self.num_kv_heads)
+                attn = ops.paged_attention_int4(q, k_new, v_new, k_cache, v_cache, k_stage,
+                                                v_stage, meta, self.scale)
             else:
                 q = ops.rotary_kv_write(qkv, positions, cos_sin, k_cache, v_cache,
                                         meta.slot_mapping, self.num_heads, self.num_kv_heads,

@@ -141,7 +141,14 @@ class Scheduler:
                 deferred.append(self.waiting.popleft())  # next step it is a cache hit
                 continue
             num_cached = cached.num_blocks * self.config.block_size
-            num_new = min(seq.num_tokens - num_cached, budget)
+            num_prompt = seq.num_tokens - num_cached
+            num_new = min(num_prompt, budget)
+            # The whole prompt must fit, not only this step's chunk: one admitted in part
+            # would make room for its next chunk by preempting (itself, at worst), and
+            # without prefix reuse every chunk computed before is lost, so under memory
+            # pressure long prompts would be recomputed again and again.
+            if num_new < num_prompt and not bm.can_allocate(seq, num_prompt, cached):
+                break
             if not bm.allocate_slots(seq, num_new, cached):
                 break
             self.waiting.popleft()

@@ -6,7 +6,9 @@
 // Codes are dequantized as they are read, never into a copy of the cache: a work item (up to
 // 16 query rows of one sequence and one kv head) dequantizes one block at a time into a float
 // tile of block_size x head_dim that stays in L1, and every row and query head of the group
-// scores and accumulates from it, with an online softmax.
+// scores and accumulates from it, with an online softmax. The step's own tokens are read from
+// their exact K and V (k_new, v_new), not from the cache they were just quantized into: a
+// prompt chunk attends to itself at full precision, as the most recent tokens should be.
 
 #include <array>
 
@@ -24,6 +26,8 @@ inline float half_at(const uint8_t* p, int64_t i) {
 }
 
 struct Int4Args {
+  const float* k_new;  // [tokens, kv_heads, d]: this step's K and V, exact
+  const float* v_new;
   const uint8_t* k_cache;
   const uint8_t* v_cache;
   const int8_t* k_stage;
@@ -137,15 +141,25 @@ void attention_int4_impl(at::Tensor& out, const at::Tensor& q, const Int4Args& a
       std::fill(m.begin(), m.begin() + rows * gh, -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.begin() + rows * gh, 0.f);
       const int64_t last_pos = first_pos + r1 - 1;
+      const int64_t new_from = seq_len - q_len;  // positions from here on are this step's
       for (int64_t b = 0; b * bs <= last_pos; ++b) {
         const int64_t n = std::min(bs, last_pos + 1 - b * bs);
-        if ((b + 1) * bs <= seq_len) {
+        const int64_t exact_from = std::max<int64_t>(0, new_from - b * bs);  // tile row
+        if (exact_from == 0) {
+          // Every row read here is this step's: nothing to dequantize.
+        } else if ((b + 1) * bs <= seq_len) {
           const int64_t off = tables[s * width + b] * args.cache_block_stride +
                               kh * args.cache_head_stride;
           dequantize_block(args, args.k_cache + off, args.v_cache + off, n, kt.data(),
                            vt.data());
         } else {
-          dequantize_staged(args, slots + s * units_per_group, kh, n, kt.data(), vt.data());
+          dequantize_staged(args, slots + s * units_per_group, kh, std::min(n, exact_from),
+                            kt.data(), vt.data());
+        }
+        for (int64_t t = exact_from; t < n; ++t) {
+          const int64_t at = (starts[s] + b * bs + t - new_from) * kv_heads * d + kh * d;
+          std::memcpy(kt.data() + t * d, args.k_new + at, d * sizeof(float));
+          std::memcpy(vt.data() + t * d, args.v_new + at, d * sizeof(float));
         }
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t pos = first_pos + r0 + i;
@@ -237,12 +251,19 @@ void quantize4(const float* x, int64_t n, int64_t stride, uint8_t* codes, at::Ha
 
 }  // namespace
 
-void paged_attention_int4(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                          at::Tensor k_stage, at::Tensor v_stage, at::Tensor block_tables,
-                          at::Tensor stage_slots, at::Tensor query_start, at::Tensor seq_lens,
-                          double scale, int64_t block_size) {
+void paged_attention_int4(at::Tensor out, at::Tensor q, at::Tensor k_new, at::Tensor v_new,
+                          at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_stage,
+                          at::Tensor v_stage, at::Tensor block_tables, at::Tensor stage_slots,
+                          at::Tensor query_start, at::Tensor seq_lens, double scale,
+                          int64_t block_size) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_attention_int4: q [tokens, heads, d]");
   const int64_t head_dim = q.size(2), kv_heads = k_cache.size(1);
+  for (const auto* t : {&k_new, &v_new}) {
+    TORCH_CHECK(t->dim() == 3 && t->is_contiguous() && t->scalar_type() == at::kFloat &&
+                    t->size(0) == q.size(0) && t->size(1) == kv_heads &&
+                    t->size(2) == head_dim && t->device().is_cpu(),
+                "paged_attention_int4: k_new and v_new contiguous float32 [tokens, kv_heads, d]");
+  }
   TORCH_CHECK(block_size % 2 == 0 && head_dim % 2 == 0 && q.size(1) % kv_heads == 0 &&
                   q.size(1) / kv_heads <= kMaxGroupHeads,
               "paged_attention_int4: even block_size and head_dim, rh most ", kMaxGroupHeads,
@@ -263,7 +284,8 @@ void paged_attention_int4(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() && t->device().is_cpu(),
                 "paged_attention_int4: metadata must be contiguous int32 CPU tensors");
   }
-  Int4Args args{k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(),
+  Int4Args args{k_new.data_ptr<float>(),     v_new.data_ptr<float>(),
+                k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(),
                 k_stage.data_ptr<int8_t>(),  v_stage.data_ptr<int8_t>(),
                 k_cache.stride(0),          k_cache.stride(1),
                 k_stage.stride(0),          k_stage.stride(1),

@@ -17,10 +17,11 @@ void rotary_kv_write(at::Tensor qkv, at::Tensor positions, at::Tensor cos_sin, a
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                      at::Tensor block_tables, at::Tensor query_start, at::Tensor seq_lens,
                      double scale, int64_t block_size);
-void paged_attention_int4(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                          at::Tensor k_stage, at::Tensor v_stage, at::Tensor block_tables,
-                          at::Tensor stage_slots, at::Tensor query_start, at::Tensor seq_lens,
-                          double scale, int64_t block_size);
+void paged_attention_int4(at::Tensor out, at::Tensor q, at::Tensor k_new, at::Tensor v_new,
+                          at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_stage,
+                          at::Tensor v_stage, at::Tensor block_tables, at::Tensor stage_slots,
+                          at::Tensor query_start, at::Tensor seq_lens, double scale,
+                          int64_t block_size);
 void kv_int4_write(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
                    at::Tensor k_stage, at::Tensor v_stage, at::Tensor stage_tokens,
                    at::Tensor stage_mapping, at::Tensor seal_blocks, at::Tensor seal_stage,

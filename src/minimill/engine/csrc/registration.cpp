@@ -52,7 +52,8 @@ TORCH_LIBRARY(minimill, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor query_start, Tensor seq_lens, float scale, "
         "int block_size) -> ()");
-  m.def("paged_attention_int4(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+  m.def("paged_attention_int4(Tensor(a!) out, Tensor q, Tensor k_new, Tensor v_new, "
+        "Tensor k_cache, Tensor v_cache, "
         "Tensor k_stage, Tensor v_stage, Tensor block_tables, Tensor stage_slots, "
         "Tensor query_start, Tensor seq_lens, float scale, int block_size) -> ()");
   m.def("kv_int4_write(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
