@@ -272,3 +272,23 @@ def test_a_rows_gemm_result_does_not_depend_on_the_batch(native: CpuKernels, dty
                         assert torch.equal(batch[row - start], alone[i]), (rows, start, row)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_of_no_rows_is_empty(native: CpuKernels, dtype: torch.dtype) -> None:
+    """A step of prompt chunks that all end before their prompt does samples nothing: its
+    vocabulary projection has no rows (on the AMX path that once raised instead)."""
+    weight = native.prepare_weight(torch.randn(300, 64).to(dtype))
+    out = native.linear(torch.randn(0, 64).to(dtype), weight)
+    assert out.shape == (0, 300) and out.dtype == dtype
+
+
+def test_a_step_of_prompt_chunks_alone_samples_nothing(smol_f32: LoadedModel) -> None:
+    """A prompt longer than a step's token budget runs its first chunks in steps that sample
+    nothing, in the model dtype the chip is fast at, and then answers as a run in one go."""
+    prompt = list(range(100, 300))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    chunked = LLM(smol_f32, max_num_batched_tokens=64, max_num_seqs=4)
+    whole = LLM(smol_f32, dtype=chunked.config.dtype)
+    assert chunked.generate([prompt], params)[0].output_token_ids \
+        == whole.generate([prompt], params)[0].output_token_ids

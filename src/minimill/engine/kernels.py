@@ -196,7 +196,7 @@ class CpuKernels(TorchKernels):
         rows = x.shape[0]
         full = rows - rows % tile
         parts = [self._linear(x[i:i + tile], weight, bias) for i in range(0, full, tile)]
-        if full < rows:
+        if full < rows or not rows:  # no rows: one padded tile gives the output's shape
             padded = x.new_zeros(tile, x.shape[1])
             padded[:rows - full] = x[full:]
             parts.append(self._linear(padded, weight, bias)[:rows - full])

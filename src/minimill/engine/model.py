@@ -62,9 +62,11 @@ class DecoderModel:
         pack = self.kernels.prepare_weight
         if config.tie_word_embeddings or "lm_head.weight" not in weights:
             # Packing may copy the embedding: the lm_head then holds its own layout.
-            self.lm_head = pack(self.embed)
+            head = self.embed
         else:
-            self.lm_head = pack(w("lm_head.weight"))
+            head = w("lm_head.weight")
+        self.logits_width = head.shape[0]
+        self.lm_head = pack(head)
         self.layers: list[LayerWeights] = []
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -114,7 +116,10 @@ class DecoderModel:
             hidden = ops.linear(attn, layer.o)
             x, residual = ops.add_rms_norm(hidden, residual, layer.post_norm, eps)
             hidden = ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up)), layer.down)
-        # Only the rows that sample need the final norm and the (large) vocabulary projection.
+        # Only the rows that sample need the final norm and the (large) vocabulary projection
+        # (none in a step of prompt chunks that all end before their prompt does).
+        if not logits_rows.numel():
+            return hidden.new_empty(0, self.logits_width)
         if not self.layers:
             last = ops.rms_norm(hidden[logits_rows], self.norm, eps)
         else:
