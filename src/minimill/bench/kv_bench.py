@@ -2,10 +2,12 @@
 
 For the model's own dtype (the reference) and every compressed one: bytes per token of KV;
 perplexity of the model on a public-domain text (the King James Version's Genesis and Exodus,
-shipped with minimill) read through the cache in chunks, so every token attends to the others
-through the compressed cache; greedy agreement with the reference over prompts from the same
-text; and, at one fixed KV memory budget, how many sequences fit at once and the output
-tokens/s a workload reaches.
+shipped with minimill) read through the cache in chunks of 256 tokens, as an agent's turns
+would come: every token attends to the earlier chunks through the compressed cache (an int4
+cache reads a step's own tokens at full precision, so there a chunk's own tokens are exact;
+int8 reads them back from the cache too); greedy agreement with the reference over prompts
+from the same text; and, at one fixed KV memory budget, how many sequences fit at once and
+the output tokens/s a workload reaches.
 """
 
 from __future__ import annotations
