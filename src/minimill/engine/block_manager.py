@@ -32,7 +32,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from minimill.engine.sequence import Sequence
 
@@ -75,6 +75,13 @@ class CachedPrefix:
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids) + len(self.restored)
+
+
+class _Needs(NamedTuple):
+    num_new_blocks: int  # pool blocks for the block table (restored ones included)
+    num_units: int  # int4 staging units the sequence holds after
+    num_new_units: int  # ... of them taken now
+    fits: bool
 
 
 class BlockManager:
@@ -189,7 +196,10 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_new_tokens: int,
                      cached: CachedPrefix | None = None) -> bool:
         """Whether `allocate_slots(seq, num_new_tokens, cached)` would find room (no change)."""
-        cached = cached if cached is not None else CachedPrefix()
+        return self._needs(seq, num_new_tokens, cached or CachedPrefix()).fits
+
+    def _needs(self, seq: Sequence, num_new_tokens: int, cached: CachedPrefix) -> _Needs:
+        """What `num_new_tokens` more computed tokens take from the pool, and whether it has it."""
         num_cached_tokens = cached.num_blocks * self.block_size
         total = seq.num_computed_tokens + num_cached_tokens + num_new_tokens
         num_new_blocks = self.blocks_needed(total) - len(seq.block_table) - len(cached.block_ids)
@@ -201,7 +211,8 @@ class BlockManager:
         # New units come from free slices (those given back here included), then new blocks.
         num_unit_blocks = -(-max(0, num_new_units - self._num_free_units - num_released)
                             // self.stage_units_per_block)
-        return num_new_blocks + num_reclaimed + num_unit_blocks <= len(self._free)
+        fits = num_new_blocks + num_reclaimed + num_unit_blocks <= len(self._free)
+        return _Needs(num_new_blocks, num_units, num_new_units, fits)
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
                        cached: CachedPrefix | list[int] | tuple[int, ...] = ()) -> bool:
@@ -212,13 +223,10 @@ class BlockManager:
         """
         if not isinstance(cached, CachedPrefix):
             cached = CachedPrefix(list(cached))
-        if not self.can_allocate(seq, num_new_tokens, cached):
+        num_new_blocks, num_units, num_new_units, fits = self._needs(seq, num_new_tokens, cached)
+        if not fits:
             return False
         num_cached_tokens = cached.num_blocks * self.block_size
-        total = seq.num_computed_tokens + num_cached_tokens + num_new_tokens
-        num_new_blocks = self.blocks_needed(total) - len(seq.block_table) - len(cached.block_ids)
-        num_units = self.stage_units_needed(seq.num_computed_tokens + num_cached_tokens, total)
-        num_new_units = max(0, num_units - len(seq.stage_units))
         while len(seq.stage_units) > num_units:  # staged tokens no step reads any more
             self._release_unit(seq.stage_units.pop())
         if cached.num_blocks:

@@ -21,6 +21,21 @@ namespace {
 
 constexpr int64_t kMaxGroupHeads = 16;
 
+// A staging view [blocks, S, kv_heads, unit elements] (K's; V's is alike): unit u is slice
+// u % S of block u / S.
+struct StageLayout {
+  int64_t block_stride, part_stride, parts, head_stride;
+
+  explicit StageLayout(const at::Tensor& stage)
+      : block_stride(stage.stride(0)), part_stride(stage.stride(1)), parts(stage.size(1)),
+        head_stride(stage.stride(2)) {}
+
+  // Where kv head h of unit u starts.
+  int64_t offset(int64_t u, int64_t h) const {
+    return (u / parts) * block_stride + (u % parts) * part_stride + h * head_stride;
+  }
+};
+
 inline float half_at(const uint8_t* p, int64_t i) {
   return static_cast<float>(reinterpret_cast<const at::Half*>(p)[i]);
 }
@@ -33,14 +48,9 @@ struct Int4Args {
   const int8_t* k_stage;
   const int8_t* v_stage;
   int64_t cache_block_stride, cache_head_stride;
-  // Staging views [blocks, S, kv_heads, unit elements]: unit u is at [u / S, u % S].
-  int64_t stage_block_stride, stage_part_stride, stage_parts, stage_head_stride;
+  StageLayout stage;
   int64_t block_size, head_dim, group_heads;
   int64_t unit;  // tokens per staging unit (kv_int4.INT4_STAGE_UNIT)
-
-  int64_t unit_offset(int64_t u) const {
-    return (u / stage_parts) * stage_block_stride + (u % stage_parts) * stage_part_stride;
-  }
 };
 
 // One sealed block of one kv head, K and V, dequantized into float tiles [n][d] (a few KiB
@@ -75,7 +85,7 @@ void dequantize_staged(const Int4Args& a, const int32_t* units, int64_t kh, int6
   const int64_t u = a.unit, d = a.head_dim;
   for (int64_t i = 0; i * u < n; ++i) {
     TORCH_CHECK(units[i] >= 0, "paged_attention_int4: an open block without its staging units");
-    const int64_t off = a.unit_offset(units[i]) + kh * a.stage_head_stride;
+    const int64_t off = a.stage.offset(units[i], kh);
     dequantize_int8_rows(a.k_stage + off, a.v_stage + off, std::min(u, n - i * u), u, d,
                          kt + i * u * d, vt + i * u * d);
   }
@@ -288,8 +298,7 @@ void paged_attention_int4(at::Tensor out, at::Tensor q, at::Tensor k_new, at::Te
                 k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(),
                 k_stage.data_ptr<int8_t>(),  v_stage.data_ptr<int8_t>(),
                 k_cache.stride(0),          k_cache.stride(1),
-                k_stage.stride(0),          k_stage.stride(1),
-                k_stage.size(1),            k_stage.stride(2),
+                StageLayout(k_stage),
                 block_size,                 head_dim,
                 q.size(1) / kv_heads,       unit};
   const float s = static_cast<float>(scale);
@@ -346,9 +355,7 @@ void kv_int4_write(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_
   int8_t* ks = k_stage.data_ptr<int8_t>();
   int8_t* vs = v_stage.data_ptr<int8_t>();
   const int64_t cb = k_cache.stride(0), ch = k_cache.stride(1);
-  const int64_t sb = k_stage.stride(0), sp = k_stage.stride(1), sh = k_stage.stride(2);
-  const int64_t parts = k_stage.size(1);
-  auto unit_offset = [&](int64_t u) { return (u / parts) * sb + (u % parts) * sp; };
+  const StageLayout stage(k_stage);
   const int64_t tok = heads * d;  // stride of a token in k and v
 
   const int64_t num_seals = seal_blocks.size(0);
@@ -370,7 +377,7 @@ void kv_int4_write(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_
         // Staged tokens, dequantized from every unit (int8: K [d][unit], V [unit][d], then
         // scales and zeros); the tokens this step writes replace what a unit held before.
         for (int64_t i = 0; i < per_group; ++i) {
-          const int64_t at = unit_offset(slots[per_group * m + i]) + h * sh;
+          const int64_t at = stage.offset(slots[per_group * m + i], h);
           dequantize_int8_rows(ks + at, vs + at, unit, unit, d, xk.data() + i * unit * d,
                                xv.data() + i * unit * d);
         }
@@ -410,8 +417,9 @@ void kv_int4_write(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_
       for (int64_t item = begin; item < end; ++item) {
         const int64_t i = item / heads, h = item % heads;
         const int64_t slot = mapping[i] / unit, offset = mapping[i] % unit;
-        int8_t* kst = ks + unit_offset(slot) + h * sh;
-        int8_t* vst = vs + unit_offset(slot) + h * sh;
+        const int64_t at = stage.offset(slot, h);
+        int8_t* kst = ks + at;
+        int8_t* vst = vs + at;
         int8_scales(kst, unit, d)[offset] = quantize_i8(
             kp + tokens[i] * tok + h * d, d, kst + offset, unit,
             int8_zeros(kst, unit, d) + offset);
