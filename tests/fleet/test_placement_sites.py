@@ -186,15 +186,18 @@ def test_real_workers_cheap_first_and_drained_before_an_outage(
             calm = submit(client, "calm", 3, max_tokens=4)
             assert wait_for(lambda: client.batches.retrieve(calm).status == "completed", 120)
             assert set(placed_on(env, calm).values()) == {"cheap"}
-            # The cheap site goes dark in 20 s: 48-token lines (24 s at 2 tokens/s) go to the
-            # dear site now, 4-token lines still fit on the cheap one.
-            start = time.time() + 20
+            # The cheap site goes dark in 40 s: 96-token lines (48 s at 2 tokens/s) go to the
+            # dear site now, 4-token lines still fit on the cheap one. (The margin is wide: on
+            # a loaded 2-core machine the CLI's start and the batches' ingest take seconds, and
+            # a short line leased less than 2 s + the handback lead before the outage would
+            # rightly go to the dear site.)
+            start = time.time() + 40
             announced = subprocess.run(
                 [sys.executable, "-m", "minimill.cli", "sites", "outage", "add", "cheap",
                  "--from", iso(start), "--to", iso(start + 600), "--db", env.db_url],
                 capture_output=True, text=True, timeout=60)
             assert announced.returncode == 0, announced.stderr
-            long_batch = submit(client, "long", 2, max_tokens=48)
+            long_batch = submit(client, "long", 2, max_tokens=96)
             short_batch = submit(client, "short", 2, max_tokens=4)
             for batch_id in (long_batch, short_batch):
                 assert wait_for(lambda b=batch_id: client.batches.retrieve(b).status
