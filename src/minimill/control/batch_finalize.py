@@ -88,6 +88,19 @@ def finishable(store: Store, now: float, claim_ttl_s: float) -> list[str]:
         return list(conn.execute(query).scalars().all())
 
 
+def any_finishable_among(store: Store, request_ids: list[str]) -> bool:
+    """Whether a batch of these (just completed) requests has no line left to run: the last
+    completions of a batch wake its finalization rather than wait for the next poll."""
+    if not request_ids:
+        return False
+    theirs = (select(requests.c.batch_id)
+              .where(requests.c.id.in_(request_ids), requests.c.batch_id.is_not(None)))
+    query = select(batches.c.id).where(batches.c.id.in_(theirs),
+                                       batches.c.status.in_(_ENDABLE), _no_active_rows()).limit(1)
+    with store.read() as conn:
+        return conn.execute(query).first() is not None
+
+
 # Every column but the body (the input line, up to max_line_bytes): only a response needs its
 # body rendered back (its parameters), and those bodies are read per page, for those rows alone.
 _LINE_COLUMNS = [c for c in requests.c if c.name != "body"]

@@ -26,7 +26,7 @@ from minimill.api.schemas import (
     OutageList,
     OutageObject,
 )
-from minimill.control import leases, release
+from minimill.control import batch_finalize, leases, release
 from minimill.control.sites import add_outage, list_outages, remove_outage
 from minimill.protocol import (
     FLEET_PREFIX,
@@ -82,11 +82,16 @@ async def heartbeat(beat: HeartbeatRequest, store: StoreDep, site: SiteDep, conf
 
 
 @router.post("/complete", response_model=CompleteResponse)
-async def complete(done: CompleteRequest, store: StoreDep, site: SiteDep, config: ConfigDep,
-                   watcher: WatcherDep) -> CompleteResponse:
+async def complete(done: CompleteRequest, request: Request, store: StoreDep, site: SiteDep,
+                   config: ConfigDep, watcher: WatcherDep) -> CompleteResponse:
     answer = await anyio.to_thread.run_sync(leases.complete, store, site, done, time.time(),
                                             config)
     watcher.poke(answer.accepted)
+    if answer.accepted:
+        ended: bool = await anyio.to_thread.run_sync(batch_finalize.any_finishable_among, store,
+                                                     answer.accepted)
+        if ended:
+            request.app.state.ingest_wake.set()  # a batch's last line: finalize it now
     return answer
 
 
