@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 
 import uvicorn
 
+from minimill import event_loop
 from minimill.api.settings import Settings
 from minimill.fleet.kv_options import KvOptions
 from minimill.fleet.supervisor import LOCAL_SITE, WorkerSupervisor, worker_command
@@ -190,7 +191,7 @@ def run_serve(*, host: str, port: int, db: str | None, model: str, dtype: str,
     log.info("control plane on http://%s:%d/v1 (store %s)%s", host, port, store.url,
              ", starting the local worker" if local_worker else "")
     try:
-        asyncio.run(_serve(server, sock, supervisor))
+        event_loop.run(_serve(server, sock, supervisor))
     finally:
         store.close()
         sock.close()

@@ -28,6 +28,7 @@ from collections.abc import Coroutine
 from types import FrameType
 from typing import Any
 
+from minimill import event_loop
 from minimill.agents.runner import AgentRunner, RunnerStartError, open_runner
 from minimill.boxes.host import BoxHost
 from minimill.boxes.host_setup import BoxHostStartError, BoxOptions, open_box_host
@@ -222,7 +223,7 @@ def run_worker(*, server: str, site: str, token: str, price_per_hour: float | No
     chip = _check_declared(price_per_hour, chip)
     started = time.monotonic()
     try:
-        asyncio.run(_stoppable_start(_amain(
+        event_loop.run(_stoppable_start(_amain(
             server=server, site=site, token=token, engine=engine, model=model, dtype=dtype,
             capacity=capacity, price_per_hour=price_per_hour, chip=chip, clock=clock,
             kv=kv or KvOptions(), boxes=boxes or BoxOptions(), agents=agents)))
