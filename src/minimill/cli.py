@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from minimill.admin_cli import keys_app, prices_app, webhooks_app
 from minimill.agent_cli import agent_app
+from minimill.batch_cli import batch_app
 from minimill.bench_cli import bench_app
 from minimill.box_cli import box_app
 from minimill.cli_options import (
@@ -21,7 +23,6 @@ from minimill.cli_options import (
     JsonOption,
     KvDtypeOption,
     ModelOption,
-    open_store_or_exit,
     print_table,
 )
 from minimill.sites_cli import sites_app
@@ -34,18 +35,12 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
-keys_app = typer.Typer(help="API keys: tenants' and operators'.", no_args_is_help=True)
-batch_app = typer.Typer(help="Submit and follow Batch API jobs.", no_args_is_help=True)
-prices_app = typer.Typer(help="The price list: what tenants are billed per model and tier.",
-                         no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 app.add_typer(box_app, name="box")
 app.add_typer(agent_app, name="agent")
 app.add_typer(batch_app, name="batch")
 app.add_typer(bench_app, name="bench")
 app.add_typer(sites_app, name="sites")
-webhooks_app = typer.Typer(help="Webhook endpoints: where response and batch events go.",
-                           no_args_is_help=True)
 app.add_typer(prices_app, name="prices")
 app.add_typer(webhooks_app, name="webhooks")
 
@@ -149,69 +144,6 @@ def serve(
     run_serve(host=host, port=port, db=db, model=model, dtype=dtype, local_worker=local_worker,
               price_per_hour=price_per_hour, kv=kv, boxes=boxes,
               insecure_no_sandbox=insecure_no_sandbox, agents=agents)
-
-
-@keys_app.command("create")
-def keys_create(
-    tenant: str | None = typer.Option(None, "--tenant", help="Tenant name (created if new)."),
-    operator: bool = typer.Option(False, "--operator",
-                                  help="An operator key: sites, outages, prices, keys."),
-    db: str | None = DbOption,
-) -> None:
-    """Create an API key for a tenant, or an operator key, and print it (works whether or not
-    serve is running)."""
-    from minimill.control.keys import create_key, create_operator_key
-
-    if operator == (tenant is not None):
-        raise SystemExit("error: give --tenant NAME or --operator")
-    with open_store_or_exit(db) as store:
-        typer.echo(create_operator_key(store) if tenant is None else create_key(store, tenant))
-
-
-BaseUrlOption = typer.Option("http://127.0.0.1:8000/v1", envvar="MINIMILL_BASE_URL",
-                             help="API base URL.")
-ApiKeyOption = typer.Option(..., envvar="MINIMILL_API_KEY", help="API key.")
-
-
-@batch_app.command("submit")
-def batch_submit(
-    file: Path = typer.Argument(..., exists=True, dir_okay=False, help="Batch input JSONL."),
-    base_url: str = BaseUrlOption,
-    api_key: str = ApiKeyOption,
-    output: Path | None = typer.Option(None, help="Where to write results (JSONL)."),
-    wait: bool = typer.Option(True, help="Follow progress until the batch ends."),
-) -> None:
-    """Upload FILE, create a batch, show progress until done, download the results."""
-    from minimill.batch_client import submit
-
-    submit(file, base_url=base_url, api_key=api_key, output=output, wait=wait)
-
-
-@batch_app.command("status")
-def batch_status(batch_id: str, base_url: str = BaseUrlOption,
-                 api_key: str = ApiKeyOption) -> None:
-    """Show a batch's status and request counts."""
-    from minimill.batch_client import status
-
-    status(batch_id, base_url=base_url, api_key=api_key)
-
-
-@batch_app.command("results")
-def batch_results(batch_id: str, base_url: str = BaseUrlOption, api_key: str = ApiKeyOption,
-                  output: Path | None = typer.Option(None, help="Write here, not stdout.")) -> None:
-    """Download a batch's output and error files."""
-    from minimill.batch_client import results
-
-    results(batch_id, base_url=base_url, api_key=api_key, output=output)
-
-
-@batch_app.command("cancel")
-def batch_cancel(batch_id: str, base_url: str = BaseUrlOption,
-                 api_key: str = ApiKeyOption) -> None:
-    """Cancel a batch; finished results are kept."""
-    from minimill.batch_client import cancel
-
-    cancel(batch_id, base_url=base_url, api_key=api_key)
 
 
 @app.command()
@@ -342,128 +274,6 @@ def worker(
                                 insecure_no_sandbox=insecure_no_sandbox,
                                 snapshot_interval_s=box_snapshot_interval_s),
                agents=agents)
-
-
-TierOption = typer.Option("realtime", "--tier", help="realtime or background (default: "
-                          "realtime; background is realtime times the discount unless set).")
-
-
-@prices_app.command("set")
-def prices_set(
-    model: str = typer.Argument(..., help="Model name, or '*' for the default entry."),
-    input_price: float = typer.Option(..., "--input", help="$ per million input tokens."),
-    output_price: float = typer.Option(..., "--output", help="$ per million output tokens."),
-    cached_input: float | None = typer.Option(
-        None, "--cached-input", help="$ per million cached input tokens (default: --input)."),
-    tier: str = TierOption,
-    db: str | None = DbOption,
-) -> None:
-    """Set what tenants are billed for a model and tier (create or replace the entry)."""
-    from minimill.control.prices import set_price
-
-    with open_store_or_exit(db) as store:
-        quoted = set_price(store, model, tier, input_price, output_price, cached_input)
-    p = quoted.price
-    typer.echo(f"{quoted.model} {quoted.tier}: input {p.input_usd_per_mtok:g}, cached input "
-               f"{p.cached_input_usd_per_mtok:g}, output {p.output_usd_per_mtok:g} $/Mtok")
-
-
-@prices_app.command("delete")
-def prices_delete(model: str = typer.Argument(..., help="Model name, or '*'."),
-                  tier: str = TierOption, db: str | None = DbOption) -> None:
-    """Remove an entry: the model and tier fall back to the next rule (see prices list)."""
-    from minimill.control.prices import delete_price
-
-    with open_store_or_exit(db) as store:
-        delete_price(store, model, tier)
-    typer.echo(f"{model} {tier}: entry removed")
-
-
-@prices_app.command("list")
-def prices_list(db: str | None = DbOption,
-                json_out: bool = JsonOption) -> None:
-    """Show what tenants are billed: the default entry and each listed model, both tiers."""
-    from minimill.api.settings import Settings
-    from minimill.control.prices import read_price_list
-
-    factor = Settings().background_price_factor
-    with open_store_or_exit(db) as store:
-        table = read_price_list(store).table(factor)
-    if json_out:
-        typer.echo(json.dumps([{"model": q.model, "tier": q.tier.value, "entry": q.entry,
-                                "discounted": q.discounted,
-                                "input_usd_per_mtok": q.price.input_usd_per_mtok,
-                                "cached_input_usd_per_mtok": q.price.cached_input_usd_per_mtok,
-                                "output_usd_per_mtok": q.price.output_usd_per_mtok}
-                               for q in table], indent=2))
-        return
-    rows = [(q.model, q.tier.value, f"{q.price.input_usd_per_mtok:g}",
-             f"{q.price.cached_input_usd_per_mtok:g}", f"{q.price.output_usd_per_mtok:g}",
-             q.source + (f" x {factor:g}" if q.discounted else ""))
-            for q in table]
-    print_table("minimill prices ($ per million tokens)",
-           ("model", "tier", "input", "cached input", "output", "from entry"), rows,
-           left=("model", "tier", "from entry"))
-
-
-@webhooks_app.command("create")
-def webhooks_create(
-    url: str = typer.Argument(..., help="Where events are posted (http:// or https://)."),
-    tenant: str | None = typer.Option(None, "--tenant", help="The tenant whose events it gets."),
-    fleet: bool = typer.Option(False, "--fleet", help="Every tenant's events (the operator's)."),
-    event: list[str] = typer.Option(
-        [], "--event", help="An event type, repeatable (default: all): response.completed, "
-        "response.failed, response.cancelled, response.incomplete, batch.completed, "
-        "batch.failed, batch.expired, batch.cancelled."),
-    name: str | None = typer.Option(None, help="A name for it (default: the URL)."),
-    db: str | None = DbOption,
-) -> None:
-    """Register a webhook endpoint and print its signing secret (shown once)."""
-    from minimill.control.keys import ensure_tenant
-    from minimill.control.webhooks import EVENT_TYPES, create_endpoint
-
-    if fleet == (tenant is not None):
-        raise SystemExit("error: give --tenant NAME or --fleet")
-    with open_store_or_exit(db) as store:
-        owner = ensure_tenant(store, tenant).id if tenant is not None else None
-        endpoint, secret = create_endpoint(store, owner, name or url, url,
-                                           list(event) or list(EVENT_TYPES))
-    typer.echo(f"{endpoint.id} {endpoint.url} ({', '.join(endpoint.event_types)})")
-    typer.echo(f"signing secret (shown once): {secret}")
-
-
-@webhooks_app.command("list")
-def webhooks_list(db: str | None = DbOption,
-                  json_out: bool = JsonOption) -> None:
-    """Show every endpoint: whose events it gets, and its deliveries so far."""
-    from minimill.control.webhook_events import delivery_counts
-    from minimill.control.webhooks import EVENT_TYPES, all_endpoints
-
-    with open_store_or_exit(db) as store:
-        endpoints, counts = all_endpoints(store), delivery_counts(store)
-    if json_out:
-        typer.echo(json.dumps([
-            {"id": e.id, "tenant": tenant_name, "name": e.name, "url": e.url,
-             "event_types": list(e.event_types), "secret": e.secret_hint,
-             "deliveries": counts.get(e.id, {})} for e, tenant_name in endpoints], indent=2))
-        return
-    rows = [(e.id, tenant_name or "(fleet)", e.url,
-             "all" if set(e.event_types) == set(EVENT_TYPES) else ",".join(e.event_types),
-             *(str(counts.get(e.id, {}).get(s, 0)) for s in ("pending", "delivered", "failed")))
-            for e, tenant_name in endpoints]
-    print_table("minimill webhooks", ("id", "tenant", "url", "events", "pending", "delivered",
-                                 "failed"), rows, left=("id", "tenant", "url", "events"))
-
-
-@webhooks_app.command("delete")
-def webhooks_delete(endpoint_id: str = typer.Argument(..., help="The endpoint's id (we_...)."),
-                    db: str | None = DbOption) -> None:
-    """Delete an endpoint; its undelivered events are dropped."""
-    from minimill.control.webhooks import delete_any_endpoint
-
-    with open_store_or_exit(db) as store:
-        delete_any_endpoint(store, endpoint_id)
-    typer.echo(f"{endpoint_id} deleted")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Options and helpers the `minimill` command groups share (cli.py, bench_cli.py,
-sites_cli.py): --json, model and dtype options, the store a command opens, and tables."""
+"""Options and helpers the `minimill` command groups share (cli.py, admin_cli.py,
+bench_cli.py, sites_cli.py): --json, model and dtype options, the store a command opens, and
+tables."""
 
 from __future__ import annotations
 
