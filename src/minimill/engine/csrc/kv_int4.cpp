@@ -53,53 +53,105 @@ struct Int4Args {
   int64_t unit;  // tokens per staging unit (kv_int4.INT4_STAGE_UNIT)
 };
 
-// One sealed block of one kv head, K and V, dequantized into float tiles [n][d] (a few KiB
-// that stay in L1, shared by every query row and head of the work item).
-void dequantize_block(const Int4Args& a, const uint8_t* kblock, const uint8_t* vblock, int64_t n,
-                      float* kt, float* vt) {
-  const int64_t bs = a.block_size, d = a.head_dim;
-  const uint8_t* kmeta = kblock + bs * d / 2;
-  for (int64_t c = 0; c < d; ++c) {
-    const float scale = half_at(kmeta, c), low = half_at(kmeta, d + c);
-    const uint8_t* row = kblock + c * (bs / 2);
-    for (int64_t j = 0; 2 * j < n; ++j) {
-      kt[2 * j * d + c] = low + scale * static_cast<float>(row[j] & 15);
-      if (2 * j + 1 < n) kt[(2 * j + 1) * d + c] = low + scale * static_cast<float>(row[j] >> 4);
-    }
+// kVec packed bytes as 2 * kVec values in order (each byte's low nibble, then its high one).
+inline void load_nibbles(const uint8_t* p, fVec& first, fVec& second) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const fVec lo(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))));
+  const fVec hi(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const fVec lo(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15))));
+  const fVec hi(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)));
+#else
+  float l[kVec], h[kVec];
+  for (int i = 0; i < kVec; ++i) {
+    l[i] = static_cast<float>(p[i] & 15);
+    h[i] = static_cast<float>(p[i] >> 4);
   }
-  const uint8_t* vmeta = vblock + bs * d / 2;
-  for (int64_t t = 0; t < n; ++t) {
-    const float scale = half_at(vmeta, t), low = half_at(vmeta, bs + t);
-    const uint8_t* row = vblock + t * (d / 2);
-    float* dst = vt + t * d;
-    for (int64_t j = 0; j < d / 2; ++j) {
-      dst[2 * j] = low + scale * static_cast<float>(row[j] & 15);
-      dst[2 * j + 1] = low + scale * static_cast<float>(row[j] >> 4);
-    }
+  const fVec lo = fVec::loadu(l), hi = fVec::loadu(h);
+#endif
+  std::tie(first, second) = at::vec::interleave2(lo, hi);
+}
+
+// n codes (two per byte, low nibble first) as low + scale * code, into dst[0, n).
+inline void dequantize_codes(const uint8_t* codes, int64_t n, float scale, float low,
+                             float* dst) {
+  int64_t i = 0;
+  const fVec vs(scale), vl(low);
+  for (; i + 2 * kVec <= n; i += 2 * kVec) {
+    fVec a, b;
+    load_nibbles(codes + i / 2, a, b);
+    at::vec::fmadd(a, vs, vl).store(dst + i);
+    at::vec::fmadd(b, vs, vl).store(dst + i + kVec);
+  }
+  for (; i < n; ++i) {
+    const uint8_t byte = codes[i / 2];
+    dst[i] = low + scale * static_cast<float>(i % 2 ? byte >> 4 : byte & 15);
   }
 }
 
-// The first n tokens of an open block of kv head kh, from its staging units in order.
+// One sealed block of one kv head, dequantized into float tiles that stay in L1 and are
+// shared by every query row and head of the work item: K transposed, kt[c * stride + t] (the
+// block's K codes are per channel already, and scores then run along the tokens, a vector of
+// keys at a time), and V by token, vt[t * d + c].
+void dequantize_block(const Int4Args& a, const uint8_t* kblock, const uint8_t* vblock, int64_t n,
+                      float* kt, int64_t stride, float* vt) {
+  const int64_t bs = a.block_size, d = a.head_dim;
+  const uint8_t* kmeta = kblock + bs * d / 2;
+  for (int64_t c = 0; c < d; ++c) {
+    dequantize_codes(kblock + c * (bs / 2), n, half_at(kmeta, c), half_at(kmeta, d + c),
+                     kt + c * stride);
+  }
+  const uint8_t* vmeta = vblock + bs * d / 2;
+  for (int64_t t = 0; t < n; ++t) {
+    dequantize_codes(vblock + t * (d / 2), d, half_at(vmeta, t), half_at(vmeta, bs + t),
+                     vt + t * d);
+  }
+}
+
+// The first n tokens of an open block of kv head kh, from its staging units in order (int8:
+// K [d][unit], V [unit][d], then a float16 scale and an int8 zero point per token), into the
+// tiles of dequantize_block.
 void dequantize_staged(const Int4Args& a, const int32_t* units, int64_t kh, int64_t n, float* kt,
-                       float* vt) {
+                       int64_t stride, float* vt) {
   const int64_t u = a.unit, d = a.head_dim;
   for (int64_t i = 0; i * u < n; ++i) {
     TORCH_CHECK(units[i] >= 0, "paged_attention_int4: an open block without its staging units");
     const int64_t off = a.stage.offset(units[i], kh);
-    dequantize_int8_rows(a.k_stage + off, a.v_stage + off, std::min(u, n - i * u), u, d,
-                         kt + i * u * d, vt + i * u * d);
+    const int8_t* kunit = a.k_stage + off;
+    const int8_t* vunit = a.v_stage + off;
+    const at::Half* k_scales = int8_scales(kunit, u, d);
+    const at::Half* v_scales = int8_scales(vunit, u, d);
+    const int8_t* k_zeros = int8_zeros(kunit, u, d);
+    const int8_t* v_zeros = int8_zeros(vunit, u, d);
+    for (int64_t t = 0; t < std::min(u, n - i * u); ++t) {
+      const float ks = static_cast<float>(k_scales[t]), kz = k_zeros[t];
+      const float vs = static_cast<float>(v_scales[t]), vz = v_zeros[t];
+      float* vrow = vt + (i * u + t) * d;
+      for (int64_t c = 0; c < d; ++c) {
+        kt[c * stride + i * u + t] = (static_cast<float>(kunit[c * u + t]) - kz) * ks;
+        vrow[c] = (static_cast<float>(vunit[t * d + c]) - vz) * vs;
+      }
+    }
   }
 }
 
-inline float dot(const float* x, const float* y, int64_t d) {
-  if (d % kVec == 0) {
-    fVec sum(0.f);
-    for (int64_t c = 0; c < d; c += kVec) sum = at::vec::fmadd(load_f(x + c), load_f(y + c), sum);
-    return at::vec::vec_reduce_all<float>([](fVec& u, fVec& w) { return u + w; }, sum);
+// scores[q][t] = query q . key t for t in [0, n) rounded up to whole vectors (a tile row holds
+// `stride` >= that many keys; scores past n come from whatever the tile holds and are never
+// read), NQ query vectors at a time so that each load of keys serves all of them.
+template <int NQ>
+inline void score_tile(const float* const* qs, const float* kt, int64_t n, int64_t stride,
+                       int64_t d, float* const* scores) {
+  for (int64_t t0 = 0; t0 < n; t0 += kVec) {
+    fVec acc[NQ];
+    for (int i = 0; i < NQ; ++i) acc[i] = fVec(0.f);
+    for (int64_t c = 0; c < d; ++c) {
+      const fVec keys = fVec::loadu(kt + c * stride + t0);
+      for (int i = 0; i < NQ; ++i) acc[i] = at::vec::fmadd(fVec(qs[i][c]), keys, acc[i]);
+    }
+    for (int i = 0; i < NQ; ++i) acc[i].store(scores[i] + t0);
   }
-  float sum = 0.f;
-  for (int64_t c = 0; c < d; ++c) sum += x[c] * y[c];
-  return sum;
 }
 
 // Query rows per work item: each block is dequantized once for this many rows.
@@ -130,9 +182,12 @@ void attention_int4_impl(at::Tensor& out, const at::Tensor& q, const Int4Args& a
     }
   }
   const int64_t num_items = static_cast<int64_t>(items.size()) * kv_heads;
+  // A tile row (K's keys, one channel; a query's scores): whole vectors.
+  const int64_t stride = (bs + kVec - 1) / kVec * kVec;
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qs(kRowsPerItem * gh * d), acc(kRowsPerItem * gh * d);
-    std::vector<float> kt(bs * d), vt(bs * d), p(bs);
+    // Zeroed once: lanes past a block's last key are read (and ignored) by whole vectors.
+    std::vector<float> kt(d * stride, 0.f), vt(bs * d), p(kRowsPerItem * gh * stride, 0.f);
     std::vector<float> m(kRowsPerItem * gh), l(kRowsPerItem * gh);
     for (int64_t item = begin; item < end; ++item) {
       const auto& [s, r0, r1] = items[item / kv_heads];
@@ -160,46 +215,78 @@ void attention_int4_impl(at::Tensor& out, const at::Tensor& q, const Int4Args& a
         } else if ((b + 1) * bs <= seq_len) {
           const int64_t off = tables[s * width + b] * args.cache_block_stride +
                               kh * args.cache_head_stride;
-          dequantize_block(args, args.k_cache + off, args.v_cache + off, n, kt.data(),
+          dequantize_block(args, args.k_cache + off, args.v_cache + off, n, kt.data(), stride,
                            vt.data());
         } else {
           dequantize_staged(args, slots + s * units_per_group, kh, std::min(n, exact_from),
-                            kt.data(), vt.data());
+                            kt.data(), stride, vt.data());
         }
         for (int64_t t = exact_from; t < n; ++t) {
           const int64_t at = (starts[s] + b * bs + t - new_from) * kv_heads * d + kh * d;
-          std::memcpy(kt.data() + t * d, args.k_new + at, d * sizeof(float));
+          for (int64_t c = 0; c < d; ++c) kt[c * stride + t] = args.k_new[at + c];
           std::memcpy(vt.data() + t * d, args.v_new + at, d * sizeof(float));
         }
+        // Scores of every row and head of the item that sees this block, up to 4 query
+        // vectors per pass over the keys.
+        std::array<const float*, 4> qv{};
+        std::array<float*, 4> pv{};
+        int nq = 0;
+        int64_t pass_n = 0;
+        auto flush = [&]() {
+          switch (nq) {
+            case 1: score_tile<1>(qv.data(), kt.data(), pass_n, stride, d, pv.data()); break;
+            case 2: score_tile<2>(qv.data(), kt.data(), pass_n, stride, d, pv.data()); break;
+            case 3: score_tile<3>(qv.data(), kt.data(), pass_n, stride, d, pv.data()); break;
+            case 4: score_tile<4>(qv.data(), kt.data(), pass_n, stride, d, pv.data()); break;
+            default: break;
+          }
+          nq = 0;
+          pass_n = 0;
+        };
         for (int64_t i = 0; i < rows; ++i) {
-          const int64_t pos = first_pos + r0 + i;
-          const int64_t ni = std::min(n, pos + 1 - b * bs);  // causal
+          const int64_t ni = std::min(n, first_pos + r0 + i + 1 - b * bs);  // causal
+          if (ni <= 0) continue;
+          for (int64_t h = 0; h < gh; ++h) {
+            qv[nq] = qs.data() + (i * gh + h) * d;
+            pv[nq] = p.data() + (i * gh + h) * stride;
+            pass_n = std::max(pass_n, ni);
+            if (++nq == 4) flush();
+          }
+        }
+        flush();
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t ni = std::min(n, first_pos + r0 + i + 1 - b * bs);  // causal
           if (ni <= 0) continue;
           for (int64_t h = 0; h < gh; ++h) {
             const int64_t rh = i * gh + h;
-            const float* qv = qs.data() + rh * d;
+            float* pr = p.data() + rh * stride;
             float mx = m[rh];
-            for (int64_t t = 0; t < ni; ++t) {
-              p[t] = dot(qv, kt.data() + t * d, d);
-              mx = std::max(mx, p[t]);
-            }
+            for (int64_t t = 0; t < ni; ++t) mx = std::max(mx, pr[t]);
             // Online softmax: rescale what was accumulated when the running maximum grows.
             const float correction = std::exp(m[rh] - mx);
+            const fVec vmx(mx);
+            for (int64_t t = 0; t < ni; t += kVec) (fVec::loadu(pr + t) - vmx).exp().store(pr + t);
             float sum = 0.f;
-            for (int64_t t = 0; t < ni; ++t) {
-              p[t] = std::exp(p[t] - mx);
-              sum += p[t];
-            }
+            for (int64_t t = 0; t < ni; ++t) sum += pr[t];
             l[rh] = l[rh] * correction + sum;
             m[rh] = mx;
             float* a = acc.data() + rh * d;
-            if (correction != 1.f) {
+            if (d % kVec == 0) {
+              const fVec vc(correction);
+              for (int64_t c = 0; c < d; c += kVec) {
+                fVec sumv = fVec::loadu(a + c) * vc;
+                for (int64_t t = 0; t < ni; ++t) {
+                  sumv = at::vec::fmadd(fVec(pr[t]), fVec::loadu(vt.data() + t * d + c), sumv);
+                }
+                sumv.store(a + c);
+              }
+            } else {
               for (int64_t c = 0; c < d; ++c) a[c] *= correction;
-            }
-            for (int64_t t = 0; t < ni; ++t) {
-              const float w = p[t];
-              const float* vrow = vt.data() + t * d;
-              for (int64_t c = 0; c < d; ++c) a[c] += w * vrow[c];
+              for (int64_t t = 0; t < ni; ++t) {
+                const float w = pr[t];
+                const float* vrow = vt.data() + t * d;
+                for (int64_t c = 0; c < d; ++c) a[c] += w * vrow[c];
+              }
             }
           }
         }
