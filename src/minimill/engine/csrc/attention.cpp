@@ -44,21 +44,6 @@ inline int64_t block_elems(int64_t block_size, int64_t head_dim) {
   }
 }
 
-// kVec int8 values as floats.
-inline fVec load_i8(const int8_t* p) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return fVec(_mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
-#elif defined(CPU_CAPABILITY_AVX2)
-  return fVec(_mm256_cvtepi32_ps(
-      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
-#else
-  float tmp[kVec];
-  for (int i = 0; i < kVec; ++i) tmp[i] = static_cast<float>(p[i]);
-  return fVec::loadu(tmp);
-#endif
-}
-
 inline fVec load_half(const at::Half* p) {
   fVec out;
   at::vec::load_to_float<at::Half>(p, out);

@@ -112,11 +112,14 @@ void dequantize_block(const Int4Args& a, const uint8_t* kblock, const uint8_t* v
 
 // The first n tokens of an open block of kv head kh, from its staging units in order (int8:
 // K [d][unit], V [unit][d], then a float16 scale and an int8 zero point per token), into the
-// tiles of dequantize_block.
+// tiles of dequantize_block. K's codes are first gathered unit by unit into one int8 tile
+// (kcodes, [d][stride]) with their tokens' zero points and scales (kzero, kscale), then
+// dequantized a vector of tokens at a time; V's rows a vector of channels at a time.
 void dequantize_staged(const Int4Args& a, const int32_t* units, int64_t kh, int64_t n, float* kt,
-                       int64_t stride, float* vt) {
+                       int64_t stride, float* vt, int8_t* kcodes, float* kzero, float* kscale) {
   const int64_t u = a.unit, d = a.head_dim;
-  for (int64_t i = 0; i * u < n; ++i) {
+  const int64_t num_units = (n + u - 1) / u;
+  for (int64_t i = 0; i < num_units; ++i) {
     TORCH_CHECK(units[i] >= 0, "paged_attention_int4: an open block without its staging units");
     const int64_t off = a.stage.offset(units[i], kh);
     const int8_t* kunit = a.k_stage + off;
@@ -125,15 +128,33 @@ void dequantize_staged(const Int4Args& a, const int32_t* units, int64_t kh, int6
     const at::Half* v_scales = int8_scales(vunit, u, d);
     const int8_t* k_zeros = int8_zeros(kunit, u, d);
     const int8_t* v_zeros = int8_zeros(vunit, u, d);
+    for (int64_t t = 0; t < u; ++t) {
+      kscale[i * u + t] = static_cast<float>(k_scales[t]);
+      kzero[i * u + t] = static_cast<float>(k_zeros[t]);
+    }
+    for (int64_t c = 0; c < d; ++c) std::memcpy(kcodes + c * stride + i * u, kunit + c * u, u);
     for (int64_t t = 0; t < std::min(u, n - i * u); ++t) {
-      const float ks = static_cast<float>(k_scales[t]), kz = k_zeros[t];
-      const float vs = static_cast<float>(v_scales[t]), vz = v_zeros[t];
+      const fVec vs(static_cast<float>(v_scales[t])), vz(static_cast<float>(v_zeros[t]));
+      const int8_t* src = vunit + t * d;
       float* vrow = vt + (i * u + t) * d;
-      for (int64_t c = 0; c < d; ++c) {
-        kt[c * stride + i * u + t] = (static_cast<float>(kunit[c * u + t]) - kz) * ks;
-        vrow[c] = (static_cast<float>(vunit[t * d + c]) - vz) * vs;
+      int64_t c = 0;
+      for (; c + kVec <= d; c += kVec) ((load_i8(src + c) - vz) * vs).store(vrow + c);
+      for (; c < d; ++c) {
+        vrow[c] = (static_cast<float>(src[c]) - static_cast<float>(v_zeros[t])) *
+                  static_cast<float>(v_scales[t]);
       }
     }
+  }
+  // Whole units: tokens of the last unit past n are dequantized too, into lanes never read.
+  const int64_t tokens = num_units * u;
+  for (int64_t c = 0; c < d; ++c) {
+    const int8_t* codes = kcodes + c * stride;
+    float* dst = kt + c * stride;
+    int64_t t = 0;
+    for (; t + kVec <= tokens; t += kVec) {
+      ((load_i8(codes + t) - fVec::loadu(kzero + t)) * fVec::loadu(kscale + t)).store(dst + t);
+    }
+    for (; t < tokens; ++t) dst[t] = (static_cast<float>(codes[t]) - kzero[t]) * kscale[t];
   }
 }
 
@@ -189,6 +210,9 @@ void attention_int4_impl(at::Tensor& out, const at::Tensor& q, const Int4Args& a
     // Zeroed once: lanes past a block's last key are read (and ignored) by whole vectors.
     std::vector<float> kt(d * stride, 0.f), vt(bs * d), p(kRowsPerItem * gh * stride, 0.f);
     std::vector<float> m(kRowsPerItem * gh), l(kRowsPerItem * gh);
+    // Staged K codes gathered from their units, and their tokens' zero points and scales.
+    std::vector<int8_t> kcodes(d * stride, 0);
+    std::vector<float> kzero(stride, 0.f), kscale(stride, 0.f);
     for (int64_t item = begin; item < end; ++item) {
       const auto& [s, r0, r1] = items[item / kv_heads];
       const int64_t kh = item % kv_heads;
@@ -219,7 +243,8 @@ void attention_int4_impl(at::Tensor& out, const at::Tensor& q, const Int4Args& a
                            vt.data());
         } else {
           dequantize_staged(args, slots + s * units_per_group, kh, std::min(n, exact_from),
-                            kt.data(), stride, vt.data());
+                            kt.data(), stride, vt.data(), kcodes.data(), kzero.data(),
+                            kscale.data());
         }
         for (int64_t t = exact_from; t < n; ++t) {
           const int64_t at = (starts[s] + b * bs + t - new_from) * kv_heads * d + kh * d;

@@ -6,7 +6,26 @@
 
 #include "vec.h"
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
 namespace minimill {
+
+// kVec int8 values as floats.
+inline fVec load_i8(const int8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return fVec(_mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return fVec(_mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  float tmp[kVec];
+  for (int i = 0; i < kVec; ++i) tmp[i] = static_cast<float>(p[i]);
+  return fVec::loadu(tmp);
+#endif
+}
 
 inline at::Half* int8_scales(int8_t* block, int64_t block_size, int64_t head_dim) {
   return reinterpret_cast<at::Half*>(block + block_size * head_dim);
