@@ -132,7 +132,11 @@ void dequantize_staged(const Int4Args& a, const int32_t* units, int64_t kh, int6
       kscale[i * u + t] = static_cast<float>(k_scales[t]);
       kzero[i * u + t] = static_cast<float>(k_zeros[t]);
     }
-    for (int64_t c = 0; c < d; ++c) std::memcpy(kcodes + c * stride + i * u, kunit + c * u, u);
+    if (u == 4) {  // kv_int4.INT4_STAGE_UNIT: a fixed-size copy compiles to one move
+      for (int64_t c = 0; c < d; ++c) std::memcpy(kcodes + c * stride + i * 4, kunit + c * 4, 4);
+    } else {
+      for (int64_t c = 0; c < d; ++c) std::memcpy(kcodes + c * stride + i * u, kunit + c * u, u);
+    }
     for (int64_t t = 0; t < std::min(u, n - i * u); ++t) {
       const fVec vs(static_cast<float>(v_scales[t])), vz(static_cast<float>(v_zeros[t]));
       const int8_t* src = vunit + t * d;
