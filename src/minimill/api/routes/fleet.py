@@ -27,7 +27,10 @@ from minimill.api.schemas import (
     OutageObject,
 )
 from minimill.control import batch_finalize, leases, release
+from minimill.control.config import ControlConfig
+from minimill.control.records import Site
 from minimill.control.sites import add_outage, list_outages, remove_outage
+from minimill.control.store import Store
 from minimill.protocol import (
     FLEET_PREFIX,
     CompleteRequest,
@@ -84,15 +87,20 @@ async def heartbeat(beat: HeartbeatRequest, store: StoreDep, site: SiteDep, conf
 @router.post("/complete", response_model=CompleteResponse)
 async def complete(done: CompleteRequest, request: Request, store: StoreDep, site: SiteDep,
                    config: ConfigDep, watcher: WatcherDep) -> CompleteResponse:
-    answer = await anyio.to_thread.run_sync(leases.complete, store, site, done, time.time(),
-                                            config)
+    answer, batch_ended = await anyio.to_thread.run_sync(_complete, store, site, done,
+                                                         time.time(), config)
     watcher.poke(answer.accepted)
-    if answer.accepted:
-        ended: bool = await anyio.to_thread.run_sync(batch_finalize.any_finishable_among, store,
-                                                     answer.accepted)
-        if ended:
-            request.app.state.ingest_wake.set()  # a batch's last line: finalize it now
+    if batch_ended:
+        request.app.state.ingest_wake.set()  # a batch's last line: finalize it now
     return answer
+
+
+def _complete(store: Store, site: Site, done: CompleteRequest, now: float,
+              config: ControlConfig) -> tuple[CompleteResponse, bool]:
+    """The completions accepted, and whether one of them was the last line of its batch (one
+    trip to the thread pool for both)."""
+    answer = leases.complete(store, site, done, now, config)
+    return answer, batch_finalize.any_finishable_among(store, answer.accepted)
 
 
 @router.post("/release", response_model=ReleaseResponse)

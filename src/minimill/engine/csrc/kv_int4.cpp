@@ -138,15 +138,12 @@ void dequantize_staged(const Int4Args& a, const int32_t* units, int64_t kh, int6
       for (int64_t c = 0; c < d; ++c) std::memcpy(kcodes + c * stride + i * u, kunit + c * u, u);
     }
     for (int64_t t = 0; t < std::min(u, n - i * u); ++t) {
-      const fVec vs(static_cast<float>(v_scales[t])), vz(static_cast<float>(v_zeros[t]));
+      const float vs = static_cast<float>(v_scales[t]), vz = v_zeros[t];
       const int8_t* src = vunit + t * d;
       float* vrow = vt + (i * u + t) * d;
       int64_t c = 0;
-      for (; c + kVec <= d; c += kVec) ((load_i8(src + c) - vz) * vs).store(vrow + c);
-      for (; c < d; ++c) {
-        vrow[c] = (static_cast<float>(src[c]) - static_cast<float>(v_zeros[t])) *
-                  static_cast<float>(v_scales[t]);
-      }
+      for (; c + kVec <= d; c += kVec) ((load_i8(src + c) - fVec(vz)) * fVec(vs)).store(vrow + c);
+      for (; c < d; ++c) vrow[c] = (static_cast<float>(src[c]) - vz) * vs;
     }
   }
   // Whole units: tokens of the last unit past n are dequantized too, into lanes never read.
