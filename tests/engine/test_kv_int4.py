@@ -14,7 +14,7 @@ from minimill.engine.attention import (
     layer_views,
 )
 from minimill.engine.config import EngineConfig
-from minimill.engine.kernels import CpuKernels
+from minimill.engine.kernels import CpuKernels, TorchKernels
 from minimill.engine.kv_int4 import (
     INT4_GROUP,
     INT4_STAGE_UNIT,
@@ -373,3 +373,29 @@ def test_int4_sequence_preempted_with_an_open_block_resumes_identically(
     assert scheduler.num_preemptions > 0 and scheduler.num_cached_tokens_total >= G
     assert got == want
     assert scheduler.block_manager.num_free_blocks == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128)])
+def test_native_rotary_split_gives_the_reference_bits(native: CpuKernels, dtype: torch.dtype,
+                                                      heads: int, kv_heads: int,
+                                                      head_dim: int) -> None:
+    """The int4 path's rotary in C++ (q rotated in the model dtype, K rotated and V in
+    float32, for the int4 quantizers) gives exactly the PyTorch path's bits: a code on a
+    rounding boundary then goes the same way in both."""
+    g = torch.Generator().manual_seed(11)
+    tokens = 37
+    width = (heads + 2 * kv_heads) * head_dim
+    # Rows wider than q, k and v (as a qkv projection with a bias column block would give).
+    qkv = torch.randn(tokens, width + 16, generator=g).to(dtype)[:, :width]
+    positions = torch.randint(0, 300, (tokens,), generator=g)
+    angles = torch.rand(512, head_dim // 2, generator=g) * 40
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=1).contiguous()
+    want = TorchKernels._rotate(qkv, positions, cos_sin, heads, kv_heads)
+    q = qkv.new_empty(tokens, heads, head_dim)
+    k = torch.empty(tokens, kv_heads, head_dim)
+    v = torch.empty(tokens, kv_heads, head_dim)
+    torch.ops.minimill.rotary_split(qkv, positions, cos_sin, q, k, v, heads, kv_heads)
+    assert torch.equal(q, want[0]) and q.dtype == dtype
+    assert torch.equal(k, want[1])
+    assert torch.equal(v, want[2].float())

@@ -245,12 +245,15 @@ class CpuKernels(TorchKernels):
                              v_stage: torch.Tensor, meta: AttentionMetadata, num_heads: int,
                              num_kv_heads: int
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rotary in PyTorch (as the reference), sealing and staging in C++; returns q and
-        this step's exact K and V, as TorchKernels does."""
+        """Rotary, sealing and staging in C++; returns q and this step's exact K and V, as
+        TorchKernels does (the same bits: rotary_split does the reference's float32 math)."""
         step = meta.int4
         assert step is not None
-        q, k, v = self._rotate(qkv, positions, cos_sin, num_heads, num_kv_heads)
-        k, v = k.contiguous(), v.float().contiguous()
+        tokens, head_dim = qkv.shape[0], cos_sin.shape[1]
+        q = qkv.new_empty(tokens, num_heads, head_dim)
+        k = torch.empty(tokens, num_kv_heads, head_dim)
+        v = torch.empty(tokens, num_kv_heads, head_dim)
+        self._ops.rotary_split(qkv, positions, cos_sin, q, k, v, num_heads, num_kv_heads)
         self._ops.kv_int4_write(k, v, k_cache, v_cache,
                                 k_stage, v_stage, step.stage_tokens, step.stage_mapping,
                                 step.seal_blocks, step.seal_stage, step.seal_tokens,

@@ -240,6 +240,103 @@ void rotary_kv_write(at::Tensor qkv, at::Tensor positions, at::Tensor cos_sin, a
 
 namespace {
 
+// Rotary on q and k without a cache write (an int4 cache quantizes K and V itself, from
+// float32): q rotated into q_out in the activation dtype, k rotated and v as they are into
+// k_out and v_out in float32. The same float32 arithmetic as the PyTorch path (TorchKernels.
+// _rotate): each product rounded on its own, no fused multiply-add, so both give the same bits.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+template <typename T>
+void rotary_split_impl(const at::Tensor& qkv, const at::Tensor& positions,
+                       const at::Tensor& cos_sin, at::Tensor& q_out, at::Tensor& k_out,
+                       at::Tensor& v_out, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim) {
+  const int64_t tokens = qkv.size(0), half = head_dim / 2;
+  const T* src = qkv.data_ptr<T>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cs = cos_sin.data_ptr<float>();
+  T* qo = q_out.data_ptr<T>();
+  float* ko = k_out.data_ptr<float>();
+  float* vo = v_out.data_ptr<float>();
+  const int64_t src_stride = qkv.stride(0);
+  const int64_t kv_row = num_kv_heads * head_dim;
+  const int64_t row_work = (num_heads + 2 * num_kv_heads) * head_dim;
+  at::parallel_for(0, tokens, grain_rows(row_work), [&](int64_t b, int64_t e) {
+    alignas(64) float rotated[kMaxHeadDim];
+    for (int64_t t = b; t < e; ++t) {
+      const T* row = src + t * src_stride;
+      const float* cosv = cs + pos[t] * head_dim;
+      const float* sinv = cosv + half;
+      auto rotate = [&](const T* x, float* dst) {
+        int64_t i = 0;
+        for (; i + kVec <= half; i += kVec) {
+          const fVec x1 = load_f(x + i), x2 = load_f(x + i + half);
+          const fVec c = fVec::loadu(cosv + i), sn = fVec::loadu(sinv + i);
+          const fVec a = x1 * c, bb = x2 * sn, cc = x2 * c, d = x1 * sn;
+          (a - bb).store(dst + i);
+          (cc + d).store(dst + i + half);
+        }
+        for (; i < half; ++i) {
+          const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
+          const float a = x1 * cosv[i], bb = x2 * sinv[i], cc = x2 * cosv[i], d = x1 * sinv[i];
+          dst[i] = a - bb;
+          dst[i + half] = cc + d;
+        }
+      };
+      for (int64_t h = 0; h < num_heads; ++h) {
+        rotate(row + h * head_dim, rotated);
+        T* dst = qo + (t * num_heads + h) * head_dim;
+        for (int64_t i = 0; i < head_dim; i += kVec) store_f(dst + i, fVec::loadu(rotated + i));
+      }
+      for (int64_t g = 0; g < num_kv_heads; ++g) {
+        rotate(row + (num_heads + g) * head_dim, ko + t * kv_row + g * head_dim);
+        const T* v = row + (num_heads + num_kv_heads + g) * head_dim;
+        float* vdst = vo + t * kv_row + g * head_dim;
+        for (int64_t i = 0; i < head_dim; i += kVec) load_f(v + i).store(vdst + i);
+      }
+    }
+  });
+}
+#pragma GCC pop_options
+
+}  // namespace
+
+void rotary_split(at::Tensor qkv, at::Tensor positions, at::Tensor cos_sin, at::Tensor q_out,
+                  at::Tensor k_out, at::Tensor v_out, int64_t num_heads,
+                  int64_t num_kv_heads) {
+  check_cpu(qkv, "qkv");
+  const int64_t head_dim = cos_sin.size(1), tokens = qkv.size(0);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 &&
+                  qkv.size(1) >= (num_heads + 2 * num_kv_heads) * head_dim,
+              "qkv must be [tokens, (heads + 2 * kv_heads) * head_dim] with contiguous rows");
+  TORCH_CHECK(head_dim % kVec == 0 && head_dim <= kMaxHeadDim,
+              "head_dim must be a multiple of ", kVec, " and at most ", kMaxHeadDim);
+  TORCH_CHECK(q_out.is_contiguous() && q_out.sizes() == at::IntArrayRef({tokens, num_heads,
+                                                                        head_dim}) &&
+                  q_out.scalar_type() == qkv.scalar_type(),
+              "q_out must be contiguous [tokens, heads, head_dim] in qkv's dtype");
+  for (const auto* t : {&k_out, &v_out}) {
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat &&
+                    t->sizes() == at::IntArrayRef({tokens, num_kv_heads, head_dim}),
+                "k_out and v_out must be contiguous float32 [tokens, kv_heads, head_dim]");
+  }
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                  positions.numel() == tokens,
+              "positions must be contiguous int64, one per token");
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous(),
+              "cos_sin must be contiguous float32");
+  if (qkv.scalar_type() == at::kFloat) {
+    rotary_split_impl<float>(qkv, positions, cos_sin, q_out, k_out, v_out, num_heads,
+                             num_kv_heads, head_dim);
+  } else {
+    TORCH_CHECK(qkv.scalar_type() == at::kBFloat16, "rotary_split: float32 or bfloat16 qkv");
+    rotary_split_impl<BFloat16>(qkv, positions, cos_sin, q_out, k_out, v_out, num_heads,
+                                num_kv_heads, head_dim);
+  }
+}
+
+namespace {
+
 // ---------------------------------------------------------------------------------------------
 // Attention over the paged cache, decodes and prompt chunks together, in one call per layer.
 //

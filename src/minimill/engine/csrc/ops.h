@@ -14,6 +14,8 @@ void silu_and_mul(at::Tensor out, at::Tensor gate_up);
 void rotary_kv_write(at::Tensor qkv, at::Tensor positions, at::Tensor cos_sin, at::Tensor q_out,
                      at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
                      int64_t num_heads, int64_t num_kv_heads, int64_t block_size);
+void rotary_split(at::Tensor qkv, at::Tensor positions, at::Tensor cos_sin, at::Tensor q_out,
+                  at::Tensor k_out, at::Tensor v_out, int64_t num_heads, int64_t num_kv_heads);
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                      at::Tensor block_tables, at::Tensor query_start, at::Tensor seq_lens,
                      double scale, int64_t block_size);

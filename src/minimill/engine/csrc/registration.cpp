@@ -43,6 +43,8 @@ TORCH_LIBRARY(minimill, m) {
   m.def("rotary_kv_write(Tensor qkv, Tensor positions, Tensor cos_sin, Tensor(a!) q_out, "
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, int num_heads, "
         "int num_kv_heads, int block_size) -> ()");
+  m.def("rotary_split(Tensor qkv, Tensor positions, Tensor cos_sin, Tensor(a!) q_out, "
+        "Tensor(b!) k_out, Tensor(c!) v_out, int num_heads, int num_kv_heads) -> ()");
   m.def("sample_tokens(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, "
         "Tensor u, Tensor adjust_offsets, Tensor adjust_ids, Tensor adjust_values, "
         "Tensor(a!) out) -> ()");
@@ -71,6 +73,7 @@ TORCH_LIBRARY_IMPL(minimill, CPU, m) {
   m.impl("add_rms_norm", &minimill::add_rms_norm);
   m.impl("silu_and_mul", &minimill::silu_and_mul);
   m.impl("rotary_kv_write", &minimill::rotary_kv_write);
+  m.impl("rotary_split", &minimill::rotary_split);
   m.impl("paged_attention", &minimill::paged_attention);
   m.impl("paged_attention_int4", &minimill::paged_attention_int4);
   m.impl("kv_int4_write", &minimill::kv_int4_write);
