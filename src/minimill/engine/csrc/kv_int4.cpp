@@ -159,20 +159,91 @@ void dequantize_staged(const Int4Args& a, const int32_t* units, int64_t kh, int6
   }
 }
 
+// Vectors of keys (scores) or channels (V) one pass keeps in registers per query vector: with
+// up to 4 query vectors, 4 x 4 accumulators fit AVX-512's 32 registers beside the loads; AVX2
+// has 16.
+constexpr int kPassVecs = kVec == 16 ? 4 : 2;
+
+// scores[i][t0 + j * kVec ..] for TV vectors of keys from t0: NQ * TV independent chains of
+// multiply-adds (the units' rate, not one chain's latency); each score is still one chain over
+// the channels in order.
+template <int NQ, int TV>
+inline void score_vectors(const float* const* qs, const float* kt, int64_t t0, int64_t stride,
+                          int64_t d, float* const* scores) {
+  fVec acc[NQ][TV];
+  for (int i = 0; i < NQ; ++i) {
+    for (int j = 0; j < TV; ++j) acc[i][j] = fVec(0.f);
+  }
+  for (int64_t c = 0; c < d; ++c) {
+    fVec keys[TV];
+    for (int j = 0; j < TV; ++j) keys[j] = fVec::loadu(kt + c * stride + t0 + j * kVec);
+    for (int i = 0; i < NQ; ++i) {
+      const fVec qc(qs[i][c]);
+      for (int j = 0; j < TV; ++j) acc[i][j] = at::vec::fmadd(qc, keys[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < NQ; ++i) {
+    for (int j = 0; j < TV; ++j) acc[i][j].store(scores[i] + t0 + j * kVec);
+  }
+}
+
 // scores[q][t] = query q . key t for t in [0, n) rounded up to whole vectors (a tile row holds
 // `stride` >= that many keys; scores past n come from whatever the tile holds and are never
 // read), NQ query vectors at a time so that each load of keys serves all of them.
 template <int NQ>
 inline void score_tile(const float* const* qs, const float* kt, int64_t n, int64_t stride,
                        int64_t d, float* const* scores) {
-  for (int64_t t0 = 0; t0 < n; t0 += kVec) {
-    fVec acc[NQ];
-    for (int i = 0; i < NQ; ++i) acc[i] = fVec(0.f);
-    for (int64_t c = 0; c < d; ++c) {
-      const fVec keys = fVec::loadu(kt + c * stride + t0);
-      for (int i = 0; i < NQ; ++i) acc[i] = at::vec::fmadd(fVec(qs[i][c]), keys, acc[i]);
+  int64_t t0 = 0;
+  for (; t0 + kPassVecs * kVec <= n; t0 += kPassVecs * kVec) {
+    score_vectors<NQ, kPassVecs>(qs, kt, t0, stride, d, scores);
+  }
+  switch ((n - t0 + kVec - 1) / kVec) {  // up to kPassVecs: n need not be whole vectors
+    case 4: score_vectors<NQ, 4>(qs, kt, t0, stride, d, scores); break;
+    case 3: score_vectors<NQ, 3>(qs, kt, t0, stride, d, scores); break;
+    case 2: score_vectors<NQ, 2>(qs, kt, t0, stride, d, scores); break;
+    case 1: score_vectors<NQ, 1>(qs, kt, t0, stride, d, scores); break;
+    default: break;
+  }
+}
+
+// acc[i][c0 + j * kVec ..] = acc[i][..] * correction[i] + sum over t < n of p[i][t] V[t][..],
+// for CV vectors of channels from c0 and NQ query vectors that see the same n keys: each V load
+// serves all of them, and NQ * CV chains run side by side (each still over t in order).
+template <int NQ, int CV>
+inline void accumulate_vectors(const float* const* ps, const float* correction,
+                               float* const* accs, const float* vt, int64_t n, int64_t d,
+                               int64_t c0) {
+  fVec sum[NQ][CV];
+  for (int i = 0; i < NQ; ++i) {
+    const fVec vc(correction[i]);
+    for (int j = 0; j < CV; ++j) sum[i][j] = fVec::loadu(accs[i] + c0 + j * kVec) * vc;
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    fVec v[CV];
+    for (int j = 0; j < CV; ++j) v[j] = fVec::loadu(vt + t * d + c0 + j * kVec);
+    for (int i = 0; i < NQ; ++i) {
+      const fVec pt(ps[i][t]);
+      for (int j = 0; j < CV; ++j) sum[i][j] = at::vec::fmadd(pt, v[j], sum[i][j]);
     }
-    for (int i = 0; i < NQ; ++i) acc[i].store(scores[i] + t0);
+  }
+  for (int i = 0; i < NQ; ++i) {
+    for (int j = 0; j < CV; ++j) sum[i][j].store(accs[i] + c0 + j * kVec);
+  }
+}
+
+// accumulate_vectors over all of head_dim (a multiple of kVec).
+template <int NQ>
+inline void accumulate_tile(const float* const* ps, const float* correction, float* const* accs,
+                            const float* vt, int64_t n, int64_t d) {
+  int64_t c0 = 0;
+  for (; c0 + kPassVecs * kVec <= d; c0 += kPassVecs * kVec) {
+    accumulate_vectors<NQ, kPassVecs>(ps, correction, accs, vt, n, d, c0);
+  }
+  switch ((d - c0) / kVec) {
+    case 3: accumulate_vectors<NQ, 3>(ps, correction, accs, vt, n, d, c0); break;
+    case 2: accumulate_vectors<NQ, 2>(ps, correction, accs, vt, n, d, c0); break;
+    case 1: accumulate_vectors<NQ, 1>(ps, correction, accs, vt, n, d, c0); break;
+    default: break;
   }
 }
 
@@ -210,7 +281,7 @@ void attention_int4_impl(at::Tensor& out, const at::Tensor& q, const Int4Args& a
     std::vector<float> qs(kRowsPerItem * gh * d), acc(kRowsPerItem * gh * d);
     // Zeroed once: lanes past a block's last key are read (and ignored) by whole vectors.
     std::vector<float> kt(d * stride, 0.f), vt(bs * d), p(kRowsPerItem * gh * stride, 0.f);
-    std::vector<float> m(kRowsPerItem * gh), l(kRowsPerItem * gh);
+    std::vector<float> m(kRowsPerItem * gh), l(kRowsPerItem * gh), correction(kRowsPerItem * gh);
     // Staged K codes gathered from their units, and their tokens' zero points and scales.
     std::vector<int8_t> kcodes(d * stride, 0);
     std::vector<float> kzero(stride, 0.f), kscale(stride, 0.f);
@@ -286,33 +357,52 @@ void attention_int4_impl(at::Tensor& out, const at::Tensor& q, const Int4Args& a
           for (int64_t h = 0; h < gh; ++h) {
             const int64_t rh = i * gh + h;
             float* pr = p.data() + rh * stride;
-            float mx = m[rh];
-            for (int64_t t = 0; t < ni; ++t) mx = std::max(mx, pr[t]);
+            // The running maximum, a vector at a time (a scalar loop kept it in memory).
+            fVec vmax(m[rh]);
+            int64_t t = 0;
+            for (; t + kVec <= ni; t += kVec) vmax = at::vec::maximum(vmax, fVec::loadu(pr + t));
+            float mx = at::vec::vec_reduce_all<float>(
+                [](fVec& a, fVec& b) { return at::vec::maximum(a, b); }, vmax);
+            for (; t < ni; ++t) mx = std::max(mx, pr[t]);
             // Online softmax: rescale what was accumulated when the running maximum grows.
-            const float correction = std::exp(m[rh] - mx);
+            correction[rh] = std::exp(m[rh] - mx);
             const fVec vmx(mx);
-            for (int64_t t = 0; t < ni; t += kVec) (fVec::loadu(pr + t) - vmx).exp().store(pr + t);
+            for (t = 0; t < ni; t += kVec) (fVec::loadu(pr + t) - vmx).exp().store(pr + t);
             float sum = 0.f;
-            for (int64_t t = 0; t < ni; ++t) sum += pr[t];
-            l[rh] = l[rh] * correction + sum;
+            for (t = 0; t < ni; ++t) sum += pr[t];
+            l[rh] = l[rh] * correction[rh] + sum;
             m[rh] = mx;
-            float* a = acc.data() + rh * d;
-            if (d % kVec == 0) {
-              const fVec vc(correction);
-              for (int64_t c = 0; c < d; c += kVec) {
-                fVec sumv = fVec::loadu(a + c) * vc;
+          }
+          // The row's query heads see the same keys: their V sums go up to 4 at a time.
+          for (int64_t h0 = 0; h0 < gh; h0 += 4) {
+            const int nq = static_cast<int>(std::min<int64_t>(4, gh - h0));
+            const int64_t rh0 = i * gh + h0;
+            if (d % kVec != 0) {
+              for (int64_t rh = rh0; rh < rh0 + nq; ++rh) {
+                float* a = acc.data() + rh * d;
+                const float* pr = p.data() + rh * stride;
+                for (int64_t c = 0; c < d; ++c) a[c] *= correction[rh];
                 for (int64_t t = 0; t < ni; ++t) {
-                  sumv = at::vec::fmadd(fVec(pr[t]), fVec::loadu(vt.data() + t * d + c), sumv);
+                  const float w = pr[t];
+                  const float* vrow = vt.data() + t * d;
+                  for (int64_t c = 0; c < d; ++c) a[c] += w * vrow[c];
                 }
-                sumv.store(a + c);
               }
-            } else {
-              for (int64_t c = 0; c < d; ++c) a[c] *= correction;
-              for (int64_t t = 0; t < ni; ++t) {
-                const float w = pr[t];
-                const float* vrow = vt.data() + t * d;
-                for (int64_t c = 0; c < d; ++c) a[c] += w * vrow[c];
-              }
+              continue;
+            }
+            std::array<const float*, 4> probs{};
+            std::array<float*, 4> sums{};
+            for (int k = 0; k < nq; ++k) {
+              probs[k] = p.data() + (rh0 + k) * stride;
+              sums[k] = acc.data() + (rh0 + k) * d;
+            }
+            const float* corr = correction.data() + rh0;
+            const float* v = vt.data();
+            switch (nq) {
+              case 1: accumulate_tile<1>(probs.data(), corr, sums.data(), v, ni, d); break;
+              case 2: accumulate_tile<2>(probs.data(), corr, sums.data(), v, ni, d); break;
+              case 3: accumulate_tile<3>(probs.data(), corr, sums.data(), v, ni, d); break;
+              default: accumulate_tile<4>(probs.data(), corr, sums.data(), v, ni, d); break;
             }
           }
         }
