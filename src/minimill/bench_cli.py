@@ -53,6 +53,10 @@ def bench_engine(
         help="Back the KV pool with memory before the run (as `serve --kv-prefault`, and as "
         "an engine that allocates its cache up front): steady-state speed, not the OS "
         "zeroing pages during the first pass."),
+    lanes: bool = typer.Option(
+        True, "--lanes/--no-lanes",
+        help="CPU: let each core step its own share of the requests on its own clock "
+        "(--no-lanes: every step split across the cores, which wait for each other)."),
     peer: str | None = typer.Option(None, help="Also measure this engine: vllm."),
     peer_python: str | None = typer.Option(
         None, help="Python of the environment where the peer is installed."),
@@ -63,7 +67,7 @@ def bench_engine(
     run_engine_bench(EngineBenchOptions(
         workload=workload, json_out=json_out, model=model, dtype=dtype, limit=limit,
         skip_hf=skip_hf, shape=shape, config=config, random_weights=random_weights,
-        kernels=kernels, kv_dtype=kv_dtype, kv_prefault=kv_prefault, peer=peer,
+        kernels=kernels, kv_dtype=kv_dtype, kv_prefault=kv_prefault, lanes=lanes, peer=peer,
         peer_python=peer_python))
 
 

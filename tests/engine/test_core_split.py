@@ -1,9 +1,11 @@
-"""A big CPU step split across cores (engine/core_split.py) computes what the whole step
-computes: the same tokens and logprobs bit for bit, in the step's order; and the KV pool can be
-backed with memory at start."""
+"""A big CPU step split across cores (engine/core_split.py), and lanes that each step their own
+requests on their own core (engine/core.py), compute what the whole step computes: the same
+tokens and logprobs bit for bit; and the KV pool can be backed with memory at start."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import threading
 
@@ -14,7 +16,7 @@ from engine_helpers import PROMPTS
 from minimill.engine.attention import allocate_kv_cache
 from minimill.engine.core_split import MIN_ROWS_PER_GROUP, core_workers, plan_groups
 from minimill.engine.llm import LLM
-from minimill.engine.params import SamplingParams
+from minimill.engine.params import FinishReason, RequestOutput, SamplingParams
 from minimill.models.types import LoadedModel
 
 needs_two_cores = pytest.mark.skipif(
@@ -70,30 +72,99 @@ def test_workers_run_one_thread_each_and_raise_what_failed() -> None:
     assert workers.map([lambda: 7, lambda: 8]) == [7, 8]
 
 
-@needs_two_cores
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "int4"])
-def test_split_steps_give_the_tokens_and_logprobs_of_whole_steps(
-        smol_f32: LoadedModel, kv_dtype: str) -> None:
-    split = LLM(smol_f32, dtype="float32", kv_dtype=kv_dtype, num_kv_blocks=512,
-                max_model_len=1024)
-    whole = LLM(smol_f32, dtype="float32", kv_dtype=kv_dtype, num_kv_blocks=512,
-                max_model_len=1024, split_steps=False)
-    if split.engine.runner.workers is None:
-        pytest.skip(f"no split with kernels {split.engine.runner.kernels.name}")
-    tok = split.tokenizer
+def _mixed_requests(llm: LLM, n: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    tok = llm.tokenizer
     prompts = [tok.encode(PROMPTS[i % len(PROMPTS)] + " " + "word " * (i % 23))
-               for i in range(80)]
+               for i in range(n)]
     # Greedy and seeded sampling, logprobs for everything.
     params = [SamplingParams(max_tokens=12, temperature=0.0 if i % 2 else 0.9, seed=i,
-                             top_logprobs=3) for i in range(80)]
-    got = split.generate(prompts, params, use_tqdm=False)
-    want = whole.generate(prompts, params, use_tqdm=False)
-    assert split.engine.runner.split_steps > 0
-    assert whole.engine.runner.split_steps == 0
+                             top_logprobs=3) for i in range(n)]
+    return prompts, params
+
+
+def _assert_same(got: list[RequestOutput], want: list[RequestOutput]) -> None:
     for g, w in zip(got, want, strict=True):
         assert g.output_token_ids == w.output_token_ids
         assert g.logprobs is not None and w.logprobs is not None
         assert [lp.top for lp in g.logprobs] == [lp.top for lp in w.logprobs]
+
+
+@needs_two_cores
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "int4"])
+def test_split_steps_and_lanes_give_the_tokens_and_logprobs_of_whole_steps(
+        smol_f32: LoadedModel, kv_dtype: str) -> None:
+    # int4 reads a step's own tokens at full precision and earlier ones through the cache, so
+    # its numbers depend on where a prompt's chunks end and on whether a prefix was found
+    # cached; lanes (each with half the step's token budget) admit and cut prompts
+    # differently from whole steps. For int4 every prompt is one chunk and nothing is reused.
+    int4 = {"enable_prefix_caching": False, "max_num_batched_tokens": 8192}
+    make = functools.partial(LLM, smol_f32, dtype="float32", kv_dtype=kv_dtype,
+                             num_kv_blocks=512, max_model_len=1024,
+                             **(int4 if kv_dtype == "int4" else {}))
+    whole = make(split_steps=False)
+    split = make(lanes=False)
+    if split.engine.runner.workers is None:
+        pytest.skip(f"no split with kernels {split.engine.runner.kernels.name}")
+    prompts, params = _mixed_requests(whole, 80)  # 80: enough for lanes on two cores
+    want = whole.generate(prompts, params, use_tqdm=False)
+    _assert_same(split.generate(prompts, params, use_tqdm=False), want)
+    split.close()
+    lanes = make()
+    _assert_same(lanes.generate(prompts, params, use_tqdm=False), want)
+    assert split.engine.runner.split_steps > 0 and split.engine.runner.lane_steps == 0
+    assert whole.engine.runner.split_steps == 0 and whole.engine.runner.lane_steps == 0
+    assert lanes.engine.runner.lane_steps > 0
+
+
+@needs_two_cores
+def test_lanes_preempt_and_recompute_their_own_requests(smol_f32: LoadedModel) -> None:
+    # A pool too small for all: lanes preempt their newest requests and recompute them later,
+    # with the tokens a roomy engine gives.
+    tight = LLM(smol_f32, dtype="float32", num_kv_blocks=100, max_model_len=512)
+    if tight.engine.runner.workers is None:
+        pytest.skip(f"no lanes with kernels {tight.engine.runner.kernels.name}")
+    roomy = LLM(smol_f32, dtype="float32", num_kv_blocks=512, max_model_len=512,
+                split_steps=False)
+    prompts, params = _mixed_requests(roomy, 72)
+    params = [dataclasses.replace(p, max_tokens=24) for p in params]
+    want = roomy.generate(prompts, params, use_tqdm=False)
+    got = tight.generate(prompts, params, use_tqdm=False)
+    _assert_same(got, want)
+    assert tight.engine.runner.lane_steps > 0
+    assert tight.engine.scheduler.num_preemptions > 0
+    bm = tight.engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks  # every block came back
+
+
+@needs_two_cores
+def test_abort_during_a_lane_step_frees_the_request_when_the_step_ends(
+        smol_f32: LoadedModel) -> None:
+    llm = LLM(smol_f32, dtype="float32", num_kv_blocks=512, max_model_len=512)
+    core = llm.engine
+    if core.runner.workers is None:
+        pytest.skip(f"no lanes with kernels {core.runner.kernels.name}")
+    prompts, params = _mixed_requests(llm, 72)
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        core.add_request(f"r{i}", prompt, p)
+    # Whole steps until enough requests run, then lanes: after a step both are running again.
+    later: list[str] = []
+    for _ in range(10):
+        later += [d.request_id for d in core.step().deltas]
+        if core._in_flight:
+            break
+    running = [e.seq.request_id for out in core._in_flight.values() for e in out.scheduled]
+    assert running
+    victim = running[0]
+    delta = core.abort_request(victim)
+    assert delta is not None and delta.finish_reason == FinishReason.ABORT
+    assert victim in core.scheduler.requests  # its lane's step still writes its KV
+    later = [r for r in later if r != victim]
+    while core.has_unfinished:
+        later += [d.request_id for d in core.step().deltas]
+    assert victim not in later and victim not in core.scheduler.requests
+    assert len(set(later)) == 71
+    bm = core.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
 
 
 def _rss_kib() -> int:

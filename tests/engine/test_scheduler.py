@@ -141,3 +141,40 @@ def test_statuses_are_ordered() -> None:
     assert all(st.is_finished for st in (RequestStatus.FINISHED_STOPPED,
                                          RequestStatus.FINISHED_LENGTH,
                                          RequestStatus.FINISHED_ABORTED))
+
+
+def test_a_lane_schedules_only_its_own_requests_within_its_share() -> None:
+    # Blocks of 8: the prompts (alike) fill none, so none waits to reuse another's.
+    s = make_scheduler(max_num_seqs=8, max_num_batched_tokens=16, block_size=8)
+    for i in range(10):
+        add(s, f"r{i}", 4, max_tokens=8)
+    lane0 = s.schedule(0, 2)  # half of each budget: 8 tokens, 4 requests
+    assert [e.seq.request_id for e in lane0.scheduled] == ["r0", "r1"]
+    assert lane0.num_batched_tokens == 8
+    lane1 = s.schedule(1, 2)  # runs while lane 0's step does: takes none of lane 0's
+    assert [e.seq.request_id for e in lane1.scheduled] == ["r2", "r3"]
+    assert {q.request_id: q.lane for q in s.running} == {"r0": 0, "r1": 0, "r2": 1, "r3": 1}
+    for out in (lane0, lane1):
+        sampled = [50 for e in out.scheduled if e.sample]
+        s.update_from_output(out, ModelOutput(sampled, [None] * len(sampled)))
+    # Each lane decodes its own, then admits new ones (the last one's prompt in part).
+    lane1 = s.schedule(1, 2)
+    assert [e.seq.request_id for e in lane1.scheduled] == ["r2", "r3", "r4", "r5"]
+    assert [e.num_new_tokens for e in lane1.scheduled] == [1, 1, 4, 2]
+    lane0 = s.schedule(0, 2)  # at most 4 running in a lane
+    assert [e.seq.request_id for e in lane0.scheduled] == ["r0", "r1", "r6", "r7"]
+
+
+def test_a_lane_with_many_more_requests_gives_half_the_difference_away() -> None:
+    s = make_scheduler(max_num_seqs=64, max_num_batched_tokens=256, num_kv_blocks=256)
+    seqs = [add(s, f"r{i}", 3, max_tokens=50) for i in range(40)]
+    run_step(s)  # whole steps: no lanes yet
+    assert all(q.lane == -1 for q in seqs)
+    for q in seqs[:30]:
+        q.lane = 0
+    for q in seqs[30:]:
+        q.lane = 1
+    out = s.schedule(0, 2)  # 30 against 10: the 10 newest of lane 0 move to lane 1
+    assert len(out.scheduled) == 20
+    assert sum(q.lane == 1 for q in seqs) == 20
+    assert [q.lane for q in seqs[20:30]] == [1] * 10

@@ -4,9 +4,10 @@
 to its operation's total; linear layers are told apart by their weight. On the CPU every
 kernel returns when its work is done, so a call's wall time is its cost. A call counts for the
 share of the engine's cores it ran on: a kernel spread over both of two cores counts whole, each
-of two groups run side by side on one core each (engine/core_split.py) counts half, so the
-totals stay comparable with the run's wall time. What the kernels do not account for (building
-the step's inputs, scheduling, detokenizing) is the run's time less their sum.
+of two groups or lanes run side by side on one core each (engine/core_split.py, core.py)
+counts half, so the totals stay comparable with the run's wall time. What the kernels do not
+account for (building the step's inputs, scheduling, detokenizing) is the run's time less
+their sum.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ class EngineBenchOptions:
     kernels: str = "auto"
     kv_dtype: str = "auto"
     kv_prefault: bool = True
+    lanes: bool = True
     peer: str | None = None
     peer_python: str | None = None
 
@@ -106,7 +107,7 @@ def _load(options: EngineBenchOptions) -> tuple[Any, Any, str]:
     from minimill.models.shapes import NAMED_SHAPES, random_model, shape_from_hf_config
 
     overrides: dict[str, Any] = {"dtype": options.dtype, "kernels": options.kernels,
-                                 "kv_dtype": options.kv_dtype}
+                                 "kv_dtype": options.kv_dtype, "lanes": options.lanes}
     if options.shape is None and options.config is None:
         if options.random_weights:
             raise ValueError("--random-weights needs --shape or --config")
@@ -144,7 +145,7 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
             add_special_tokens=False)] for i in items]
         started = time.perf_counter()
         llm = LLM(loaded, dtype=config.dtype, kernels=config.kernels, kv_dtype=config.kv_dtype,
-                  prefault_kv=options.kv_prefault)
+                  prefault_kv=options.kv_prefault, lanes=config.lanes)
         start_s = time.perf_counter() - started
     runner = llm.engine.runner
     params = [SamplingParams(max_tokens=i.max_tokens, temperature=i.temperature,
@@ -177,7 +178,8 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
         "model": measured, "random_weights": options.random_weights,
         "dtype": config.dtype, "dtype_reason": config.dtype_reason, "kv_dtype": config.kv_dtype,
         "kv_prefault": options.kv_prefault,
-        "split_steps": runner.split_steps,
+        "lanes": config.lanes, "split_steps": runner.split_steps,
+        "lane_steps": runner.lane_steps,
         "kernels": runner.kernels.name, "device": config.device,
         "cpu": cpu_report(),
         "torch": torch.__version__, "engine_start_s": round(start_s, 2),

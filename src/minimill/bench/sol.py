@@ -4,9 +4,12 @@ Each step recorded by the engine (engine.model_runner.StepShape) needs its matmu
 rate the engine's *own* GEMM path reaches on this machine at that step's shapes (measured here,
 with the engine's prepared weights, in its dtype), and its bytes (weights plus the KV it reads
 and writes) at this machine's memory bandwidth. A step can go no faster than the larger of the
-two. Attention FLOPs are counted at the GEMM rate too, which flatters the yardstick, so the
-fraction an engine reaches of it can only be understated. A fraction above 1 means the
-yardstick measured something else than what the engine ran: the bench reports it as a bug.
+two. Steps of lanes (engine/core.py), which run side by side on one core each, count as their
+share of a step of all the lanes' rows together: rates at that row count, weights read once
+for all of them. Attention FLOPs are counted at the GEMM rate too, which flatters the
+yardstick, so the fraction an engine reaches of it can only be understated. A fraction
+above 1 means the yardstick measured something else than what the engine ran: the bench
+reports it as a bug.
 """
 
 from __future__ import annotations
@@ -62,8 +65,8 @@ def measure(model: DecoderModel, steps: list[StepShape], budget_s: float = 8.0) 
         in_dims, [model.num_heads * model.head_dim + 2 * model.num_kv_heads * model.head_dim,
                   model.config.hidden_size, 2 * model.config.intermediate_size,
                   model.config.hidden_size], strict=True))
-    layer_buckets = sorted({bucket(s.num_tokens) for s in steps})
-    head_buckets = sorted({bucket(s.num_logits) for s in steps if s.num_logits})
+    layer_buckets = sorted({bucket(s.num_tokens * s.lanes) for s in steps})
+    head_buckets = sorted({bucket(s.num_logits * s.lanes) for s in steps if s.num_logits})
     per_measure = budget_s / max(1, len(layer_buckets) * 4 + len(head_buckets))
     stick = Yardstick()
     dtype, device = model.embed.dtype, model.embed.device
@@ -110,12 +113,15 @@ def speed_of_light(model: DecoderModel, steps: list[StepShape], stick: Yardstick
     total = compute_total = memory_total = 0.0
     memory_bound = 0
     for step in steps:
-        rows = bucket(step.num_tokens)
+        # A lane's step: its share of a machine-wide step of every lane's rows.
+        rows = bucket(step.num_tokens * step.lanes)
         compute = layers * step.num_tokens * stick.layer_s_per_row[rows]
         if step.num_logits:
-            compute += step.num_logits * stick.lm_head_s_per_row[bucket(step.num_logits)]
+            compute += step.num_logits * stick.lm_head_s_per_row[
+                bucket(step.num_logits * step.lanes)]
         compute += attention_flops_per_pair * step.attended_pairs / stick.layer_flop_s[rows]
-        memory = (weight_bytes + kv_bytes_per_token * (step.kv_tokens + step.num_tokens)
+        memory = (weight_bytes / step.lanes
+                  + kv_bytes_per_token * (step.kv_tokens + step.num_tokens)
                   ) / stick.bandwidth_bytes_s
         total += max(compute, memory)
         compute_total += compute

@@ -60,6 +60,10 @@ class EngineConfig:
     prefault_kv: bool = False
     # CPU: run a big step as groups of sequences, one group per core (core_split.py).
     split_steps: bool = True
+    # CPU, with split_steps: while enough requests run, each core steps its own share of them
+    # on its own clock (engine lanes, core.py) instead of waiting for the other every step.
+    # MINIMILL_LANES=0 in the environment turns them off by default (serve, worker: measuring).
+    lanes: bool = os.environ.get("MINIMILL_LANES", "1") != "0"
     dtype_reason: str = ""  # why this dtype (set when dtype was "auto")
     # int4: staging units (kv_int4.INT4_STAGE_UNIT tokens each) per pool block; derived.
     stage_units_per_block: int = 0

@@ -2,10 +2,23 @@
 
 Both front ends drive it: `LLM` (offline, in the caller's thread) and `AsyncEngine` (a
 background thread). It is not thread-safe; each front end calls it from one thread.
+
+Lanes (CPU, two cores or more): while at least LANE_MIN_REQUESTS per core are running,
+each core runs its own steps over its own share of the requests, on its own clock. A step
+split across cores (core_split.py) waits for its slower half, and on a shared 2-core VM
+identical halves differ by 10-30% from step to step (a core lent to another process for a
+moment, memory traffic); lanes never wait on each other. All bookkeeping (scheduling,
+updates, text) stays on the caller's thread, one lane at a time: while a lane's model runs
+on its core, the caller schedules and finishes the other's. A lane's requests are not
+touched while its step runs (an abort then takes effect when the step ends). With fewer
+requests, steps take the whole machine again (every core on one step). Results do not
+depend on the lane: the kernels give the same numbers for a row whatever batch it is in.
 """
 
 from __future__ import annotations
 
+import functools
+import queue
 import secrets
 import time
 from collections import deque
@@ -20,11 +33,14 @@ from minimill.engine.kv_tiers import KvTiers
 from minimill.engine.model_runner import ModelRunner
 from minimill.engine.output import OutputProcessor
 from minimill.engine.params import InvalidRequestError, SamplingParams, TokenDelta
-from minimill.engine.scheduler import Scheduler
+from minimill.engine.scheduler import ModelOutput, Scheduler, SchedulerOutput
 from minimill.engine.sequence import RequestStatus, Sequence
 from minimill.models.types import LoadedModel
 
 _THROUGHPUT_WINDOW_S = 30.0
+# Lanes run while at least this many requests per core are unfinished: below it a lane's
+# GEMMs have too few rows to pay for every core reading every weight (core_split.py).
+LANE_MIN_REQUESTS = 32
 
 
 def make_tiers(config: EngineConfig, loaded: LoadedModel, block_shape: tuple[int, ...],
@@ -71,6 +87,11 @@ class EngineCore:
         # Steps that ran the model, and the sequences they ran: their ratio is the mean batch.
         self.num_steps = 0
         self.num_step_seqs = 0
+        # Lanes whose step is running on their core: lane -> what it runs.
+        self._in_flight: dict[int, SchedulerOutput] = {}
+        self._lane_done: queue.SimpleQueue[tuple[int, bool, object]] = queue.SimpleQueue()
+        # Aborted while their lane's step ran: finished when it ends.
+        self._aborted_in_flight: set[str] = set()
 
     @property
     def has_unfinished(self) -> bool:
@@ -119,6 +140,17 @@ class EngineCore:
 
     def abort_request(self, request_id: str) -> TokenDelta | None:
         """End a request now; returns its final delta (None if it was not running)."""
+        if request_id in self._aborted_in_flight:
+            return None
+        if any(e.seq.request_id == request_id for out in self._in_flight.values()
+               for e in out.scheduled):
+            # Its lane's step is writing its KV: the blocks are freed when the step ends.
+            running = self.scheduler.requests[request_id]
+            self._aborted_in_flight.add(request_id)
+            delta = self.outputs.delta(running, [],
+                                       RequestStatus.FINISHED_ABORTED.finish_reason, None)
+            self.outputs.remove(request_id)
+            return delta
         seq = self.scheduler.abort_request(request_id)
         if seq is None:
             return None
@@ -127,9 +159,18 @@ class EngineCore:
         return delta
 
     def step(self) -> StepResult:
-        """One engine step: schedule, run the model, update requests, produce deltas."""
+        """One engine step: schedule, run the model, update requests, produce deltas. With
+        lanes, the step of whichever lane finishes next (the others keep running)."""
         result = StepResult(self._pending)
         self._pending = []
+        lanes = self._lanes_wanted()
+        if lanes:
+            self._start_lanes(lanes)
+            if self._in_flight:
+                self._finish_lane(*self._lane_done.get(), result)
+                self._start_lanes(lanes)
+            return result
+        self.drain_lanes(result)
         scheduled = self.scheduler.schedule()
         self._move_blocks()
         if scheduled.is_empty:
@@ -140,17 +181,70 @@ class EngineCore:
             for entry in scheduled.scheduled:
                 self._fail(entry.seq.request_id, exc, result)
             return result
+        self._finish_step(scheduled, model_output, result)
+        return result
+
+    def _finish_step(self, scheduled: SchedulerOutput, model_output: ModelOutput,
+                     result: StepResult) -> None:
         self.num_steps += 1
         self.num_step_seqs += len(scheduled.scheduled)
         updated = self.scheduler.update_from_output(scheduled, model_output)
         self._write_through()
         for seq in updated:
+            if seq.request_id in self._aborted_in_flight:
+                continue
             try:
                 result.deltas.append(self._process(seq))
             except Exception as exc:  # one request's text processing failed: only it ends
                 self._fail(seq.request_id, exc, result)
         self._record_throughput(len(updated))
-        return result
+
+    def _lanes_wanted(self) -> int:
+        """How many lanes to step now: 0 for steps over the whole machine."""
+        lanes = self.runner.num_lanes if self.config.lanes else 0
+        # By what runs, not what waits: with a small KV pool only a few requests fit at once.
+        # Lanes stay a little below the count that starts them, so that a few requests
+        # finishing do not switch back and forth.
+        running = len(self.scheduler.running)
+        least = lanes * LANE_MIN_REQUESTS * (3 if self._in_flight else 4) // 4
+        return lanes if lanes and running >= least else 0
+
+    def _start_lanes(self, lanes: int) -> None:
+        """Schedule each lane whose core is free and start its step there."""
+        for lane in range(lanes):
+            if lane in self._in_flight:
+                continue
+            scheduled = self.scheduler.schedule(lane, lanes)
+            self._move_blocks()
+            if scheduled.is_empty:
+                continue
+            self._in_flight[lane] = scheduled
+            self.runner.start(scheduled, lane, lanes, functools.partial(self._report, lane))
+
+    def _report(self, lane: int, ok: bool, value: object) -> None:
+        """Called on the lane's core when its step ends (the caller's thread finishes it)."""
+        self._lane_done.put((lane, ok, value))
+
+    def _finish_lane(self, lane: int, ok: bool, value: object, result: StepResult) -> None:
+        scheduled = self._in_flight.pop(lane)
+        if ok:
+            assert isinstance(value, ModelOutput)
+            self._finish_step(scheduled, value, result)
+        else:  # the lane's batch failed: fail its requests, keep the engine alive
+            assert isinstance(value, BaseException)
+            for entry in scheduled.scheduled:
+                if entry.seq.request_id not in self._aborted_in_flight:
+                    self._fail(entry.seq.request_id, value, result)
+        for entry in scheduled.scheduled:
+            request_id = entry.seq.request_id
+            if request_id in self._aborted_in_flight:
+                self._aborted_in_flight.discard(request_id)
+                self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def drain_lanes(self, result: StepResult | None = None) -> None:
+        """Wait for every lane's running step and finish it (its deltas go to `result`)."""
+        while self._in_flight:
+            self._finish_lane(*self._lane_done.get(), result or StepResult())
 
     def _move_blocks(self) -> None:
         """Copy evicted blocks down a tier, then restored ones back, before the model runs."""
@@ -179,6 +273,7 @@ class EngineCore:
     def close(self) -> None:
         """Write what the pool holds to the flash tier and finish writing: a restarted engine
         finds every prefix this one had computed (unless the process is killed first)."""
+        self.drain_lanes()
         if self.tiers is None:
             return
         kv = self.runner.kv_cache

@@ -100,13 +100,14 @@ class CoreWorkers:
         torch.set_num_threads(1)
         ready.wait()
         while True:
-            fn, done, slot = inbox.get()
+            fn, report = inbox.get()
             try:
                 with torch.inference_mode():
-                    slot.append((True, fn()))
+                    result = fn()
             except BaseException as exc:  # handed to the caller, which re-raises it
-                slot.append((False, exc))
-            done.release()
+                report(False, exc)
+            else:
+                report(True, result)
 
     def map(self, fns: Sequence[Callable[[], T]]) -> list[T]:
         """Run fns[i] on core i (at most one per core), all at once; their results in order.
@@ -115,7 +116,10 @@ class CoreWorkers:
         done = threading.Semaphore(0)
         slots: list[list[tuple[bool, Any]]] = [[] for _ in fns]
         for fn, inbox, slot in zip(fns, self._inboxes, slots, strict=False):
-            inbox.put((fn, done, slot))
+            def report(ok: bool, value: Any, slot: list[tuple[bool, Any]] = slot) -> None:
+                slot.append((ok, value))
+                done.release()
+            inbox.put((fn, report))
         for _ in fns:
             done.acquire()
         results: list[T] = []
@@ -125,6 +129,13 @@ class CoreWorkers:
                 raise value
             results.append(value)
         return results
+
+
+    def submit(self, core: int, fn: Callable[[], Any],
+               report: Callable[[bool, Any], None]) -> None:
+        """Run fn on core `core` and return at once; the core calls report(True, result), or
+        report(False, exception), when it is done (engine lanes: core.py)."""
+        self._inboxes[core].put((fn, report))
 
 
 _workers: dict[tuple[tuple[int, ...], bool], CoreWorkers] = {}

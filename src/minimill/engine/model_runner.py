@@ -10,7 +10,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -37,6 +39,9 @@ class StepShape:
     num_seqs: int
     kv_tokens: int  # sum of the sequences' KV lengths: each is read at least once per layer
     attended_pairs: int  # (query, key) pairs attention scores, over all sequences
+    # Lanes stepping at once (core.py): a lane's step had one core of this many; 1 for a
+    # step that had the whole machine.
+    lanes: int = 1
 
 
 class ModelRunner:
@@ -73,6 +78,22 @@ class ModelRunner:
         # CPU: big steps run as groups of sequences, one per core (core_split.py).
         self.workers = self._core_workers()
         self.split_steps = 0  # steps run that way (tests, logs)
+        self.lane_steps = 0  # steps run by one lane on its core (start())
+
+    @property
+    def num_lanes(self) -> int:
+        """How many lanes (one per core) could step at once: 0 where steps are not split."""
+        return len(self.workers.cpus) if self.workers is not None else 0
+
+    def start(self, output: SchedulerOutput, lane: int, lanes: int,
+              report: Callable[[bool, Any], None]) -> None:
+        """Run one lane's step on the lane's core and return at once; the core calls
+        report(True, ModelOutput) or report(False, exception) when it is done."""
+        assert self.workers is not None
+        if self.step_log is not None:
+            self.step_log.append(self._shape(output.scheduled, lanes))
+        self.lane_steps += 1
+        self.workers.submit(lane, functools.partial(self._run, output.scheduled), report)
 
     def _core_workers(self) -> CoreWorkers | None:
         threads = torch.get_num_threads()
@@ -118,7 +139,7 @@ class ModelRunner:
         return out
 
     @staticmethod
-    def _shape(entries: list[ScheduledSequence]) -> StepShape:
+    def _shape(entries: list[ScheduledSequence], lanes: int = 1) -> StepShape:
         # A query at position p scores p + 1 keys; a chunk of q rows ending at n scores
         # q * n - q * (q - 1) / 2 pairs.
         rows = pairs = kv = logits = 0
@@ -126,7 +147,7 @@ class ModelRunner:
             q, n = e.num_new_tokens, e.seq.num_computed_tokens + e.num_new_tokens
             rows, kv, logits = rows + q, kv + n, logits + e.sample
             pairs += q * n - q * (q - 1) // 2
-        return StepShape(rows, logits, len(entries), kv, pairs)
+        return StepShape(rows, logits, len(entries), kv, pairs, lanes)
 
     def _run(self, entries: list[ScheduledSequence]) -> ModelOutput:
         """Forward and sample these sequences (all of a step, or one core's group)."""

@@ -54,6 +54,12 @@ class ModelOutput:
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
 
 
+# A lane gives requests to a less busy one only when they differ by at least this many: a
+# small difference evens out as requests finish, and moving requests for it would only
+# shuffle rows between GEMM calls.
+LANE_REBALANCE_MIN = 16
+
+
 class Scheduler:
     """Decides each step's batch; the engine calls schedule, runs it, then update_from_output."""
 
@@ -108,17 +114,31 @@ class Scheduler:
         self.block_manager.free(seq)
         return seq
 
-    def schedule(self) -> SchedulerOutput:
-        """Called once per step: pick requests and token counts within budget and KV memory."""
+    def schedule(self, lane: int | None = None, lanes: int = 1) -> SchedulerOutput:
+        """Called once per step: pick requests and token counts within budget and KV memory.
+
+        With `lane` (one of `lanes`, core.py), a step of that lane alone: its running
+        requests, new ones admitted into it, each within the lane's share of the budgets;
+        requests of other lanes (which may be running on another core right now) are left
+        as they are."""
         budget = self.config.max_num_batched_tokens
+        max_seqs = self.config.max_num_seqs
+        if lane is None:
+            mine = self.running
+        else:
+            budget, max_seqs = max(1, budget // lanes), max(1, max_seqs // lanes)
+            mine = self._lane_running(lane, lanes)
         scheduled: list[ScheduledSequence] = []
         preempted: list[str] = []
+        step_budget = budget
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        while i < len(mine) and budget > 0:
+            seq = mine[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.allocate_slots(seq, num_new):
-                victim = self.running.pop()
+                victim = mine.pop()
+                if mine is not self.running:
+                    self.running.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is seq:
@@ -131,7 +151,7 @@ class Scheduler:
         bm = self.block_manager
         inflight = {h for hashes in self._inflight.values() for h in hashes}
         deferred: list[Sequence] = []
-        while (self.waiting and budget > 0 and not preempted
+        while (self.waiting and budget > 0 and not preempted and len(mine) < max_seqs
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
             cached = bm.find_prefix(seq)
@@ -159,14 +179,36 @@ class Scheduler:
                 self._inflight[seq.request_id] = hashes
                 inflight.update(hashes)
             seq.status = RequestStatus.RUNNING
+            seq.lane = -1 if lane is None else lane
             self.running.append(seq)
+            if mine is not self.running:
+                mine.append(seq)
             scheduled.append(self._entry(seq, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(deferred))
         self.max_num_running = max(self.max_num_running, len(self.running))
         self.running_seq_steps += len(self.running)
         self.num_steps += 1
-        return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted)
+        return SchedulerOutput(scheduled, step_budget - budget, preempted)
+
+    def _lane_running(self, lane: int, lanes: int) -> list[Sequence]:
+        """The running requests of `lane`, oldest first. Requests admitted while no lanes
+        ran are dealt out to the lanes; and when nothing waits, a lane that holds more than
+        another gives it the difference's half of its newest (the lanes' cores finish
+        together; each runs while the other does)."""
+        counts = [0] * lanes
+        for seq in self.running:
+            if not 0 <= seq.lane < lanes:
+                seq.lane = min(range(lanes), key=counts.__getitem__)
+            counts[seq.lane] += 1
+        mine = [seq for seq in self.running if seq.lane == lane]
+        other = min(range(lanes), key=counts.__getitem__)
+        surplus = (counts[lane] - counts[other]) // 2
+        if not self.waiting and counts[lane] - counts[other] >= LANE_REBALANCE_MIN:
+            for seq in mine[-surplus:]:
+                seq.lane = other
+            del mine[-surplus:]
+        return mine
 
     def update_from_output(self, output: SchedulerOutput,
                            model_output: ModelOutput) -> list[Sequence]:
@@ -209,4 +251,5 @@ class Scheduler:
         self._inflight.pop(seq.request_id, None)
         self.block_manager.free(seq)
         seq.status = RequestStatus.PREEMPTED
+        seq.lane = -1
         self.waiting.appendleft(seq)

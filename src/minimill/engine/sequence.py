@@ -37,7 +37,7 @@ class Sequence:
     """One request: `num_computed_tokens` of `num_tokens` have their KV in the cache."""
 
     __slots__ = (
-        "block_table", "eos_token_ids", "logprobs", "num_cached_prompt_tokens",
+        "block_table", "eos_token_ids", "lane", "logprobs", "num_cached_prompt_tokens",
         "num_cached_tokens", "num_computed_tokens",
         "num_prompt_tokens", "output_counts", "params", "request_id", "seed",
         "stage_units", "status", "token_ids",
@@ -58,6 +58,8 @@ class Sequence:
         # int4 cache: the staging units (slices of pool blocks) holding its open block, in token
         # order, one per INT4_STAGE_UNIT tokens (kv_int4.py).
         self.stage_units: list[int] = []
+        # The engine lane (one per core, core.py) that runs it while lanes are in use; -1: none.
+        self.lane = -1
         self.params = params
         self.seed = seed
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
