@@ -38,7 +38,7 @@ from minimill.engine.sequence import RequestStatus, Sequence
 from minimill.models.types import LoadedModel
 
 _THROUGHPUT_WINDOW_S = 30.0
-# Lanes run while at least this many requests per core are unfinished: below it a lane's
+# Lanes run while at least this many requests per core are running: below it a lane's
 # GEMMs have too few rows to pay for every core reading every weight (core_split.py).
 LANE_MIN_REQUESTS = 32
 
