@@ -111,6 +111,8 @@ def bench_kv(
     prompts: int = typer.Option(64, help="Prompts for the greedy agreement."),
     new_tokens: int = typer.Option(128, help="Tokens generated per prompt."),
     budget_mb: float = typer.Option(48.0, help="The fixed KV memory budget, MB."),
+    workload_requests: int = typer.Option(
+        128, min=1, help="Requests of the throughput-at-budget workload."),
 ) -> None:
     """KV cache dtypes: bytes/token, perplexity, greedy agreement, throughput at one budget."""
     from minimill.bench.kv_bench import KvBenchOptions, run_kv_bench
@@ -119,7 +121,7 @@ def bench_kv(
         json_out=json_out, model=model, dtype=dtype,
         kv_dtypes=tuple(k.strip() for k in kv_dtypes.split(",") if k.strip()),
         perplexity_tokens=perplexity_tokens, prompts=prompts, new_tokens=new_tokens,
-        budget_mb=budget_mb))
+        budget_mb=budget_mb, workload_requests=workload_requests))
 
 
 @bench_app.command("batch")

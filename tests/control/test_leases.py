@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,7 +12,13 @@ from control_factory import CONFIG, MODEL, ask, batch, chat_line, site, success,
 from sqlalchemy import select
 
 from minimill.control.bodies import ChatBody, prepare_body
-from minimill.control.leases import complete, heartbeat, lease, reap_expired
+from minimill.control.leases import (
+    checkpoint_interval_s,
+    complete,
+    heartbeat,
+    lease,
+    reap_expired,
+)
 from minimill.control.records import Kind, RequestStatus
 from minimill.control.requests import cancel_request, checkpoint_of, get_request, submit
 from minimill.control.site_view import list_sites
@@ -62,6 +69,23 @@ def test_lease_carries_seed_model_and_stream(store: Store) -> None:
     assert got[streamed].stream and got[streamed].checkpoint_interval_s == \
         CONFIG.stream_checkpoint_interval_s
     assert 0 <= got[streamed].seed < 2**63  # assigned at creation, the same on every lease
+
+
+def test_a_site_holding_many_leases_checkpoints_each_less_often(store: Store) -> None:
+    """The rows a site's checkpoints write per second stay near site_checkpoints_per_s: the
+    interval of each new lease grows with what the site holds once it is granted."""
+    config = dataclasses.replace(CONFIG, checkpoint_interval_s=2.0, site_checkpoints_per_s=4.0)
+    owner, s = tenant(store), site(store)
+    now = time.time()
+    batch(store, owner, [chat_line(f"line {i}") for i in range(20)], now=now)
+    first = lease(store, s, ask(capacity=6), now, config).leases
+    assert [g.checkpoint_interval_s for g in first] == [2.0] * 6  # 6 leases / 4 per s < 2 s
+    more = lease(store, s, ask(capacity=10), now, config).leases
+    assert [g.checkpoint_interval_s for g in more] == [4.0] * 10  # 16 held / 4 per s
+    stream = realtime(store, owner.id, "live", now, stream=True)
+    (live,) = lease(store, s, ask(capacity=1), now + 1, config).leases
+    assert live.request_id == stream and live.checkpoint_interval_s == 0.1  # streams excepted
+    assert checkpoint_interval_s(config, 400) == 100.0
 
 
 def test_heartbeat_extends_stores_checkpoints_and_revokes(store: Store) -> None:

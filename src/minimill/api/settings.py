@@ -30,6 +30,7 @@ class Settings(BaseSettings):
     lease_ttl_s: float = Field(default=30.0, gt=0)
     checkpoint_interval_s: float = Field(default=2.0, gt=0)
     stream_checkpoint_interval_s: float = Field(default=0.1, gt=0)
+    site_checkpoints_per_s: float = Field(default=32.0, gt=0)
     background_price_factor: float = Field(default=0.5, ge=0)
     realtime_timeout_s: float = Field(default=600.0, gt=0)
     # How often the janitor reaps leases and finalizes batches.
@@ -58,6 +59,7 @@ class Settings(BaseSettings):
             served_models=tuple(self.models), lease_ttl_s=self.lease_ttl_s,
             checkpoint_interval_s=self.checkpoint_interval_s,
             stream_checkpoint_interval_s=self.stream_checkpoint_interval_s,
+            site_checkpoints_per_s=self.site_checkpoints_per_s,
             max_batch_lines=self.max_batch_lines, max_file_bytes=self.max_file_bytes,
             max_line_bytes=self.max_body_bytes, ingest_group_lines=self.ingest_group_lines,
             ingest_claim_ttl_s=self.ingest_claim_ttl_s,

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from minimill.bench.steal import StealMeter
+
 # The targets the engine is held to (issue: the bus at the speed of light).
 TARGET_SOL_FRACTION = 0.75
 TARGET_HF_SPEEDUP = 2.0
@@ -152,9 +154,10 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
                              ignore_eos=True, seed=n) for n, i in enumerate(items)]
     llm.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
     runner.step_log = []
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=not quiet)
-    seconds = time.perf_counter() - start
+    with StealMeter() as steal:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=not quiet)
+        seconds = time.perf_counter() - start
     steps, runner.step_log = runner.step_log, None
     # Where the time goes, from a second run of the same workload with every kernel call
     # timed. Not the run above: the timing wrappers' Python (a few microseconds a call, ~250
@@ -187,7 +190,7 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
         "computed_prompt_tokens": sum(s.num_tokens for s in steps) - output_tokens
         + len(items),
         "output_tokens": output_tokens, "seconds": round(seconds, 3), "steps": len(steps),
-        "output_tok_s": round(output_tok_s, 2),
+        "output_tok_s": round(output_tok_s, 2), "steal_share": steal.share,
         "sol_tok_s": round(sol_tok_s, 2),
         "sol_fraction": round(output_tok_s / sol_tok_s, 3),
         "sol_fraction_target": TARGET_SOL_FRACTION,
@@ -207,9 +210,12 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
     sample_text = outputs[0].text[:80]
     del llm, runner, outputs
     if not options.skip_hf and not options.random_weights:
-        hf, hf_batch = _hf_baseline(loaded, config.torch_dtype, prompts, items, quiet, err)
+        with StealMeter() as hf_steal:
+            hf, hf_batch = _hf_baseline(loaded, config.torch_dtype, prompts, items, quiet,
+                                        err)
         report.update({
             "hf_output_tok_s": round(hf, 2), "hf_batch_size": hf_batch,
+            "hf_steal_share": hf_steal.share,
             "hf_speedup": round(output_tok_s / hf, 3) if hf > 0 else None,
             "hf_speedup_target": TARGET_HF_SPEEDUP,
         })
@@ -229,11 +235,12 @@ def _peer(options: EngineBenchOptions, loaded: Any, config: Any, prompts: list[l
 
     if options.peer is None or options.peer_python is None:
         raise PeerError("--peer needs --peer-python: the Python of the peer's environment")
-    with err.status(f"running {options.peer} ...") if not quiet else nullcontext():
+    with err.status(f"running {options.peer} ...") if not quiet else nullcontext(), \
+            StealMeter() as steal:
         result = run_peer(options.peer, options.peer_python, loaded, config.torch_dtype,
                           prompts, [i.max_tokens for i in items], config.max_num_seqs)
     return {"peer": result.get("peer"), "peer_version": result.get("version"),
-            "peer_output_tok_s": result["output_tok_s"],
+            "peer_output_tok_s": result["output_tok_s"], "peer_steal_share": steal.share,
             "peer_speedup": round(output_tok_s / result["output_tok_s"], 3),
             "peer_speedup_target": TARGET_PEER_SPEEDUP,
             "peer_sample_text": (result.get("texts_sample") or [""])[0]}

@@ -31,6 +31,8 @@ from typing import Any
 
 import httpx
 
+from minimill.bench.batch_wait import wait_for_batch
+
 NUM_LINES = 50_000
 LINE_BYTES = 4_000  # ~200 MB in all, under the default 200 MiB file limit
 MODEL = "smollm2-135m"
@@ -232,16 +234,6 @@ def _start_control_plane(home: Path) -> tuple[Any, str, str, int]:
     return proc, server, key, proc.popen.pid
 
 
-def _wait(client: Any, batch_id: str, done: Any, timeout_s: float) -> Any:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        batch = client.batches.retrieve(batch_id)
-        if done(batch):
-            return batch
-        time.sleep(0.25)
-    raise TimeoutError(f"batch {batch_id} did not get there in {timeout_s:.0f}s")
-
-
 def _warm_up(client: Any, tmp: Path) -> None:
     """One tiny batch end to end, so that idle RSS counts every module the run uses."""
     path = tmp / "warm.jsonl"
@@ -249,7 +241,7 @@ def _warm_up(client: Any, tmp: Path) -> None:
     batch = client.batches.create(input_file_id=client.files.create(
         file=path.open("rb"), purpose="batch").id, endpoint="/v1/chat/completions",
         completion_window="24h")
-    _wait(client, batch.id, lambda b: b.status == "completed", 120)
+    wait_for_batch(client, batch.id, lambda b: b.status == "completed", 120)
 
 
 def run(tmp: Path, interval_s: float = HEARTBEAT_INTERVAL_S,
@@ -295,14 +287,14 @@ def run(tmp: Path, interval_s: float = HEARTBEAT_INTERVAL_S,
             started = time.perf_counter()
             batch = client.batches.create(input_file_id=uploaded.id, completion_window="24h",
                                           endpoint="/v1/chat/completions")
-            queued = _wait(client, batch.id, lambda b: b.status != "validating", 3600)
+            queued = wait_for_batch(client, batch.id, lambda b: b.status != "validating", 3600)
             phases["ingest_s"] = time.perf_counter() - started
             if queued.status == "failed":
                 raise RuntimeError(f"the batch failed validation: {queued.errors}")
             ingest_peak_kb = sampler.peak_kb
             marks.append(("serve_and_finalize", time.time()))
             started = time.perf_counter()
-            done = _wait(client, batch.id, lambda b: b.status in (
+            done = wait_for_batch(client, batch.id, lambda b: b.status in (
                 "completed", "failed", "expired", "cancelled"), 3600)
             phases["serve_and_finalize_s"] = time.perf_counter() - started
             marks.append(("download", time.time()))

@@ -16,6 +16,9 @@ class ControlConfig:
     # How often workers checkpoint ordinary leases, and streaming ones (streams read them).
     checkpoint_interval_s: float = 2.0
     stream_checkpoint_interval_s: float = 0.1
+    # Each checkpoint is a row written here: a site holding many leases checkpoints each less
+    # often, so that one site writes at most about this many per second (streams excepted).
+    site_checkpoints_per_s: float = 32.0
     # Batch input limits; a longer line is a bad line (as a larger realtime body is refused).
     max_batch_lines: int = 50_000
     max_file_bytes: int = 200 * 1024 * 1024

@@ -169,6 +169,13 @@ def _declared(ask: LeaseRequest) -> dict[str, Any]:
     return values
 
 
+def checkpoint_interval_s(config: ControlConfig, site_holds: int) -> float:
+    """How often a site holding `site_holds` leases checkpoints each ordinary one: the
+    configured interval, longer where that would write more than site_checkpoints_per_s rows a
+    second (at 256 leases and the defaults, every 8 s instead of every 2 s)."""
+    return max(config.checkpoint_interval_s, site_holds / config.site_checkpoints_per_s)
+
+
 @retry_conflicts
 def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: ControlConfig,
           policy: PlacementPolicy = DEFAULT_POLICY) -> LeaseResponse:
@@ -214,6 +221,8 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
                         attempts=requests.c.attempts + 1, version=requests.c.version + 1,
                         lease_base_tokens=requests.c.checkpoint_tokens)
                 .returning(*granted)).all())
+        # Adopted leases are in `in_flight` already.
+        site_holds = snapshot.site.in_flight + len(rows)
         rows = adopted + rows
         # Adopted first, in the order they were queued in (RETURNING's order is unspecified).
         picked = [i for i in held if i in taken_back] + picked
@@ -227,12 +236,13 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
                    leases_granted=sites.c.leases_granted + len(rows), **_declared(ask))
     # Hand leases out in placement order (RETURNING order is unspecified).
     rank = {request_id: i for i, request_id in enumerate(picked)}
+    interval_s = checkpoint_interval_s(config, site_holds)
     leases = [Lease(request_id=r.id, lease_id=lease_id, epoch=r.epoch, expires_at=expires_at,
                     kind=Kind(r.kind).wire_kind, model=r.model, body=r.body, seed=r.seed,
                     checkpoint=resumed.get(r.id),
                     stream=bool(r.stream),
                     checkpoint_interval_s=(config.stream_checkpoint_interval_s if r.stream
-                                           else config.checkpoint_interval_s),
+                                           else interval_s),
                     session_key=r.session_key)
               for r in sorted(rows, key=lambda r: rank[r.id])]
     return LeaseResponse(leases=leases, lease_ttl_s=config.lease_ttl_s)
