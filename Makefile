@@ -58,7 +58,7 @@ test: install-test postgres-bin bwrap-bin chromium
 	$(BIN)/minimill pull $(MODEL)
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
-	$(BIN)/pytest -n 2 --dist loadfile
+	$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 # The numbers and plots of docs/fleet-economics.md (a few minutes on two cores).
 fleet-economics: install

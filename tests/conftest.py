@@ -21,6 +21,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 DEFAULT_MODEL = "smollm2-135m"
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules with slow tests run first (a stable sort: each module's tests stay together and
+    in order). Under `pytest -n N --dist loadfile --no-loadscope-reorder` (make test) the
+    processes start on the long end-to-end files and end on short unit tests, instead of one
+    process running a long file alone at the end while the others have nothing left."""
+    slow_modules = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_modules)
+
+
 def free_port() -> int:
     with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
         s.bind(("127.0.0.1", 0))

@@ -29,6 +29,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+pytestmark = pytest.mark.slow
+
 SERVER_SETTINGS = {"max_file_bytes": 20_000, "realtime_timeout_s": 20.0}
 # Deterministic and small by default; MINIMILL_FUZZ_EXAMPLES=500 MINIMILL_FUZZ_RANDOM=1 for a
 # longer, randomized hunt.

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.timeout(900)
 def test_sessions_bench_runs_and_reuse_pays(model_file: Path, tmp_path: Path) -> None:
