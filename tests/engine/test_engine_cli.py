@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
 
 def run_cli(args: list[str], home: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "MINIMILL_HOME": str(home)}
