@@ -40,7 +40,7 @@ from minimill.bench.fleet_bench import generated_tokens_in_log
 from minimill.control.records import Kind
 
 pytestmark = pytest.mark.slow
-NUM_LINES = 200  # every resume point still sees hundreds of resumes at this size
+NUM_LINES = 200  # with up to 10 kills, every resume point is still reached at this size
 NUM_WORKERS = 3
 KILL_EVERY_S = 5.0
 MAX_KILLS = 10  # past this the fleet is left to finish: the test ends however slow the machine
