@@ -86,12 +86,25 @@ def _loopback_url(host: str, port: int) -> str:
 async def _serve(server: _Server, sock: socket.socket,
                  supervisor: WorkerSupervisor | None) -> None:
     loop = asyncio.get_running_loop()
+    stopping_worker: list[asyncio.Task[None]] = []
+
+    async def stop_worker_then_api(worker: WorkerSupervisor) -> None:
+        # The worker's last acts (checkpoints, hand-backs, box snapshots and releases) are
+        # calls to this control plane: it answers them before it closes.
+        try:
+            await asyncio.to_thread(worker.stop)
+        finally:
+            server.should_exit = True
 
     def on_signal(signum: int) -> None:
         log.info("%s: stopping", stop_reason(signum))
-        # A terminal's Ctrl-C reaches the worker too: it must not be restarted meanwhile.
-        if supervisor is not None:
+        if supervisor is not None and not stopping_worker:
+            # A terminal's Ctrl-C reaches the worker too: it must not be restarted meanwhile.
             supervisor.stopping = True
+            stopping_worker.append(asyncio.create_task(stop_worker_then_api(supervisor)))
+            return
+        if supervisor is not None:
+            supervisor.hurry()  # a second stop: the worker skips its drain
         if server.should_exit:
             server.force_exit = True
         server.should_exit = True
@@ -107,10 +120,10 @@ async def _serve(server: _Server, sock: socket.socket,
             worker_task = asyncio.create_task(supervisor.run())
         await serving
     finally:
-        if supervisor is not None:
-            # Stop the worker while the control plane still answers its final checkpoints...
+        if supervisor is not None:  # the API ended without a signal (it failed): stop it too
             supervisor.stopping = True
             await asyncio.to_thread(supervisor.stop)
+        await asyncio.gather(*stopping_worker, return_exceptions=True)
         if worker_task is not None:
             worker_task.cancel()
             await asyncio.gather(worker_task, return_exceptions=True)
