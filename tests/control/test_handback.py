@@ -80,3 +80,16 @@ def test_what_is_handed_back_is_not_given_back_to_the_site() -> None:
     assert handed == ["t100000", "t50000"]
     assert not any(fits(busy, c, NOW, DEFAULT_POLICY) for c in mine
                    if c.request_id in handed)
+
+
+def test_the_lead_comes_from_the_config_and_never_undercuts_a_heartbeat() -> None:
+    from minimill.api.settings import Settings
+    from minimill.control.config import ControlConfig
+    from minimill.control.leases import policy_for
+
+    assert policy_for(ControlConfig(lease_ttl_s=3.0)).handback_lead_s == LEAD
+    assert policy_for(ControlConfig(lease_ttl_s=3.0, handback_lead_s=20.0)).handback_lead_s == 20
+    # A site hears of a handback in a heartbeat answer, up to TTL/3 late.
+    assert policy_for(ControlConfig(lease_ttl_s=30.0, handback_lead_s=2.0)).handback_lead_s == 11
+    config = Settings(handback_lead_s=7.5).control_config()  # MINIMILL_HANDBACK_LEAD_S
+    assert config.handback_lead_s == 7.5

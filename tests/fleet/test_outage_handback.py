@@ -36,8 +36,12 @@ STORIES = ["Write a long story about a lighthouse keeper and a storm.",
            "Write a long story about two robots crossing a desert."]
 # Long enough that the busy site cannot finish them before the handback time, however fast
 # its engine is: the work must be moved, not finished in place.
-MAX_TOKENS = 480
-OUTAGE_IN_S = 12.0  # the busy site hands back its work 5 s before that (the handback lead)
+MAX_TOKENS = 320
+# The busy site hands back its work HANDBACK_LEAD_S before the outage (a lease TTL of 4 s
+# makes it 4 / 3 + 1 s: a heartbeat's delay and a second), so about 4.7 s after the notice
+# (the CLI that announces it takes 1-3 s of that on a loaded machine).
+OUTAGE_IN_S = 7.0
+HANDBACK_LEAD_S = 2.0
 STATS = {"MINIMILL_WORKER_STATS_S": "0.25"}
 
 
@@ -84,7 +88,8 @@ def counter(worker: Worker, after: int = 0) -> int:
 
 
 def test_an_announced_outage_moves_work_before_it_starts(fleet_home: Path) -> None:
-    serve = Serve(fleet_home, local_worker=False).start_and_wait()
+    serve = Serve(fleet_home, local_worker=False,
+                  extra_env={"MINIMILL_HANDBACK_LEAD_S": str(HANDBACK_LEAD_S)}).start_and_wait()
     store = open_store(serve.db_url())
     workers: list[Worker] = []
     try:

@@ -53,6 +53,9 @@ class Settings(BaseSettings):
     # Boxes created without `idle_timeout_s` are paused after this long without an operation;
     # 0: they never are.
     box_idle_timeout_s: float = Field(default=0.0, ge=0)
+    # Seconds before an announced outage that a site gives back what it would not finish;
+    # unset: the placement policy's 5 s.
+    handback_lead_s: float | None = Field(default=None, gt=0)
 
     def control_config(self) -> ControlConfig:
         return ControlConfig(
@@ -70,4 +73,5 @@ class Settings(BaseSettings):
             webhook_retry_base_s=self.webhook_retry_base_s,
             webhook_retry_cap_s=self.webhook_retry_cap_s,
             webhook_max_age_s=self.webhook_max_age_s,
-            box_idle_timeout_s=self.box_idle_timeout_s or None)
+            box_idle_timeout_s=self.box_idle_timeout_s or None,
+            handback_lead_s=self.handback_lead_s)

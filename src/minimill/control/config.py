@@ -49,3 +49,6 @@ class ControlConfig:
     webhook_max_age_s: float = 72 * 3600.0
     # The idle timeout of a box created without one (None: boxes never idle out).
     box_idle_timeout_s: float | None = None
+    # How long before an announced outage a site gives back the work it would not finish
+    # (None: the placement policy's own); never less than a heartbeat's delay (leases.py).
+    handback_lead_s: float | None = None

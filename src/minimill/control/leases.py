@@ -130,8 +130,9 @@ def policy_for(config: ControlConfig,
                policy: PlacementPolicy = DEFAULT_POLICY) -> PlacementPolicy:
     """A full site only heartbeats (every TTL/3): it counts as alive for at least one TTL, and
     hears of a handback at most TTL/3 late, so it is told that much (and a second) earlier."""
+    lead = policy.handback_lead_s if config.handback_lead_s is None else config.handback_lead_s
     return replace(policy, alive_within_s=max(policy.alive_within_s, config.lease_ttl_s),
-                   handback_lead_s=max(policy.handback_lead_s, config.lease_ttl_s / 3 + 1.0))
+                   handback_lead_s=max(lead, config.lease_ttl_s / 3 + 1.0))
 
 
 def _snapshot(conn: Connection, site: Site, ask: LeaseRequest, capacity: int, models: list[str],
