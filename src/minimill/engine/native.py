@@ -2,7 +2,8 @@
 
 The kernels are compiled for the machine they run on (its vector extensions), once, on first
 use; the shared library is cached on disk under a key made of the source, the torch version
-and the CPU's flags, so later starts load it in well under a second. Where no compiler is
+and the CPU's flags (and where the sources and torch live), so later starts load it in well
+under a second. Where no compiler is
 present, or the build fails, the engine runs the portable PyTorch path and says why.
 """
 
@@ -65,9 +66,14 @@ def _load() -> NativeKernels:
     info = cpu_info()
     flags = _build_flags(info)
     files = sorted(p for p in _SOURCES.iterdir() if p.suffix in (".cpp", ".h"))
+    # The build's ninja file names the sources and torch's headers by absolute path: a
+    # checkout or an environment elsewhere gets a directory of its own, rather than both
+    # rewriting one and rebuilding it in turn.
     key = hashlib.sha256(b"\0".join([
         *(p.name.encode() + p.read_bytes() for p in files), torch.__version__.encode(),
-        " ".join(sorted(info.flags)).encode(), " ".join(flags).encode()])).hexdigest()[:16]
+        " ".join(sorted(info.flags)).encode(), " ".join(flags).encode(),
+        str(_SOURCES.resolve()).encode(), str(Path(torch.__file__).resolve().parent).encode(),
+    ])).hexdigest()[:16]
     build_dir = kernel_cache_dir() / f"cpu-{key}"
     try:
         from torch.utils import cpp_extension
