@@ -2,7 +2,8 @@
 
 The local worker is an ordinary `minimill worker` subprocess that reaches the control plane over
 loopback HTTP with the "local" site's token, exactly as a remote site would. This process
-supervises it (fleet/supervisor.py: restarts it if it dies) and stops it on SIGINT/SIGTERM; it
+supervises it (fleet/supervisor.py: restarts it if it dies) and stops it on SIGINT/SIGTERM,
+before the API, which the worker's last checkpoints and hand-backs are sent to; it
 dies with serve however serve ends, and serve dies with the process that started it when that
 one asks (lifetime.py). Every start prints a fresh API key of tenant "default" with a
 copy-pasteable hint.
