@@ -130,11 +130,13 @@ def bench_batch(
     json_out: bool = JsonOption,
     model: str = ModelOption,
     limit: int | None = typer.Option(None, help="Use only the first N requests."),
+    rounds: int = typer.Option(3, min=1, help="Served runs, each between two offline runs; "
+                               "the ratio printed is the median of the rounds'."),
 ) -> None:
     """Batch API throughput of a fresh serve vs the offline engine, plus ingest speed."""
     from minimill.bench.batch_bench import run_batch_bench
 
-    run_batch_bench(workload, json_out=json_out, model=model, limit=limit)
+    run_batch_bench(workload, json_out=json_out, model=model, limit=limit, rounds=rounds)
 
 
 @bench_app.command("fleet")

@@ -2,7 +2,9 @@
 
 Progress arrives through the fleet routes of *some* control-plane process. When it is this
 process, the route pokes the waiter at once; otherwise one shared poller notices that the row's
-`version` changed (a single query for every watched request, every `poll_interval_s`).
+`version` changed (a single query for every watched request, every `poll_interval_s`). With
+nothing watched the poller sleeps until something is: on a small machine its forty wake-ups a
+second would be CPU taken from the engine beside it.
 """
 
 from __future__ import annotations
@@ -41,9 +43,14 @@ class ProgressWatcher:
         self.store = store
         self.poll_interval_s = poll_interval_s
         self._watches: dict[str, Watch] = {}
+        # Set while anything is watched; made by `run`, on the event loop it waits on.
+        self._watched: asyncio.Event | None = None
 
     def watch(self, request_id: str) -> Watch:
+        """Call from the event loop the poller runs on."""
         watch = self._watches[request_id] = Watch(request_id)
+        if self._watched is not None:
+            self._watched.set()
         return watch
 
     def unwatch(self, watch: Watch) -> None:
@@ -59,7 +66,11 @@ class ProgressWatcher:
 
     async def run(self) -> None:
         """Poll the store for progress made through other processes, forever."""
+        self._watched = watched = asyncio.Event()
         while True:
+            if not self._watches:
+                watched.clear()
+                await watched.wait()
             if self._watches:
                 try:
                     seen = await anyio.to_thread.run_sync(versions, self.store,
