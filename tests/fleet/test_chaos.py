@@ -69,10 +69,14 @@ class ChaosDriver:
     def _run(self) -> None:
         while not self._stop.wait(KILL_EVERY_S):
             if self.frozen is None:
-                busiest = self._busiest()
-                if not self._held(busiest):
-                    continue  # nothing leased yet: a frozen idle worker has no late results
-                self._freeze(busiest)
+                # The freeze comes before any kill: until then every lease a proxy saw granted
+                # went to the process running now. A worker with nothing in flight would have
+                # no late results.
+                busiest = max(range(len(self.proxies)), key=lambda i: len(self._in_flight(i)))
+                if self._in_flight(busiest):
+                    self._freeze(busiest)
+                if self.frozen is None:
+                    continue
             if self.kills >= MAX_KILLS:
                 return
             for i in range(len(self.workers)):
@@ -106,18 +110,52 @@ class ChaosDriver:
         """The worker (of `among`) that held the most leases at its latest heartbeat."""
         return max(among or range(len(self.proxies)), key=self._held)
 
+    def _in_flight(self, i: int) -> dict[str, int]:
+        """Request id -> epoch of every lease worker i was granted and has not reported back,
+        as its proxy saw them (fresher than its last heartbeat)."""
+        granted = {lease["request_id"]: lease["epoch"] for e in self.proxies[i].find("/lease")
+                   for lease in e.response.get("leases", [])}
+        for e in self.proxies[i].find("/complete"):
+            for result in e.request.get("results", []):
+                granted.pop(result["request_id"], None)
+        return granted
+
+    def _leased_again(self, request_id: str, epoch: int) -> bool:
+        """Whether any site was granted the request at a later epoch."""
+        return any(lease["request_id"] == request_id and lease["epoch"] > epoch
+                   for link in self.proxies for e in link.find("/lease")
+                   for lease in e.response.get("leases", []))
+
     def _freeze(self, index: int) -> None:
+        """Freeze worker `index` past its leases' expiry, and let its results through only once
+        other sites hold those requests at later epochs: a lease that lapsed but was not yet
+        granted again is still the zombie's to complete (its work is not thrown away), so
+        without the wait, whether its late results are rejected depends on the other sites'
+        free slots at that moment."""
         worker, link = self.workers[index], self.proxies[index]
-        self.frozen = index
         os.kill(worker.pid, signal.SIGSTOP)
-        link.blocked.add("/heartbeat")  # on waking it must not hear that its leases are gone
+        # On waking it must not hear that its leases are gone, nor lease them again itself.
+        link.blocked.update(("/heartbeat", "/complete", "/lease"))
+        time.sleep(0.5)  # a message sent just before the stop reaches the proxy
+        held = self._in_flight(index)
+        if not held:  # it had just reported everything: nothing would come late
+            link.blocked.clear()
+            os.kill(worker.pid, signal.SIGCONT)
+            return
+        self.frozen = index
         time.sleep(FREEZE_S)
         os.kill(worker.pid, signal.SIGCONT)
         self.thawed_at = time.time()
+        deadline = time.time() + 120
+        while time.time() < deadline and not all(
+                self._leased_again(request_id, epoch) for request_id, epoch in held.items()):
+            time.sleep(0.1)
         # It finishes what it held and reports it, stale, before hearing of its lost leases.
-        deadline = time.time() + 30
+        link.blocked.discard("/complete")
+        released_at = time.time()
+        deadline = released_at + 30
         while time.time() < deadline and not any(
-                e.at >= self.thawed_at for e in link.find("/complete")):
+                e.at >= released_at for e in link.find("/complete")):
             time.sleep(0.1)
         link.blocked.clear()
 
