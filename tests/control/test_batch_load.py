@@ -181,3 +181,36 @@ def test_a_losing_finalizer_leaves_no_files(store: Store) -> None:
         linked = conn.execute(select(batches.c.error_file_id)).scalar_one()
     assert kept == 2 and linked == done.error_file_id  # the input and one error file
     assert len(read_content(store, owner.id, done.error_file_id).splitlines()) == 1200
+
+
+def test_insert_many_stores_what_sqlalchemy_would(store: Store) -> None:
+    """The driver-level bulk insert of ingest: JSON columns encoded as SQLAlchemy encodes them
+    (None as JSON null, not SQL NULL), other values as given, on both backends."""
+    from sqlalchemy import insert
+
+    from minimill.control.store import insert_many
+
+    def row(n: int, body: Any) -> dict[str, Any]:
+        return {"id": f"req_bulk{n}", "tenant_id": "t", "tier": "background", "body": body,
+                "seed": 2**40 + n, "stream": n % 2 == 0, "status": "queued", "epoch": 0,
+                "attempts": 0, "version": 0, "prompt_tokens": 0, "completion_tokens": 0,
+                "billed_usd": 0.5, "created_at": 1.25, "deadline": 9.5, "error": None,
+                "custom_id": f"é-{n}"}
+
+    body = {"messages": [{"role": "user", "content": "x\u00e9\U0001f600"}], "n": 2}
+    with store.write() as conn:
+        insert_many(conn, requests, [row(0, body), row(1, None)])
+        conn.execute(insert(requests), [row(2, body), row(3, None)])
+    cols = [requests.c[name] for name in row(0, None)]
+    with store.read() as conn:
+        got = {r.id: r for r in conn.execute(select(*cols).order_by(requests.c.id))}
+        null_bodies = set(conn.execute(select(requests.c.id).where(
+            requests.c.body.is_(None))).scalars())
+    for mine, theirs in (("req_bulk0", "req_bulk2"), ("req_bulk1", "req_bulk3")):
+        a, b = got[mine]._asdict(), got[theirs]._asdict()
+        for name in ("id", "seed", "stream", "custom_id"):
+            a.pop(name), b.pop(name)
+        assert a == b
+    assert got["req_bulk0"].body == body and got["req_bulk0"].seed == 2**40
+    assert got["req_bulk0"].stream is True and got["req_bulk1"].stream is False
+    assert null_bodies == set()  # JSON null on both paths

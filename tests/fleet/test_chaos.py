@@ -21,7 +21,9 @@ import signal
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fleet_checks import accepted_checkpoints, batch_records, resume_points, wait_until
@@ -72,8 +74,9 @@ class ChaosDriver:
                 # The freeze comes before any kill: until then every lease a proxy saw granted
                 # went to the process running now. A worker with nothing in flight would have
                 # no late results.
-                busiest = max(range(len(self.proxies)), key=lambda i: len(self._in_flight(i)))
-                if self._in_flight(busiest):
+                in_flight = [len(self._in_flight(i)) for i in range(len(self.proxies))]
+                busiest = max(range(len(in_flight)), key=in_flight.__getitem__)
+                if in_flight[busiest]:
                     self._freeze(busiest)
                 if self.frozen is None:
                     continue
@@ -110,11 +113,16 @@ class ChaosDriver:
         """The worker (of `among`) that held the most leases at its latest heartbeat."""
         return max(among or range(len(self.proxies)), key=self._held)
 
+    @staticmethod
+    def _grants(link: FleetProxy) -> Iterator[dict[str, Any]]:
+        """Every lease the control plane granted through `link`, oldest first."""
+        for exchange in link.find("/lease"):
+            yield from exchange.response.get("leases", [])
+
     def _in_flight(self, i: int) -> dict[str, int]:
         """Request id -> epoch of every lease worker i was granted and has not reported back,
         as its proxy saw them (fresher than its last heartbeat)."""
-        granted = {lease["request_id"]: lease["epoch"] for e in self.proxies[i].find("/lease")
-                   for lease in e.response.get("leases", [])}
+        granted = {lease["request_id"]: lease["epoch"] for lease in self._grants(self.proxies[i])}
         for e in self.proxies[i].find("/complete"):
             for result in e.request.get("results", []):
                 granted.pop(result["request_id"], None)
@@ -123,8 +131,7 @@ class ChaosDriver:
     def _leased_again(self, request_id: str, epoch: int) -> bool:
         """Whether any site was granted the request at a later epoch."""
         return any(lease["request_id"] == request_id and lease["epoch"] > epoch
-                   for link in self.proxies for e in link.find("/lease")
-                   for lease in e.response.get("leases", []))
+                   for link in self.proxies for lease in self._grants(link))
 
     def _freeze(self, index: int) -> None:
         """Freeze worker `index` past its leases' expiry, and let its results through only once

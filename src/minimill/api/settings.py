@@ -25,7 +25,7 @@ class Settings(BaseSettings):
     # creation; 0 keeps them until deleted.
     file_expires_after_s: float = Field(default=30 * 24 * 3600.0, ge=0)
     # Batch ingest: lines per transaction, and how long a silent ingester keeps its batch.
-    ingest_group_lines: int = Field(default=250, ge=1)
+    ingest_group_lines: int = Field(default=1000, ge=1)
     ingest_claim_ttl_s: float = Field(default=60.0, gt=0)
     lease_ttl_s: float = Field(default=30.0, gt=0)
     checkpoint_interval_s: float = Field(default=2.0, gt=0)

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, insert, or_, select, update
+from sqlalchemy import delete, or_, select, update
 
 from minimill.control.batch_ingest import (
     LineParser,
@@ -32,7 +32,7 @@ from minimill.control.config import ControlConfig
 from minimill.control.files import PROCESSED, chunks_from
 from minimill.control.records import BatchStatus, RequestStatus, Tier, new_id
 from minimill.control.requests import new_seed, row_values
-from minimill.control.store import Store
+from minimill.control.store import Store, insert_many
 from minimill.control.tables import batches, files, requests
 
 # A group also ends once its lines hold this many bytes, whatever `ingest_group_lines` says.
@@ -201,9 +201,8 @@ def _commit(store: Store, claim: _Claim, cursor: tuple[int, int], end: tuple[int
                              .values(**values)).rowcount
         if not moved:
             raise _LostClaim(claim.batch_id)
-        for rows in (good, bad):
-            if rows:
-                conn.execute(insert(requests), rows)
+        insert_many(conn, requests, good)
+        insert_many(conn, requests, bad)
 
 
 def _vanished(claim: _Claim) -> dict[str, Any]:

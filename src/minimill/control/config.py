@@ -25,7 +25,7 @@ class ControlConfig:
     max_line_bytes: int = 16 * 1024 * 1024
     # Batch ingest: lines per transaction, and how long an ingester that stopped committing
     # keeps its claim before another process resumes its batch.
-    ingest_group_lines: int = 250
+    ingest_group_lines: int = 1000
     ingest_claim_ttl_s: float = 60.0
     # Files (uploads without `expires_after`, batch outputs) expire this long after their
     # creation, as OpenAI's batch files do (None: kept until deleted).

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import os
 import threading
@@ -26,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
-from sqlalchemy import Connection, Engine, create_engine, event, inspect
+from sqlalchemy import JSON, Connection, Engine, Table, create_engine, event, inspect
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
@@ -98,6 +99,29 @@ def normalize_url(url: str) -> str:
     if url.startswith(("postgresql+psycopg://", "sqlite://")):
         return url
     raise StoreError(f"unsupported store URL {url!r}: use sqlite:///PATH or postgresql://...")
+
+
+def insert_many(conn: Connection, table: Table, rows: list[dict[str, Any]]) -> None:
+    """Insert rows that all have the first row's keys, as one executemany of the driver.
+
+    What `conn.execute(insert(table), rows)` does, without SQLAlchemy building and processing
+    every row's parameters in Python: for a batch's ingest that was a fifth of its time
+    (py-spy), as much as the database's own work. Values go to the driver as they are, but
+    JSON columns' as text, encoded as SQLAlchemy encodes them (None as JSON null). Columns
+    absent from the rows take their server-side defaults only: a Python-side default is not
+    applied here, so callers give every column that has one."""
+    if not rows:
+        return
+    columns = list(rows[0])
+    encode = [isinstance(table.c[name].type, JSON) for name in columns]
+    quote = conn.dialect.identifier_preparer.quote
+    mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
+    sql = (f"INSERT INTO {quote(table.name)} ({', '.join(quote(c) for c in columns)}) "
+           f"VALUES ({', '.join([mark] * len(columns))})")
+    dumps = json.dumps
+    conn.exec_driver_sql(sql, [tuple(dumps(row[name]) if as_json else row[name]
+                                     for name, as_json in zip(columns, encode, strict=True))
+                               for row in rows])
 
 
 def _sqlite_engine(url: str) -> Engine:
