@@ -128,10 +128,15 @@ class ChaosDriver:
                 granted.pop(result["request_id"], None)
         return granted
 
-    def _leased_again(self, request_id: str, epoch: int) -> bool:
-        """Whether any site was granted the request at a later epoch."""
-        return any(lease["request_id"] == request_id and lease["epoch"] > epoch
-                   for link in self.proxies for lease in self._grants(link))
+    def _leased_again(self, held: dict[str, int]) -> bool:
+        """Whether every request of `held` (id -> epoch) was granted to a site at a later
+        epoch."""
+        latest: dict[str, int] = {}
+        for link in self.proxies:
+            for lease in self._grants(link):
+                latest[lease["request_id"]] = max(lease["epoch"],
+                                                  latest.get(lease["request_id"], 0))
+        return all(latest[request_id] > epoch for request_id, epoch in held.items())
 
     def _freeze(self, index: int) -> None:
         """Freeze worker `index` past its leases' expiry, and let its results through only once
@@ -154,8 +159,7 @@ class ChaosDriver:
         os.kill(worker.pid, signal.SIGCONT)
         self.thawed_at = time.time()
         deadline = time.time() + 120
-        while time.time() < deadline and not all(
-                self._leased_again(request_id, epoch) for request_id, epoch in held.items()):
+        while time.time() < deadline and not self._leased_again(held):
             time.sleep(0.1)
         # It finishes what it held and reports it, stale, before hearing of its lost leases.
         link.blocked.discard("/complete")
