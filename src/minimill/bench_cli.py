@@ -60,6 +60,9 @@ def bench_engine(
     peer: str | None = typer.Option(None, help="Also measure this engine: vllm."),
     peer_python: str | None = typer.Option(
         None, help="Python of the environment where the peer is installed."),
+    rounds: int = typer.Option(
+        3, min=1, help="Timed runs of the workload; the median one is the headline (every "
+        "round's figures are in the report)."),
 ) -> None:
     """Offline engine throughput vs the speed of light, HF transformers and (optionally) vLLM."""
     from minimill.bench.engine_bench import EngineBenchOptions, run_engine_bench
@@ -68,7 +71,7 @@ def bench_engine(
         workload=workload, json_out=json_out, model=model, dtype=dtype, limit=limit,
         skip_hf=skip_hf, shape=shape, config=config, random_weights=random_weights,
         kernels=kernels, kv_dtype=kv_dtype, kv_prefault=kv_prefault, lanes=lanes, peer=peer,
-        peer_python=peer_python))
+        peer_python=peer_python, rounds=rounds))
 
 
 @bench_app.command("sessions")

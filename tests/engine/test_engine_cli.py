@@ -86,6 +86,13 @@ def test_bench_engine_prints_figures_and_their_yardsticks(minimill_home: Path,
     assert report["sol_fraction"] == pytest.approx(
         report["output_tok_s"] / report["sol_tok_s"], rel=0.01)
     assert report["sol_detail"]["memory_gb_s"] > 0
+    # Three timed rounds of the same work by default; the headline is the median round's.
+    rounds = report["rounds"]
+    assert len(rounds) == 3
+    assert report["output_tok_s"] == sorted(r["output_tok_s"] for r in rounds)[1]
+    for r in rounds:
+        assert 0 < r["sol_fraction"] <= 1.0 and 0 <= r["steal_share"] < 1
+        assert r["sol_fraction"] == pytest.approx(r["output_tok_s"] / r["sol_tok_s"], rel=0.01)
     # Where the time went: every layer's four linears and attention were timed, and the
     # shares of the run's wall time add up to at most all of it.
     spent = report["time_breakdown"]
@@ -111,10 +118,12 @@ def test_bench_engine_measures_a_shape_with_random_weights(minimill_home: Path, 
         "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 1024}))
     result = run_cli(["bench", "engine", "--workload", str(workload), "--json", "--limit", "3",
-                      "--config", str(config), "--random-weights"], minimill_home)
+                      "--config", str(config), "--random-weights", "--rounds", "1"],
+                     minimill_home)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["model"] == "tiny" and report["random_weights"] is True
+    assert len(report["rounds"]) == 1
     assert report["output_tokens"] == 72 and "hf_output_tok_s" not in report
     refused = run_cli(["bench", "engine", "--workload", str(workload), "--shape", "llama3-8b"],
                       minimill_home)

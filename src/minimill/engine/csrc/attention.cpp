@@ -352,7 +352,7 @@ namespace {
 constexpr int64_t kRowTile = 16;    // query rows of one sequence per work item
 constexpr int64_t kQGroup = 8;      // query vectors scored together (registers)
 constexpr int64_t kPartKeys = 256;  // keys scored before one softmax update (a multiple of bs)
-constexpr int64_t kPrefetchBlocks = 2;  // how far ahead block loops fetch
+constexpr int64_t kPrefetchBlocks = 3;  // how far ahead block loops fetch
 
 
 inline void prefetch_bytes(const void* p, int64_t bytes) {
@@ -559,35 +559,38 @@ void attend_group(const Queries& qs, const int64_t* q_pos, float scale, float* o
         std::memset(p_pairs + i * kPartKeys / 2, 0, part_padded * 2);
         continue;
       }
-      const int64_t full = limit / kVec * kVec;
+      // Whole vectors up to the limit; lanes past it (keys this query may not see) are
+      // -inf for the max and 0 after the exponential.
+      const int64_t full = limit / kVec * kVec, rem = limit - full;
+      const fVec vninf(neg_inf);
       fVec vmax(neg_inf);
       for (int64_t j = 0; j < full; j += kVec) {
         const fVec sj = fVec::loadu(si + j) * vscale;
         sj.store(si + j);
         vmax = at::vec::maximum(vmax, sj);
       }
-      float part_max = at::vec::vec_reduce_all<float>(
-          [](fVec& a, fVec& b) { return at::vec::maximum(a, b); }, vmax);
-      for (int64_t j = full; j < limit; ++j) {
-        si[j] *= scale;
-        part_max = std::max(part_max, si[j]);
+      if (rem) {
+        const fVec sj = fVec::set(vninf, fVec::loadu(si + full) * vscale, rem);
+        sj.store(si + full);
+        vmax = at::vec::maximum(vmax, sj);
       }
+      const float part_max = at::vec::vec_reduce_all<float>(
+          [](fVec& a, fVec& b) { return at::vec::maximum(a, b); }, vmax);
       const float m_new = std::max(m[i], part_max);
       const float correction = std::exp(m[i] - m_new);
       m[i] = m_new;
       const fVec vm(m_new);
       fVec vsum(0.f);
-      for (int64_t j = 0; j < full; j += kVec) {
+      const int64_t covered = full + (rem ? kVec : 0);
+      for (int64_t j = 0; j < covered; j += kVec) {
+        // exp(-inf - m) is 0: the masked lanes drop out here.
         const fVec pj = (fVec::loadu(si + j) - vm).exp_u20();
         pj.store(si + j);
         vsum = vsum + pj;
       }
-      float sum = at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, vsum);
-      for (int64_t j = full; j < limit; ++j) {
-        si[j] = std::exp(si[j] - m_new);
-        sum += si[j];
-      }
-      for (int64_t j = limit; j < part_padded; ++j) si[j] = 0.f;
+      const float sum = at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; },
+                                                       vsum);
+      for (int64_t j = covered; j < part_padded; ++j) si[j] = 0.f;
 #ifdef MINIMILL_DPBF16
       if constexpr (std::is_same_v<T, BFloat16>) {
         auto* dst = reinterpret_cast<__m256bh*>(p_pairs + i * kPartKeys / 2);
