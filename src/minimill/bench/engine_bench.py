@@ -11,11 +11,15 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from minimill.bench.steal import StealMeter
+
+if TYPE_CHECKING:
+    from minimill.bench.sol import SpeedOfLight
+    from minimill.engine.model_runner import StepShape
 
 # The targets the engine is held to (issue: the bus at the speed of light).
 TARGET_SOL_FRACTION = 0.75
@@ -61,11 +65,11 @@ class EngineBenchOptions:
 class _Round:
     """One timed run of the workload."""
 
-    steps: list[Any]  # the runner's StepShapes
+    steps: list[StepShape]
     seconds: float
     steal_share: float | None  # None where the OS does not say
     output_tokens: int
-    sol: Any = None  # its SpeedOfLight, once the yardstick is measured
+    sol: SpeedOfLight | None = None  # set once the yardstick is measured
 
     @property
     def output_tok_s(self) -> float:
@@ -73,6 +77,7 @@ class _Round:
 
     @property
     def sol_tok_s(self) -> float:
+        assert self.sol is not None, "the yardstick is not measured yet"
         return self.output_tokens / self.sol.seconds
 
 
@@ -204,10 +209,9 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
         for r in runs:
             r.sol = speed_of_light(runner.model, r.steps, stick)
     # The median round by throughput is the headline, with its own yardstick and fraction.
-    ranked = sorted(runs, key=lambda r: r.output_tok_s)
-    median = ranked[(len(ranked) - 1) // 2]
-    steps, seconds, output_tokens, sol = median.steps, median.seconds, median.output_tokens, \
-        median.sol
+    median = sorted(runs, key=lambda r: r.output_tok_s)[(len(runs) - 1) // 2]
+    steps, seconds, output_tokens = median.steps, median.seconds, median.output_tokens
+    sol = median.sol
     assert sol is not None
     output_tok_s, sol_tok_s = median.output_tok_s, median.sol_tok_s
     report: dict[str, Any] = {
