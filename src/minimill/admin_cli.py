@@ -34,6 +34,46 @@ def keys_create(
         typer.echo(create_operator_key(store) if tenant is None else create_key(store, tenant))
 
 
+@keys_app.command("revoke")
+def keys_revoke(
+    key: str = typer.Argument(..., help="The key's id (key_..., opk_...), the key itself, or "
+                              "its first characters (see `minimill keys list`)."),
+    db: str | None = DbOption,
+) -> None:
+    """Revoke a tenant's or an operator's key: every process sharing the store refuses it from
+    now on (401)."""
+    import time
+
+    from minimill.control.keys import revoke_key
+
+    with open_store_or_exit(db) as store:
+        record = revoke_key(store, key, time.time())
+    owner = f"tenant {record.tenant}" if record.tenant is not None else "operator"
+    typer.echo(f"revoked {record.id} ({owner}, {record.hint or 'no hint'}...)")
+
+
+@keys_app.command("list")
+def keys_list(
+    tenant: str | None = typer.Option(None, "--tenant", help="Only this tenant's keys."),
+    json_out: bool = JsonOption,
+    db: str | None = DbOption,
+) -> None:
+    """Every key: its id, owner, first characters, and whether it was revoked (never the key)."""
+    from dataclasses import asdict
+
+    from minimill.control.keys import list_keys
+
+    with open_store_or_exit(db) as store:
+        records = list_keys(store, tenant)
+    if json_out:
+        typer.echo(json.dumps([asdict(r) for r in records], indent=2))
+        return
+    print_table("minimill keys", ("id", "owner", "starts with", "revoked"), [
+        (r.id, f"tenant {r.tenant}" if r.tenant is not None else "operator",
+         f"{r.hint}..." if r.hint else "-", "yes" if r.revoked_at is not None else "no")
+        for r in records], left=("id", "owner", "starts with"))
+
+
 TierOption = typer.Option("realtime", "--tier", help="realtime or background (default: "
                           "realtime; background is realtime times the discount unless set).")
 

@@ -86,6 +86,7 @@ ROUTES = {
     ("POST", "/v1/prices"): "operator",
     ("DELETE", "/v1/prices"): "operator",
     ("POST", "/v1/keys"): "operator",
+    ("POST", "/v1/keys/revoke"): "operator",
     ("GET", "/metrics"): "operator",
     ("GET", "/dashboard"): "operator",
     ("GET", "/dashboard/data"): "operator",

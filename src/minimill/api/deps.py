@@ -20,7 +20,7 @@ from minimill.api.errors import unknown_url
 from minimill.api.progress import ProgressWatcher
 from minimill.control.config import ControlConfig
 from minimill.control.errors import AuthenticationError, PermissionDeniedError
-from minimill.control.keys import authenticate, authenticate_operator
+from minimill.control.keys import authenticate, authenticate_operator, is_revoked
 from minimill.control.records import Operator, Site, Tenant
 from minimill.control.sites import authenticate_site
 from minimill.control.store import Store
@@ -61,6 +61,9 @@ def get_tenant(store: StoreDep, credentials: Credentials) -> Tenant:
             raise PermissionDeniedError(
                 "An operator key reaches the fleet routes only; this route needs a tenant's "
                 "API key (minimill keys create --tenant NAME).", code="operator_key")
+        if is_revoked(store, credentials.credentials):
+            raise AuthenticationError("This API key was revoked; ask the operator for a new "
+                                      "one.", code="invalid_api_key")
         raise AuthenticationError("Incorrect API key provided.", code="invalid_api_key")
     return tenant
 

@@ -116,6 +116,22 @@ class KeyCreated(BaseModel):
     operator: bool
 
 
+class KeyRevoke(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    key: str = Field(min_length=1, max_length=200, description="The key's id (key_..., "
+                     "opk_...), the key itself, or its first characters (at least 6 after "
+                     "mm- or mmo-).")
+
+
+class KeyRevoked(BaseModel):
+    object: Literal["api_key"] = "api_key"
+    id: str
+    tenant: str | None = Field(description="Its tenant; null for an operator key.")
+    hint: str | None = Field(description="Its first characters.")
+    revoked_at: float | None
+
+
 class PriceScheduleSet(BaseModel):
     """A site's hourly price schedule."""
 

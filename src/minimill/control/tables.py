@@ -73,6 +73,11 @@ api_keys = Table(
     Column("created_at", Double, nullable=False),
     # Set for the key a runner gets with an agent's lease: it dies with that lease.
     Column("agent_id", String(40), index=True),
+    # The key's first characters (keys.KEY_HINT_CHARS), so that an operator can name a key to
+    # revoke by what its holder can read off it; None for keys made before it was kept.
+    Column("hint", String(20), index=True),
+    # When `minimill keys revoke` revoked it (None: live); a revoked key is refused at once.
+    Column("revoked_at", Double),
 )
 
 # Operator keys reach the fleet (sites, outages, prices, keys); they belong to no tenant.
@@ -81,6 +86,8 @@ operator_keys = Table(
     Column("id", String(40), primary_key=True),
     Column("key_hash", String(64), nullable=False, unique=True),
     Column("created_at", Double, nullable=False),
+    Column("hint", String(20), index=True),  # as api_keys.hint
+    Column("revoked_at", Double),  # as api_keys.revoked_at
 )
 
 # The operator's price list in $ per million tokens; model "*" is the default entry.
