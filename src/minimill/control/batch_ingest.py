@@ -6,13 +6,16 @@ kept), `scan` decides whether the file is usable at all, and `LineParser` turns 
 queued request or a line error. A file is unusable when it is empty, not UTF-8, over the line
 limit, or has no JSON object line at all (not JSONL); every other problem (invalid JSON, a line
 over the size limit, unknown model, bad parameters, duplicate or missing custom_id, wrong url or
-method) belongs to one line, which then lands in the error file.
+method) belongs to one line, which then lands in the error file. Lines are a tenant's input:
+whatever a line makes the parser raise (a line nested too deep for the JSON decoder raises
+RecursionError, not ValueError) is that line's error, never the ingest's.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +27,7 @@ from minimill.control.response_bodies import prepare_batch_line
 
 # How many line errors an unusable-file report lists at most.
 MAX_REPORTED_ERRORS = 10
+log = logging.getLogger("minimill.batches")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +106,9 @@ def _json_object(text: str, line_no: int) -> tuple[dict[str, Any] | None, LineEr
         obj = json.loads(text)
     except ValueError as exc:
         return None, LineError(line_no, "invalid_json", f"line {line_no} is not valid JSON: {exc}")
+    except RecursionError:
+        return None, LineError(line_no, "invalid_json",
+                               f"line {line_no} is nested too deeply to be read")
     if not isinstance(obj, dict):
         return None, LineError(line_no, "invalid_json", f"line {line_no} is not a JSON object")
     return obj, None
@@ -168,7 +175,19 @@ class LineParser:
         text = line.data.decode("utf-8", "replace")
         if not text.strip():
             return None
-        return self._parse_text(text, line.line_no)
+        try:
+            parsed = self._parse_text(text, line.line_no)
+            if parsed.prepared is not None:
+                # The row stores the body as JSON: a body that cannot be written (nested too
+                # deeply, say) fails here, as its line, not in the insert of its group.
+                json.dumps(parsed.prepared.body)
+        except Exception as exc:  # any other surprise is the line's too
+            log.info("batch line %d could not be parsed: %s: %s", line.line_no,
+                     type(exc).__name__, str(exc)[:200])
+            return ParsedLine(line.line_no, None, None, LineError(
+                line.line_no, "invalid_request",
+                f"line {line.line_no} could not be read ({type(exc).__name__})"))
+        return parsed
 
     def _parse_text(self, text: str, line_no: int) -> ParsedLine:
         def bad(code: str, message: str, custom_id: str | None = None,

@@ -13,12 +13,14 @@ growing request count; the last group turns the batch `in_progress`.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import delete, or_, select, update
+from sqlalchemy.exc import SQLAlchemyError
 
 from minimill.control.batch_ingest import (
     LineParser,
@@ -40,6 +42,7 @@ GROUP_BYTES = 1024 * 1024
 # Lines parsed between two chances for other threads (the event loop) to take the GIL.
 YIELD_EVERY_LINES = 64
 _VALIDATING = BatchStatus.VALIDATING.value
+log = logging.getLogger("minimill.batches")
 
 
 class _LostClaim(Exception):
@@ -67,6 +70,18 @@ def ingest_pending(store: Store, now: float, config: ControlConfig) -> int:
             _ingest(store, claim, config)
         except _LostClaim:
             pass
+        except SQLAlchemyError:
+            raise  # the store is unreachable: the claim goes stale and the ingest resumes
+        except Exception as exc:
+            # A batch that breaks the ingester (its lines are a tenant's) fails alone; it must
+            # not abort the round of every batch behind it, again at each retry.
+            log.exception("batch %s: ingest failed", claim.batch_id)
+            try:
+                _fail(store, claim, [{"code": "ingest_error", "line": None, "param": None,
+                                      "message": f"the input file could not be read "
+                                                 f"({type(exc).__name__})"}])
+            except _LostClaim:
+                pass
         done += 1
         now = time.time()
     return done
