@@ -146,6 +146,10 @@ def webhooks_create(
         "response.failed, response.cancelled, response.incomplete, batch.completed, "
         "batch.failed, batch.expired, batch.cancelled."),
     name: str | None = typer.Option(None, help="A name for it (default: the URL)."),
+    allow_private: bool = typer.Option(
+        False, "--allow-private", envvar="MINIMILL_WEBHOOK_ALLOW_PRIVATE",
+        help="Allow a URL to a loopback, link-local or private address (the control plane "
+        "delivers there only if it allows them too)."),
     db: str | None = DbOption,
 ) -> None:
     """Register a webhook endpoint and print its signing secret (shown once)."""
@@ -157,7 +161,8 @@ def webhooks_create(
     with open_store_or_exit(db) as store:
         owner = ensure_tenant(store, tenant).id if tenant is not None else None
         endpoint, secret = create_endpoint(store, owner, name or url, url,
-                                           list(event) or list(EVENT_TYPES))
+                                           list(event) or list(EVENT_TYPES),
+                                           allow_private=allow_private)
     typer.echo(f"{endpoint.id} {endpoint.url} ({', '.join(endpoint.event_types)})")
     typer.echo(f"signing secret (shown once): {secret}")
 

@@ -135,6 +135,9 @@ def serve(
     kv_flash_gb: float = KvFlashGbOption,
     prefix_caching: bool = PrefixCachingOption,
     kv_prefault: bool = KvPrefaultOption,
+    webhook_allow_private: bool = typer.Option(
+        False, "--webhook-allow-private", help="Let webhooks reach loopback, link-local and "
+        "private addresses (refused by default; also MINIMILL_WEBHOOK_ALLOW_PRIVATE=1)."),
 ) -> None:
     """Serve the OpenAI-compatible API (control plane) plus one local worker process."""
     from minimill.api.serve import run_serve
@@ -143,7 +146,8 @@ def serve(
                      kv_dtype, kv_prefault)
     run_serve(host=host, port=port, db=db, model=model, dtype=dtype, local_worker=local_worker,
               price_per_hour=price_per_hour, kv=kv, boxes=boxes,
-              insecure_no_sandbox=insecure_no_sandbox, agents=agents)
+              insecure_no_sandbox=insecure_no_sandbox, agents=agents,
+              webhook_allow_private=webhook_allow_private)
 
 
 @app.command()

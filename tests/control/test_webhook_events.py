@@ -36,8 +36,9 @@ def test_each_ended_object_is_one_event_whatever_number_record_it(store: Store,
                                                                     store_url: str) -> None:
     owner, worker = tenant(store), site(store)
     endpoint, _ = create_endpoint(store, owner.id, "a", "http://127.0.0.1:9/a",
-                                  ["response.completed"])
-    fleet, _ = create_endpoint(store, None, "f", "http://127.0.0.1:9/f", ["response.completed"])
+                                  ["response.completed"], allow_private=True)
+    fleet, _ = create_endpoint(store, None, "f", "http://127.0.0.1:9/f", ["response.completed"],
+                               allow_private=True)
     ids = [ended_background_response(store, owner.id, worker) for _ in range(5)]
     others = [open_store(store_url) for _ in range(4)]
     counts: list[int] = []
@@ -61,7 +62,8 @@ def test_each_ended_object_is_one_event_whatever_number_record_it(store: Store,
 
 def test_claims_are_exclusive_and_come_back_when_a_sender_dies(store: Store) -> None:
     owner, worker = tenant(store), site(store)
-    create_endpoint(store, owner.id, "a", "http://127.0.0.1:9/a", ["response.completed"])
+    create_endpoint(store, owner.id, "a", "http://127.0.0.1:9/a", ["response.completed"],
+                    allow_private=True)
     ended_background_response(store, owner.id, worker)
     assert record_ended(store, NOW) == 1
     (first,) = claim_due(store, NOW, claim_s=30.0)
@@ -87,7 +89,8 @@ def test_backoff_doubles_to_its_cap_and_old_events_give_up(store: Store) -> None
     assert [backoff_s(n, 5.0, 300.0) for n in (1, 2, 3, 7, 8, 100)] == [
         5.0, 10.0, 20.0, 300.0, 300.0, 300.0]
     owner, worker = tenant(store), site(store)
-    create_endpoint(store, owner.id, "a", "http://127.0.0.1:9/a", ["response.completed"])
+    create_endpoint(store, owner.id, "a", "http://127.0.0.1:9/a", ["response.completed"],
+                    allow_private=True)
     ended_background_response(store, owner.id, worker)
     record_ended(store, NOW)
     (claimed,) = claim_due(store, NOW, claim_s=30.0)
@@ -101,7 +104,8 @@ def test_no_event_without_a_subscriber_nor_for_a_deleted_response(store: Store) 
     owner, worker = tenant(store), site(store)
     ended_background_response(store, owner.id, worker)
     assert record_ended(store, NOW) == 0  # nobody subscribes: nothing kept
-    create_endpoint(store, owner.id, "a", "http://127.0.0.1:9/a", ["response.completed"])
+    create_endpoint(store, owner.id, "a", "http://127.0.0.1:9/a", ["response.completed"],
+                    allow_private=True)
     gone = ended_background_response(store, owner.id, worker)
     delete_response(store, owner.id, "resp_" + gone[4:])
     assert record_ended(store, NOW) == 0

@@ -36,13 +36,17 @@ def finished(client: OpenAI, response_id: str, timeout: float) -> Any:
     raise TimeoutError(f"{response_id} did not finish in {timeout}s")
 
 
+# The receiver listens on loopback, which webhooks may reach only when the operator allows it.
+LOCAL_WEBHOOKS = {"MINIMILL_WEBHOOK_ALLOW_PRIVATE": "1"}
+
+
 @pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres",
                                                              marks=pytest.mark.postgres)])
 def test_kill9_mid_response_then_restart_completes_it_once(
         e2e_home: Path, backend: str, request: pytest.FixtureRequest) -> None:
     db = request.getfixturevalue("pg_url") if backend == "postgres" else None
     port = free_port()
-    first = Serve(e2e_home, db=db).start_and_wait()
+    first = Serve(e2e_home, db=db, extra_env=LOCAL_WEBHOOKS).start_and_wait()
     created = first.cli("webhooks", "create", f"http://127.0.0.1:{port}/hook", "--fleet",
                         "--event", "response.completed", "--event", "response.incomplete",
                         "--db", first.db_url())
@@ -64,7 +68,7 @@ def test_kill9_mid_response_then_restart_completes_it_once(
     finally:
         first.kill9()  # the control plane and its worker, mid-answer, without warning
 
-    second = Serve(e2e_home, db=db, port=first.port).start_and_wait()
+    second = Serve(e2e_home, db=db, port=first.port, extra_env=LOCAL_WEBHOOKS).start_and_wait()
     try:
         client = second.client()
         after = list(client.responses.retrieve(response_id, stream=True,

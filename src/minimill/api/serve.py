@@ -19,6 +19,7 @@ import shutil
 import socket
 import sys
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import uvicorn
 
@@ -160,9 +161,12 @@ def _local_agents(agents: int, insecure_no_sandbox: bool) -> int:
 
 def run_serve(*, host: str, port: int, db: str | None, model: str, dtype: str,
               local_worker: bool, price_per_hour: float, kv: KvOptions | None = None,
-              boxes: int = 4, insecure_no_sandbox: bool = False, agents: int = 8) -> None:
+              boxes: int = 4, insecure_no_sandbox: bool = False, agents: int = 8,
+              webhook_allow_private: bool = False) -> None:
     """Serve the OpenAI-compatible API on host:port, plus one local worker serving `model`,
-    holding up to `boxes` boxes and running up to `agents` durable agents."""
+    holding up to `boxes` boxes and running up to `agents` durable agents. With
+    `webhook_allow_private`, webhooks may reach private addresses (else the environment's
+    MINIMILL_WEBHOOK_ALLOW_PRIVATE decides)."""
     logging.basicConfig(level=os.environ.get("MINIMILL_LOG_LEVEL", "INFO"),
                         format="%(asctime)s serve %(levelname)s %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per call is noise
@@ -178,7 +182,10 @@ def run_serve(*, host: str, port: int, db: str | None, model: str, dtype: str,
     try:
         if local_worker:
             log.info("model %s: %s", model, _model_path(model))
-        settings = Settings(db=db, models=[model]) if db else Settings(models=[model])
+        chosen: dict[str, Any] = {"db": db} if db else {}
+        if webhook_allow_private:
+            chosen["webhook_allow_private"] = True
+        settings = Settings(models=[model], **chosen)
         store = open_store(settings.db)
     except (ModelError, StoreError) as exc:
         sock.close()

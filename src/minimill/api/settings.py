@@ -50,6 +50,9 @@ class Settings(BaseSettings):
     webhook_retry_base_s: float = Field(default=5.0, gt=0)
     webhook_retry_cap_s: float = Field(default=300.0, gt=0)
     webhook_max_age_s: float = Field(default=72 * 3600.0, gt=0)
+    # Webhooks to loopback, link-local and private addresses (refused otherwise, at creation
+    # and at each delivery): MINIMILL_WEBHOOK_ALLOW_PRIVATE=1 or `serve --webhook-allow-private`.
+    webhook_allow_private: bool = False
     # Boxes created without `idle_timeout_s` are paused after this long without an operation;
     # 0: they never are.
     box_idle_timeout_s: float = Field(default=0.0, ge=0)
@@ -73,5 +76,6 @@ class Settings(BaseSettings):
             webhook_retry_base_s=self.webhook_retry_base_s,
             webhook_retry_cap_s=self.webhook_retry_cap_s,
             webhook_max_age_s=self.webhook_max_age_s,
+            webhook_allow_private=self.webhook_allow_private,
             box_idle_timeout_s=self.box_idle_timeout_s or None,
             handback_lead_s=self.handback_lead_s)

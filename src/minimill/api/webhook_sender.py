@@ -17,6 +17,7 @@ import httpx
 from minimill import __version__
 from minimill.control.config import ControlConfig
 from minimill.control.store import Store
+from minimill.control.url_guard import pick_address
 from minimill.control.webhook_events import (
     MAX_PER_CALL,
     Delivery,
@@ -35,8 +36,16 @@ async def _deliver(client: httpx.AsyncClient, store: Store, delivery: Delivery,
                                 delivery.payload), "user-agent": f"minimill/{__version__}"}
     error: str | None
     try:
-        answer = await client.post(delivery.url, content=delivery.payload.encode(),
-                                   headers=headers)
+        # Connect to the very address that was checked (a second lookup by the HTTP client
+        # could answer differently: DNS rebinding), naming the host in Host and TLS's SNI so
+        # that the receiver and its certificate are checked as for the name.
+        url = httpx.URL(delivery.url)
+        address = await anyio.to_thread.run_sync(pick_address, delivery.url,
+                                                 config.webhook_allow_private)
+        headers["host"] = url.netloc.decode("ascii")
+        answer = await client.post(url.copy_with(host=str(address)),
+                                   content=delivery.payload.encode(), headers=headers,
+                                   extensions={"sni_hostname": url.host})
         error = None if 200 <= answer.status_code < 300 else f"HTTP {answer.status_code}"
     except Exception as exc:  # unreachable, refused, timed out, a URL httpx cannot use
         error = f"{type(exc).__name__}: {exc}"

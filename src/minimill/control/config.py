@@ -47,6 +47,9 @@ class ControlConfig:
     webhook_retry_base_s: float = 5.0
     webhook_retry_cap_s: float = 300.0
     webhook_max_age_s: float = 72 * 3600.0
+    # Webhook URLs may reach loopback, link-local and private addresses (url_guard.py): the
+    # operator's own network, on purpose.
+    webhook_allow_private: bool = False
     # The idle timeout of a box created without one (None: boxes never idle out).
     box_idle_timeout_s: float | None = None
     # How long before an announced outage a site gives back the work it would not finish

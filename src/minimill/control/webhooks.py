@@ -19,6 +19,7 @@ from minimill.control.errors import InvalidRequestError, NotFoundError
 from minimill.control.records import new_id
 from minimill.control.store import Store
 from minimill.control.tables import tenants, webhook_deliveries, webhook_endpoints
+from minimill.control.url_guard import check_reachable
 from minimill.control.webhook_signing import new_secret, secret_hint
 
 EVENT_TYPES = ("response.completed", "response.failed", "response.cancelled",
@@ -65,13 +66,17 @@ def check_event_types(event_types: list[str]) -> tuple[str, ...]:
 
 
 def create_endpoint(store: Store, tenant_id: str | None, name: str, url: str,
-                    event_types: list[str]) -> tuple[WebhookEndpoint, str]:
-    """A new endpoint and its signing secret (shown once)."""
+                    event_types: list[str], *,
+                    allow_private: bool = False) -> tuple[WebhookEndpoint, str]:
+    """A new endpoint and its signing secret (shown once). Its URL must reach a public
+    address unless `allow_private` (url_guard.py); deliveries check again."""
     name = name.strip()
     if not 1 <= len(name) <= MAX_NAME_CHARS:
         raise InvalidRequestError(f"name must have 1 to {MAX_NAME_CHARS} characters",
                                   param="name")
-    values = {"id": new_id("we_"), "tenant_id": tenant_id, "name": name, "url": check_url(url),
+    url = check_url(url)
+    check_reachable(url, allow_private)
+    values = {"id": new_id("we_"), "tenant_id": tenant_id, "name": name, "url": url,
               "secret": new_secret(), "event_types": list(check_event_types(event_types)),
               "created_at": time.time()}
     with store.write() as conn:

@@ -8,7 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from minimill.api.deps import StoreDep, TenantDep
+from minimill.api.deps import ConfigDep, StoreDep, TenantDep
 from minimill.api.errors import error_responses
 from minimill.api.response_schemas import (
     WebhookEndpointCreate,
@@ -25,9 +25,12 @@ router = APIRouter(prefix="/v1/webhook_endpoints", tags=["webhooks"],
 
 @router.post("", response_model=WebhookEndpointWithSecret)
 def create_webhook_endpoint(body: WebhookEndpointCreate, store: StoreDep,
-                            tenant: TenantDep) -> WebhookEndpointWithSecret:
-    endpoint, secret = webhooks.create_endpoint(store, tenant.id, body.name, body.url,
-                                                body.event_types)
+                            tenant: TenantDep, config: ConfigDep) -> WebhookEndpointWithSecret:
+    """400 (param url) for a URL to a loopback, link-local, private or unspecified address,
+    unless the operator allows them (MINIMILL_WEBHOOK_ALLOW_PRIVATE)."""
+    endpoint, secret = webhooks.create_endpoint(
+        store, tenant.id, body.name, body.url, body.event_types,
+        allow_private=config.webhook_allow_private)
     return WebhookEndpointWithSecret(**WebhookEndpointObject.of(endpoint).model_dump(),
                                      signing_secret=secret)
 
