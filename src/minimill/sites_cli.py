@@ -31,13 +31,20 @@ def sites_create(
     name: str = typer.Argument(..., help="Site name."),
     price_per_hour: float = typer.Option(0.10, help="What the site costs in $/hour."),
     chip: str = typer.Option("cpu", help="Chip name."),
+    serves: str = typer.Option(
+        "tokens", "--serves", help="What its token may do, comma-separated: tokens (lease "
+        "requests), boxes (hold tenants' boxes), agents (run tenants' harnesses). Default: "
+        "tokens only."),
+    replace: bool = typer.Option(False, "--replace", help="The site exists: give it a new "
+                                 "token (the old one stops working), price, chip and scopes."),
     db: str | None = DbOption,
 ) -> None:
     """Register a site and print its token."""
-    from minimill.control.sites import create_site
+    from minimill.control.sites import create_site, parse_scopes
 
     with open_store_or_exit(db) as store:
-        typer.echo(create_site(store, name, price_per_hour, chip))
+        typer.echo(create_site(store, name, price_per_hour, chip, replace=replace,
+                               serves=parse_scopes(serves)))
 
 
 @sites_app.command("list")
@@ -54,17 +61,19 @@ def sites_list(db: str | None = DbOption,
     if json_out:
         typer.echo(json.dumps([asdict(s) for s in statuses], indent=2))
         return
-    columns = ("site", "status", "chip", "$/h now", "tok/s said", "tok/s measured", "uptime",
+    columns = ("site", "status", "chip", "serves", "$/h now", "tok/s said", "tok/s measured",
+               "uptime",
                "cost $/Mtok", "eff $/Mtok", "in flight", "free", "leases", "expired", "stale",
                "wasted tok", "billed $", "cost $", "margin $", "next outage (UTC)")
-    rows = [(s.name, s.status, s.chip, f"{s.price_now:.4f}", number_or_dash(s.tokens_per_s, ".1f"),
+    rows = [(s.name, s.status, s.chip, s.serves, f"{s.price_now:.4f}",
+             number_or_dash(s.tokens_per_s, ".1f"),
              number_or_dash(s.measured_tokens_per_s, ".1f"), number_or_dash(s.uptime, ".1%"),
              number_or_dash(s.cost_usd_per_mtok, ".4f"), f"{s.effective_usd_per_mtok:.4f}",
              str(s.in_flight), str(s.free_capacity), str(s.leases_granted),
              str(s.leases_expired), str(s.stale_completions), str(s.wasted_tokens),
              f"{s.billed_usd:.6f}", f"{s.cost_usd:.6f}", f"{s.margin_usd:.6f}", _next_outage(s))
             for s in statuses]
-    print_table("minimill sites", columns, rows, left=("site", "status", "chip",
+    print_table("minimill sites", columns, rows, left=("site", "status", "chip", "serves",
                                                    "next outage (UTC)"))
     billed, cost = sum(s.billed_usd for s in statuses), sum(s.cost_usd for s in statuses)
     typer.echo(f"billed ${billed:.6f}, cost ${cost:.6f}, margin ${billed - cost:.6f}")

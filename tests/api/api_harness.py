@@ -22,6 +22,7 @@ import uvicorn
 
 from minimill.api.app import Settings, create_app
 from minimill.control.keys import create_key, create_operator_key
+from minimill.control.records import ALL_SITE_SCOPES
 from minimill.control.sites import create_site
 from minimill.control.store import Store, open_store
 
@@ -62,7 +63,8 @@ class ServerThread:
 @dataclass
 class ApiEnv:
     """A running control plane plus credentials (a tenant's key, an operator key, a site
-    token); `store` is the test's own handle on its DB."""
+    token that serves every part of the worker protocol); `store` is the test's own handle on
+    its DB."""
 
     backend: str
     db_url: str
@@ -91,7 +93,8 @@ def start_env(backend: str, db_url: str, **settings: Any) -> ApiEnv:
     store = open_store(db_url)
     return ApiEnv(backend=backend, db_url=db_url, server=server, store=store,
                   key=create_key(store, "tenant-a"), operator_key=create_operator_key(store),
-                  site_token=create_site(store, f"site-{uuid.uuid4().hex[:6]}", 0.36, "cpu"))
+                  site_token=create_site(store, f"site-{uuid.uuid4().hex[:6]}", 0.36, "cpu",
+                                         serves=ALL_SITE_SCOPES))
 
 
 def make_env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,

@@ -10,6 +10,7 @@ from pathlib import Path
 from api_harness import ApiEnv
 from serve_process import Proc, minimill_cmd
 
+from minimill.control.records import SiteScope
 from minimill.control.sites import create_site
 
 
@@ -19,7 +20,8 @@ class BoxHostProc(Proc):
     def __init__(self, env: ApiEnv, root: Path, slots: int = 4,
                  snapshot_interval_s: float = 30.0) -> None:
         self.site = f"boxhost-{uuid.uuid4().hex[:6]}"
-        self.token = create_site(env.store, self.site, 0.1, "cpu")
+        self.token = create_site(env.store, self.site, 0.1, "cpu",
+                                 serves=frozenset({SiteScope.BOXES}))
         self.box_dir = root / self.site
         args = minimill_cmd("worker", "--server", env.base_url, "--site", self.site,
                             "--engine", "none", "--boxes", str(slots),

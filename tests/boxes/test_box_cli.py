@@ -13,6 +13,7 @@ from api_harness import ApiEnv
 from box_harness import BoxHostProc
 
 from minimill.boxes.client import Boxes
+from minimill.control.records import SiteScope
 from minimill.control.sites import create_site
 
 
@@ -73,7 +74,8 @@ def test_box_cli_stream(box_env: ApiEnv, box_host: BoxHostProc) -> None:
 
 
 def test_host_refuses_boxes_without_isolation(box_env: ApiEnv, tmp_path: Path) -> None:
-    token = create_site(box_env.store, "no-bwrap-site", 0.1, "cpu")
+    token = create_site(box_env.store, "no-bwrap-site", 0.1, "cpu",
+                        serves=frozenset({SiteScope.BOXES}))
     # No bubblewrap on its PATH: it must refuse, saying what to install or how to opt out.
     proc = subprocess.run(
         [sys.executable, "-m", "minimill.cli", "worker", "--server", box_env.base_url,

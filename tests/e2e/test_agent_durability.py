@@ -33,7 +33,7 @@ async def main(ctx, task):
 
 def start_runner(serve: Serve, name: str, slots: int = 4) -> Worker:
     """A runner site: `minimill worker --engine none --agents N`."""
-    token = serve.cli("sites", "create", name).stdout.strip().split()[-1]
+    token = serve.cli("sites", "create", name, "--serves", "agents").stdout.strip().split()[-1]
     return Worker(serve.home, serve.base_url.removesuffix("/v1"), name, token, engine="none",
                   extra_args=("--agents", str(slots))).start_and_wait()
 

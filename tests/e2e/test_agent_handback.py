@@ -56,7 +56,7 @@ async def main(ctx, task):
 
 
 def start_runner(serve: Serve, name: str, **env: str) -> Worker:
-    token = serve.cli("sites", "create", name).stdout.strip().split()[-1]
+    token = serve.cli("sites", "create", name, "--serves", "agents").stdout.strip().split()[-1]
     return Worker(serve.home, serve.base_url.removesuffix("/v1"), name, token, engine="none",
                   extra_args=("--agents", "4"), extra_env=env).start_and_wait()
 

@@ -110,7 +110,8 @@ def test_a_harness_cannot_reach_the_runners_secrets(serve: Serve, tmp_path: Path
 
 def test_a_runner_refuses_to_start_without_a_sandbox(serve: Serve, tmp_path: Path) -> None:
     """Without bubblewrap a runner refuses to run harnesses unless the operator opts out."""
-    token = serve.cli("sites", "create", "runner-nobwrap").stdout.strip().split()[-1]
+    token = serve.cli("sites", "create", "runner-nobwrap",
+                      "--serves", "agents").stdout.strip().split()[-1]
     empty = tmp_path / "bin"
     empty.mkdir()
     python_dir = str(Path(__import__("sys").executable).parent)

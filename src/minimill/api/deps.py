@@ -6,11 +6,15 @@ in tests/api/test_api_roles.py checks every route with every kind of credential)
   key (a valid key of the wrong role);
 - operator routes answer any other caller as an unknown URL would (404), so that a tenant does
   not learn they exist;
-- worker protocol routes answer 401 to anything but a site token.
+- worker protocol routes answer 401 to anything but a site token, and 403 to a site token
+  not registered for their part of the protocol (`sites create NAME --serves tokens,boxes,
+  agents`): token leases (TokenSiteDep), box hosts (BoxSiteDep), agent runners (AgentSiteDep);
+  a site's own outages answer any of its tokens (SiteDep).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -21,7 +25,7 @@ from minimill.api.progress import ProgressWatcher
 from minimill.control.config import ControlConfig
 from minimill.control.errors import AuthenticationError, PermissionDeniedError
 from minimill.control.keys import authenticate, authenticate_operator, is_revoked
-from minimill.control.records import Operator, Site, Tenant
+from minimill.control.records import Operator, Site, SiteScope, Tenant
 from minimill.control.sites import authenticate_site
 from minimill.control.store import Store
 
@@ -86,6 +90,26 @@ def get_site(store: StoreDep, credentials: Credentials) -> Site:
     return site
 
 
+_SCOPE_ROUTES = {SiteScope.TOKENS: "token leases", SiteScope.BOXES: "box hosts",
+                 SiteScope.AGENTS: "agent runners"}
+
+
+def _site_serving(scope: SiteScope) -> Callable[[Site], Site]:
+    def check(site: Annotated[Site, Depends(get_site)]) -> Site:
+        if scope not in site.serves:
+            serves = ",".join(sorted(s.value for s in site.serves))
+            raise PermissionDeniedError(
+                f"Site {site.name!r} serves {serves}: this route is for {_SCOPE_ROUTES[scope]} "
+                f"(the operator registers a site for it with `minimill sites create "
+                f"{site.name} --replace --serves {serves},{scope.value}`).", code="site_scope")
+        return site
+
+    return check
+
+
 TenantDep = Annotated[Tenant, Depends(get_tenant)]
 OperatorDep = Annotated[Operator, Depends(get_operator)]
 SiteDep = Annotated[Site, Depends(get_site)]
+TokenSiteDep = Annotated[Site, Depends(_site_serving(SiteScope.TOKENS))]
+BoxSiteDep = Annotated[Site, Depends(_site_serving(SiteScope.BOXES))]
+AgentSiteDep = Annotated[Site, Depends(_site_serving(SiteScope.AGENTS))]

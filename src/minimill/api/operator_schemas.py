@@ -17,6 +17,8 @@ class SiteObject(BaseModel):
     object: Literal["site"] = "site"
     status: str = Field(description="new | online | draining | outage | offline")
     chip: str
+    serves: str = Field(description="What its token reaches: tokens, boxes, agents "
+                        "(comma-separated).")
     price_per_hour: float = Field(description="What the site costs per hour, in US dollars.")
     price_now: float = Field(description="$/h now: its price schedule's, else price_per_hour.")
     tokens_per_s: float | None = Field(

@@ -174,6 +174,7 @@ def run_serve(*, host: str, port: int, db: str | None, model: str, dtype: str,
     from minimill.api.app import create_app
     from minimill.control.errors import ControlError
     from minimill.control.keys import create_key
+    from minimill.control.records import ALL_SITE_SCOPES
     from minimill.control.sites import create_site
     from minimill.control.store import StoreError, open_store
     from minimill.models.types import ModelError
@@ -193,7 +194,9 @@ def run_serve(*, host: str, port: int, db: str | None, model: str, dtype: str,
     try:
         key = create_key(store, DEFAULT_TENANT)
         chip = _chip()
-        token = create_site(store, LOCAL_SITE, price_per_hour, chip, replace=True)
+        # The local worker serves tokens, and boxes and agents where it can sandbox them.
+        token = create_site(store, LOCAL_SITE, price_per_hour, chip, replace=True,
+                            serves=ALL_SITE_SCOPES)
     except ControlError as exc:
         store.close()
         sock.close()

@@ -134,12 +134,14 @@ class LocalFleet:
         return self
 
     def site_token(self, name: str, price_per_hour: float = 0.10) -> str:
+        from minimill.control.records import ALL_SITE_SCOPES
         from minimill.control.sites import create_site
         from minimill.control.store import open_store
 
         store = open_store(f"sqlite:///{self.home / 'data' / 'minimill.db'}")
         try:
-            return create_site(store, name, price_per_hour, replace=True)
+            return create_site(store, name, price_per_hour, replace=True,
+                               serves=ALL_SITE_SCOPES)
         finally:
             store.close()
 

@@ -73,6 +73,17 @@ class Operator:
     key_id: str
 
 
+class SiteScope(StrEnum):
+    """A part of the worker protocol a site is registered for (`sites create --serves`)."""
+
+    TOKENS = "tokens"  # leases, heartbeats, completions and releases of requests
+    BOXES = "boxes"  # the box host protocol: holds tenants' boxes (runs their code)
+    AGENTS = "agents"  # the runner protocol: runs tenants' harnesses with their credentials
+
+
+ALL_SITE_SCOPES = frozenset(SiteScope)
+
+
 @dataclass(frozen=True, slots=True)
 class Site:
     id: str
@@ -82,6 +93,8 @@ class Site:
     tokens_per_s: float | None  # busy rate its worker reports (placement's prior, not cost)
     created_at: float
     last_seen_at: float | None
+    # What its token reaches (a site registered before scopes existed: everything).
+    serves: frozenset[SiteScope] = ALL_SITE_SCOPES
 
 
 @dataclass(frozen=True, slots=True)

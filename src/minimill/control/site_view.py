@@ -70,6 +70,7 @@ class SiteStatus:
     name: str
     status: str  # new | online | draining | outage | offline
     chip: str
+    serves: str  # the parts of the worker protocol its token reaches: tokens,boxes,agents
     price_per_hour: float  # what the site costs (registered, or declared by its worker)
     price_now: float  # $/h now: its price schedule's, else price_per_hour
     tokens_per_s: float | None  # busy throughput its worker reports: placement's prior
@@ -118,6 +119,7 @@ def _status(row: Any, state: SiteState, now: float, policy: PlacementPolicy) -> 
     measured = metering.measured_tokens_per_s(row.window_tokens, row.window_busy_s)
     return SiteStatus(
         name=row.name, status=site_status(state, now, policy), chip=row.chip,
+        serves=row.serves or "tokens,boxes,agents",
         price_per_hour=row.price_per_hour, price_now=state.price_at(now),
         tokens_per_s=row.tokens_per_s, measured_tokens_per_s=measured,
         uptime=site_health.uptime(state, now, policy),

@@ -22,26 +22,51 @@ from minimill.control.errors import ConflictError, InvalidRequestError, NotFound
 from minimill.control.keys import hash_secret
 from minimill.control.price_schedule import PriceSchedule
 from minimill.control.price_schedule import parse as parse_schedule
-from minimill.control.records import Site, new_id
+from minimill.control.records import ALL_SITE_SCOPES, Site, SiteScope, new_id
 from minimill.control.store import Store
 from minimill.control.tables import outages, sites
 from minimill.protocol import MAX_PRICE_PER_HOUR
 
 TOKEN_PREFIX = "mms-"
+# What a site serves unless its operator says more: tokens only. Boxes run tenants' code and
+# agents' harnesses hold tenants' credentials, so a site takes them only when it is named for
+# them.
+DEFAULT_SCOPES = frozenset({SiteScope.TOKENS})
 # A full site's stored throughput moves this fraction of the way to each new measurement.
 RATE_SMOOTHING = 0.5
+
+
+def parse_scopes(text: str) -> frozenset[SiteScope]:
+    """`tokens,boxes` -> its scopes; InvalidRequestError naming what is unknown or missing."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    known = ", ".join(s.value for s in SiteScope)
+    unknown = [n for n in names if n not in {s.value for s in SiteScope}]
+    if unknown or not names:
+        raise InvalidRequestError(f"serves: a comma-separated list of {known}"
+                                  + (f"; unknown: {', '.join(unknown)}" if unknown else ""),
+                                  param="serves")
+    return frozenset(SiteScope(n) for n in names)
+
+
+def scopes_text(scopes: frozenset[SiteScope]) -> str:
+    """The column's spelling, in a fixed order."""
+    return ",".join(s.value for s in SiteScope if s in scopes)
 
 
 def _site(row: Any) -> Site:
     return Site(id=row.id, name=row.name, chip=row.chip, price_per_hour=row.price_per_hour,
                 tokens_per_s=row.tokens_per_s, created_at=row.created_at,
-                last_seen_at=row.last_seen_at)
+                last_seen_at=row.last_seen_at,
+                serves=parse_scopes(row.serves) if row.serves else ALL_SITE_SCOPES)
 
 
 def create_site(store: Store, name: str, price_per_hour: float, chip: str = "cpu", *,
-                replace: bool = False) -> str:
-    """Register a site and return its token (shown once). With `replace`, an existing site of
-    that name gets a new token (the old one stops working) and the given price and chip."""
+                replace: bool = False, serves: frozenset[SiteScope] = DEFAULT_SCOPES) -> str:
+    """Register a site for the parts of the worker protocol it `serves` and return its token
+    (shown once). With `replace`, an existing site of that name gets a new token (the old one
+    stops working) and the given price, chip and scopes."""
+    if not serves:
+        raise InvalidRequestError("a site must serve tokens, boxes or agents", param="serves")
     name = name.strip()
     if not name or len(name) > 200:
         raise InvalidRequestError("a site name must have 1 to 200 characters", param="name")
@@ -55,12 +80,14 @@ def create_site(store: Store, name: str, price_per_hour: float, chip: str = "cpu
             if not replace:
                 raise ConflictError(f"site {name!r} already exists", param="name")
             conn.execute(update(sites).where(sites.c.id == existing.id).values(
-                token_hash=hash_secret(token), price_per_hour=price_per_hour, chip=chip))
+                token_hash=hash_secret(token), price_per_hour=price_per_hour, chip=chip,
+                serves=scopes_text(serves)))
             return token
         try:
             conn.execute(insert(sites).values(
                 id=new_id("site_"), name=name, token_hash=hash_secret(token), chip=chip,
-                price_per_hour=price_per_hour, created_at=time.time()))
+                serves=scopes_text(serves), price_per_hour=price_per_hour,
+                created_at=time.time()))
         except IntegrityError:
             raise ConflictError(f"site {name!r} already exists", param="name") from None
     return token

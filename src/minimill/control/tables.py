@@ -241,6 +241,9 @@ sites = Table(
     Column("id", String(40), primary_key=True),
     Column("name", String(200), nullable=False, unique=True),
     Column("token_hash", String(64), nullable=False, unique=True),
+    # The parts of the worker protocol its token reaches (records.SiteScope, comma-separated);
+    # sites registered before scopes existed keep every part.
+    Column("serves", String(40), nullable=False, server_default=text("'tokens,boxes,agents'")),
     Column("chip", String(100), nullable=False),
     Column("price_per_hour", Double, nullable=False),
     # Hourly $/h the site's price follows (price_schedule.PriceSchedule.to_json), or null.

@@ -1,8 +1,9 @@
 """The box host protocol's server side (box_protocol.py): poll, output, results, snapshots,
 release.
 
-Authenticated with a site token, as the worker protocol is. A poll with nothing to hand out is
-held open up to its `wait_s`, waking when this process queues box work.
+Authenticated with the token of a site registered for boxes (`--serves boxes`; any other site
+token is answered 403). A poll with nothing to hand out is held open up to its `wait_s`, waking
+when this process queues box work.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
 
 from minimill.api.box_wakeup import HOST_RECHECK_S, BoxWakeups, box_wakeups
-from minimill.api.deps import ConfigDep, SiteDep, StoreDep
+from minimill.api.deps import BoxSiteDep, ConfigDep, StoreDep
 from minimill.api.errors import error_responses
 from minimill.api.routes.boxes import body_chunks
 from minimill.box_protocol import (
@@ -35,12 +36,13 @@ from minimill.control import box_hosts
 from minimill.control.box_records import SnapshotKind
 from minimill.control.errors import InvalidRequestError
 
-router = APIRouter(prefix=BOX_FLEET_PREFIX, tags=["fleet"], responses=error_responses(400, 401))
+router = APIRouter(prefix=BOX_FLEET_PREFIX, tags=["fleet"],
+                   responses=error_responses(400, 401, 403))
 WakeupsDep = Annotated[BoxWakeups, Depends(box_wakeups)]
 
 
 @router.post("/poll", response_model=BoxPollResponse)
-async def poll(ask: BoxPollRequest, store: StoreDep, site: SiteDep, config: ConfigDep,
+async def poll(ask: BoxPollRequest, store: StoreDep, site: BoxSiteDep, config: ConfigDep,
                wakeups: WakeupsDep) -> BoxPollResponse:
     deadline = time.monotonic() + min(ask.wait_s, config.lease_ttl_s / 3)
     while True:
@@ -52,7 +54,7 @@ async def poll(ask: BoxPollRequest, store: StoreDep, site: SiteDep, config: Conf
 
 
 @router.post("/results", response_model=BoxResultsResponse)
-async def results(done: BoxResultsRequest, store: StoreDep, site: SiteDep,
+async def results(done: BoxResultsRequest, store: StoreDep, site: BoxSiteDep,
                   wakeups: WakeupsDep) -> BoxResultsResponse:
     answer = await anyio.to_thread.run_sync(box_hosts.complete_ops, store, site, done,
                                             time.time())
@@ -62,7 +64,7 @@ async def results(done: BoxResultsRequest, store: StoreDep, site: SiteDep,
 
 
 @router.post("/output", response_model=BoxOutputResponse, responses=error_responses(409))
-async def output(ask: BoxOutputRequest, store: StoreDep, site: SiteDep,
+async def output(ask: BoxOutputRequest, store: StoreDep, site: BoxSiteDep,
                  wakeups: WakeupsDep) -> BoxOutputResponse:
     """Output of a running exec; 409 unless this host runs it at the box's current epoch."""
     answer = await anyio.to_thread.run_sync(box_hosts.store_output, store, site, ask)
@@ -73,7 +75,7 @@ async def output(ask: BoxOutputRequest, store: StoreDep, site: SiteDep,
 
 @router.post("/{box_id}/snapshots", response_model=SnapshotStored,
              responses=error_responses(409, 413))
-async def store_snapshot(box_id: str, request: Request, store: StoreDep, site: SiteDep,
+async def store_snapshot(box_id: str, request: Request, store: StoreDep, site: BoxSiteDep,
                          config: ConfigDep, epoch: Annotated[int, Query(ge=0, le=2**31 - 1)],
                          kind: Annotated[str, Query(pattern="^(manual|auto)$")] = "auto",
                          ) -> SnapshotStored:
@@ -92,13 +94,13 @@ async def store_snapshot(box_id: str, request: Request, store: StoreDep, site: S
 
 @router.get("/{box_id}/snapshots/{snapshot_id}", responses=error_responses(404))
 def snapshot_content(box_id: str, snapshot_id: str, store: StoreDep,
-                     site: SiteDep) -> StreamingResponse:
+                     site: BoxSiteDep) -> StreamingResponse:
     chunks = box_hosts.snapshot_content(store, site, box_id, snapshot_id)
     return StreamingResponse(chunks, media_type="application/octet-stream")
 
 
 @router.post("/release", response_model=BoxReleaseResponse)
-async def release(ask: BoxReleaseRequest, store: StoreDep, site: SiteDep,
+async def release(ask: BoxReleaseRequest, store: StoreDep, site: BoxSiteDep,
                   wakeups: WakeupsDep) -> BoxReleaseResponse:
     answer = await anyio.to_thread.run_sync(box_hosts.release, store, site, ask)
     wakeups.work.notify()

@@ -1,7 +1,8 @@
 """The worker protocol's server side (protocol.py): lease, heartbeat, complete, release, and the
 outages a site announces, lists and withdraws for itself.
 
-Authenticated with a site token: the only routes a site token reaches. Accepted completions
+Authenticated with a site token: lease, heartbeat, complete and release need a site registered
+for tokens (`--serves tokens`); a site's own outages answer any of its tokens. Accepted completions
 and fresh checkpoints wake the realtime waiters of this process at once; other processes
 notice through their pollers.
 """
@@ -16,7 +17,7 @@ import anyio
 from fastapi import APIRouter, Depends, Request
 
 from minimill.api.box_wakeup import Wakeup
-from minimill.api.deps import ConfigDep, SiteDep, StoreDep, WatcherDep
+from minimill.api.deps import ConfigDep, SiteDep, StoreDep, TokenSiteDep, WatcherDep
 from minimill.api.errors import error_responses
 from minimill.api.lease_wakeup import RECHECK_S, lease_wakeup
 from minimill.api.schemas import (
@@ -43,12 +44,12 @@ from minimill.protocol import (
     ReleaseResponse,
 )
 
-router = APIRouter(prefix=FLEET_PREFIX, tags=["fleet"], responses=error_responses(400, 401))
+router = APIRouter(prefix=FLEET_PREFIX, tags=["fleet"], responses=error_responses(400, 401, 403))
 LeaseWakeupDep = Annotated[Wakeup, Depends(lease_wakeup)]
 
 
 @router.post("/lease", response_model=LeaseResponse)
-async def lease(ask: LeaseRequest, request: Request, store: StoreDep, site: SiteDep,
+async def lease(ask: LeaseRequest, request: Request, store: StoreDep, site: TokenSiteDep,
                 config: ConfigDep, wakeup: LeaseWakeupDep) -> LeaseResponse:
     """Work for the worker; with `wait_s`, held open until there is some or the time is up."""
     deadline = time.monotonic() + min(ask.wait_s, config.lease_ttl_s / 3)
@@ -74,8 +75,8 @@ async def lease(ask: LeaseRequest, request: Request, store: StoreDep, site: Site
 
 
 @router.post("/heartbeat", response_model=HeartbeatResponse)
-async def heartbeat(beat: HeartbeatRequest, store: StoreDep, site: SiteDep, config: ConfigDep,
-                    watcher: WatcherDep) -> HeartbeatResponse:
+async def heartbeat(beat: HeartbeatRequest, store: StoreDep, site: TokenSiteDep,
+                    config: ConfigDep, watcher: WatcherDep) -> HeartbeatResponse:
     answer = await anyio.to_thread.run_sync(leases.heartbeat, store, site, beat, time.time(),
                                             config)
     watcher.poke(i.request_id for i in beat.leases
@@ -85,8 +86,9 @@ async def heartbeat(beat: HeartbeatRequest, store: StoreDep, site: SiteDep, conf
 
 
 @router.post("/complete", response_model=CompleteResponse)
-async def complete(done: CompleteRequest, request: Request, store: StoreDep, site: SiteDep,
-                   config: ConfigDep, watcher: WatcherDep) -> CompleteResponse:
+async def complete(done: CompleteRequest, request: Request, store: StoreDep,
+                   site: TokenSiteDep, config: ConfigDep,
+                   watcher: WatcherDep) -> CompleteResponse:
     answer, batch_ended = await anyio.to_thread.run_sync(_complete, store, site, done,
                                                          time.time(), config)
     watcher.poke(answer.accepted)
@@ -104,8 +106,9 @@ def _complete(store: Store, site: Site, done: CompleteRequest, now: float,
 
 
 @router.post("/release", response_model=ReleaseResponse)
-async def release_leases(ask: ReleaseRequest, store: StoreDep, site: SiteDep, config: ConfigDep,
-                         watcher: WatcherDep, wakeup: LeaseWakeupDep) -> ReleaseResponse:
+async def release_leases(ask: ReleaseRequest, store: StoreDep, site: TokenSiteDep,
+                         config: ConfigDep, watcher: WatcherDep,
+                         wakeup: LeaseWakeupDep) -> ReleaseResponse:
     answer = await anyio.to_thread.run_sync(release.release, store, site, ask, time.time(),
                                             config)
     watcher.poke(answer.released)
