@@ -3,8 +3,10 @@
 
 A runner pulls agents as workers pull requests: `/poll` extends the leases of the agents it
 runs and grants new ones, each with a bumped epoch, the harness code, the task, the journal so
-far, and a fresh API key of the agent's tenant that lives as long as the lease (the harness's
-model calls and boxes go through the public API with it). Journal appends, suspensions and
+far, and a fresh harness credential (`mmh-`) that lives as long as the lease: the harness's
+model calls and its box go through the public API with it, and it reaches nothing else (no
+other agent's box, no tenant route). A poll is granted at most 32 agents whatever its capacity.
+Journal appends, suspensions and
 completions carry the epoch: a runner whose lease lapsed is refused. A runner that stops
 gracefully `/release`s its agents at their epochs once their in-flight effects are journaled
 (or abandoned): they are queued again at once instead of when their leases expire.
@@ -49,6 +51,8 @@ class AgentLease(BaseModel):
     model: str
     budget_tokens: int | None = None
     box_image: str | None = None
+    # The harness credential (`mmh-...`) for this lease's calls to the public API: bound to
+    # this agent and this epoch, refused once the lease ends.
     api_key: str
     journal: list[JournalEntry] = Field(default_factory=list)
 

@@ -21,13 +21,13 @@ from minimill.agent_protocol import (
 from minimill.control import agents
 from minimill.control.errors import ConflictError
 from minimill.control.store import Store
-from minimill.control.tables import api_keys
+from minimill.control.tables import harness_keys
 
 
 def lease_keys(store: Store, agent_id: str) -> int:
     with store.read() as conn:
-        return int(conn.execute(select(func.count()).select_from(api_keys)
-                                .where(api_keys.c.agent_id == agent_id)).scalar_one())
+        return int(conn.execute(select(func.count()).select_from(harness_keys)
+                                .where(harness_keys.c.agent_id == agent_id)).scalar_one())
 
 
 def test_a_released_agent_is_leased_again_at_once_with_its_journal(store: Store) -> None:

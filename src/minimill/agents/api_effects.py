@@ -1,7 +1,7 @@
 """What a runner sends over HTTP: the runner protocol with the site token (`RunnerClient`:
 poll, journal, finish, release) and a harness's effects through the public API with its lease's
-key (`ApiEffects`: model calls and box operations, each with its journal key as an
-`Idempotency-Key`, and journal appends at the lease's epoch)."""
+harness credential (`ApiEffects`: model calls and box operations, each with its journal key as
+an `Idempotency-Key`, and journal appends at the lease's epoch)."""
 
 from __future__ import annotations
 
@@ -78,7 +78,8 @@ class RunnerClient:
 
 
 class ApiEffects:
-    """Effects through the public API with the lease's key; journal appends with the epoch."""
+    """Effects through the public API with the lease's harness credential; journal appends
+    with the epoch."""
 
     def __init__(self, client: RunnerClient, lease: AgentLease) -> None:
         self.client = client

@@ -1,9 +1,9 @@
 """The runner: a site's loop that pulls agents from the control plane and runs their
 harnesses (runtime.py) until they finish, sleep, or their lease is revoked.
 
-Each lease brings the harness code, the task, the journal so far and an API key of the
-agent's tenant valid while the lease lives. Model calls and boxes go through the public API
-with that key (the token factory's background tier by default); journal appends, which carry
+Each lease brings the harness code, the task, the journal so far and a harness credential
+valid while the lease lives, for that agent only. Model calls and its box go through the public
+API with it (the token factory's background tier by default); journal appends, which carry
 the lease's epoch, go to the runner protocol with the site token. A journal append refused
 for a stale epoch means another runner has the agent: this run stops. A stopping runner
 hands its agents back (`AgentRunner.stop`) instead of letting their leases expire.

@@ -3,7 +3,9 @@ or a site. Each route takes exactly one of TenantDep, OperatorDep and SiteDep (t
 in tests/api/test_api_roles.py checks every route with every kind of credential):
 
 - tenant routes answer 401 to no key, an unknown key or a site token, and 403 to an operator
-  key (a valid key of the wrong role);
+  key (a valid key of the wrong role); a harness credential (an agent lease's, `mmh-`) passes
+  as its agent's tenant on the few routes a harness needs (api/harness_auth.py), 403
+  elsewhere, and 401 once its lease ended;
 - operator routes answer any other caller as an unknown URL would (404), so that a tenant does
   not learn they exist;
 - worker protocol routes answer 401 to anything but a site token, and 403 to a site token
@@ -14,14 +16,17 @@ in tests/api/test_api_roles.py checks every route with every kind of credential)
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from minimill.api import harness_auth
 from minimill.api.errors import unknown_url
 from minimill.api.progress import ProgressWatcher
+from minimill.control import harness_keys
 from minimill.control.config import ControlConfig
 from minimill.control.errors import AuthenticationError, PermissionDeniedError
 from minimill.control.keys import authenticate, authenticate_operator, is_revoked
@@ -54,11 +59,18 @@ ConfigDep = Annotated[ControlConfig, Depends(get_config)]
 WatcherDep = Annotated[ProgressWatcher, Depends(get_watcher)]
 
 
-def get_tenant(store: StoreDep, credentials: Credentials) -> Tenant:
+def get_tenant(request: Request, store: StoreDep, credentials: Credentials) -> Tenant:
     if credentials is None:
         raise AuthenticationError("You didn't provide an API key. Send it as 'Authorization: "
                                   "Bearer YOUR_KEY' (minimill keys create --tenant NAME).",
                                   code="missing_api_key")
+    if credentials.credentials.startswith(harness_keys.HARNESS_KEY_PREFIX):
+        harness = harness_keys.authenticate(store, credentials.credentials, time.time())
+        if harness is None:
+            raise AuthenticationError("This harness credential's agent lease has ended.",
+                                      code="invalid_api_key")
+        harness_auth.admit(request, store, harness)
+        return harness.tenant
     tenant = authenticate(store, credentials.credentials)
     if tenant is None:
         if authenticate_operator(store, credentials.credentials) is not None:

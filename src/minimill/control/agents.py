@@ -4,19 +4,20 @@
 An agent's journal holds every effect of its harness under a key that names the effect's
 place in the run; a runner that takes the agent over replays it: effects already journaled
 are answered from it, never run again. A second append of a key is refused and counted
-(`repeated_effects`, which must stay 0). Each lease comes with a fresh API key of the agent's
-tenant, deleted when the lease ends: a zombie runner's model calls and box calls stop working.
+(`repeated_effects`, which must stay 0). Each lease comes with a fresh harness credential
+(harness_keys.py), bound to the agent and the lease: it reaches only the routes a harness needs
+and is refused once the lease ends, so a zombie runner's model calls and box calls stop working.
+One poll grants at most MAX_AGENTS_PER_POLL agents, whatever capacity the runner claims.
 """
 
 from __future__ import annotations
 
-import secrets
 import time
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import Connection, delete, func, insert, select, tuple_, update
+from sqlalchemy import Connection, func, insert, select, tuple_, update
 
 from minimill.agent_protocol import (
     AgentFinish,
@@ -29,14 +30,17 @@ from minimill.agent_protocol import (
     JournalAppended,
     JournalEntry,
 )
+from minimill.control import harness_keys
 from minimill.control.config import ControlConfig
 from minimill.control.errors import ConflictError, NotFoundError
-from minimill.control.keys import KEY_PREFIX, hash_secret
 from minimill.control.records import Site, new_id
 from minimill.control.store import Store, retry_conflicts
-from minimill.control.tables import agent_journal, agents, api_keys
+from minimill.control.tables import agent_journal, agents
 
 MAX_CODE_CHARS = 1_000_000
+# Most agents one poll is granted: each lease hands a site a harness credential and a
+# tenant's code, so no runner takes the whole queue in one call.
+MAX_AGENTS_PER_POLL = 32
 
 
 class AgentStatus(StrEnum):
@@ -147,15 +151,7 @@ def cancel_agent(store: Store, tenant_id: str, agent_id: str) -> AgentRecord:
 
 
 def _drop_keys(conn: Connection, agent_id: str) -> None:
-    conn.execute(delete(api_keys).where(api_keys.c.agent_id == agent_id))
-
-
-def _mint_key(conn: Connection, tenant_id: str, agent_id: str, now: float) -> str:
-    key = KEY_PREFIX + secrets.token_urlsafe(32)
-    conn.execute(insert(api_keys).values(id=new_id("key_"), tenant_id=tenant_id,
-                                         key_hash=hash_secret(key), created_at=now,
-                                         agent_id=agent_id))
-    return key
+    harness_keys.drop(conn, agent_id)
 
 
 @retry_conflicts
@@ -171,7 +167,8 @@ def poll(store: Store, site: Site, ask: AgentPollRequest, now: float,
                 update(agents).where(agents.c.site_id == site.id, agents.c.status == running,
                                      tuple_(agents.c.id, agents.c.epoch).in_(pairs))
                 .values(lease_expires_at=expires_at).returning(agents.c.id)).scalars().all())
-        leases = _grant(conn, site, ask.capacity, now, expires_at) if ask.capacity else []
+        capacity = min(ask.capacity, MAX_AGENTS_PER_POLL)
+        leases = _grant(conn, site, capacity, now, expires_at) if capacity else []
     return AgentPollResponse(lease_ttl_s=config.lease_ttl_s, leases=leases,
                              extended={a: expires_at for a in extended},
                              revoked=[h.agent_id for h in ask.held
@@ -204,7 +201,8 @@ def _grant(conn: Connection, site: Site, capacity: int, now: float,
         leases.append(AgentLease(
             agent_id=row.id, epoch=row.epoch, code=row.code, filename=row.filename,
             task=row.task, model=row.model, budget_tokens=row.budget_tokens,
-            box_image=row.box_image, api_key=_mint_key(conn, row.tenant_id, agent_id, now),
+            box_image=row.box_image,
+            api_key=harness_keys.mint(conn, row.tenant_id, agent_id, row.epoch, now),
             journal=[JournalEntry(key=e.key, kind=e.kind, value=e.value) for e in entries]))
     return leases
 

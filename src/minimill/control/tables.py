@@ -462,6 +462,27 @@ agents = Table(
     Index("ix_agents_queue", "status", "wake_at"),
 )
 
+# The credential a runner gets with an agent's lease for the harness's calls to the public API
+# (harness_keys.py): it reaches only the routes a harness needs, only for that agent, and only
+# while the agent is running at `epoch` under an unexpired lease.
+harness_keys = Table(
+    "harness_keys", metadata,
+    Column("id", String(40), primary_key=True),
+    Column("key_hash", String(64), nullable=False, unique=True),
+    Column("agent_id", String(40), nullable=False, index=True),
+    Column("tenant_id", String(40), nullable=False),
+    Column("epoch", Integer, nullable=False),
+    Column("created_at", Double, nullable=False),
+)
+
+# Boxes a harness created with its credential: the only boxes that credential reaches.
+agent_boxes = Table(
+    "agent_boxes", metadata,
+    Column("box_id", String(40), primary_key=True),
+    Column("agent_id", String(40), nullable=False, index=True),
+    Column("created_at", Double, nullable=False),
+)
+
 # Every effect of an agent (model call, exec, file write, subagent result, log line, sleep),
 # keyed by its deterministic place in the harness's run.
 agent_journal = Table(

@@ -14,6 +14,7 @@ import anyio
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
+from minimill.api import harness_auth
 from minimill.api.box_ops import (
     PLACEMENT_GRACE_S,
     ExecStream,
@@ -110,8 +111,9 @@ async def create_image(request: Request, store: StoreDep, tenant: TenantDep,
 
 
 @router.post("", response_model=BoxObject, responses=error_responses(404))
-async def create_box(body: BoxCreate, store: StoreDep, tenant: TenantDep,
+async def create_box(body: BoxCreate, request: Request, store: StoreDep, tenant: TenantDep,
                      wakeups: WakeupsDep, config: ConfigDep) -> BoxObject:
+    harness_auth.check_new_box(request, body.image, body.snapshot)
     # Left out, the idle timeout is the server's; an explicit null is "never".
     idle_timeout_s = (body.idle_timeout_s if "idle_timeout_s" in body.model_fields_set
                       else config.box_idle_timeout_s)
@@ -119,6 +121,7 @@ async def create_box(body: BoxCreate, store: StoreDep, tenant: TenantDep,
         store, tenant.id, source_id=body.image or body.snapshot, network=body.network,
         limits=body.limits.model_dump(), metadata=body.metadata,
         idle_timeout_s=idle_timeout_s, idle_action=body.idle_action))
+    await anyio.to_thread.run_sync(harness_auth.record_new_box, request, store, record.id)
     wakeups.work.notify()
     return BoxObject.of(record)
 
