@@ -198,6 +198,10 @@ class ReleaseResponse(BaseModel):
 
 
 class Usage(BaseModel):
+    """What the worker counted. The control plane bills its own counts (the prompt counted at
+    admission, the tokens of the choices returned) and rejects a completion whose report
+    disagrees with them."""
+
     prompt_tokens: int
     completion_tokens: int
     # Of the prompt tokens, those whose KV the engine reused (prefix cache, KV tiers) instead
@@ -228,7 +232,11 @@ class CompleteRequest(BaseModel):
 
 class RejectedCompletion(BaseModel):
     request_id: str
-    reason: Literal["stale_epoch", "unknown_request", "already_completed"]
+    # usage_mismatch: the usage reported disagrees with the choices returned (more choices
+    # than asked for, more tokens than they hold): a protocol error, counted against the site;
+    # the request goes back to the queue.
+    reason: Literal["stale_epoch", "unknown_request", "already_completed", "usage_mismatch"]
+    message: str | None = None
 
 
 class CompleteResponse(BaseModel):

@@ -62,15 +62,16 @@ def sites_list(db: str | None = DbOption,
         typer.echo(json.dumps([asdict(s) for s in statuses], indent=2))
         return
     columns = ("site", "status", "chip", "serves", "$/h now", "tok/s said", "tok/s measured",
-               "uptime",
-               "cost $/Mtok", "eff $/Mtok", "in flight", "free", "leases", "expired", "stale",
-               "wasted tok", "billed $", "cost $", "margin $", "next outage (UTC)")
+               "uptime", "cost $/Mtok", "eff $/Mtok", "in flight", "free", "leases", "expired",
+               "stale", "usage refused", "wasted tok", "billed $", "cost $", "margin $",
+               "next outage (UTC)")
     rows = [(s.name, s.status, s.chip, s.serves, f"{s.price_now:.4f}",
              number_or_dash(s.tokens_per_s, ".1f"),
              number_or_dash(s.measured_tokens_per_s, ".1f"), number_or_dash(s.uptime, ".1%"),
              number_or_dash(s.cost_usd_per_mtok, ".4f"), f"{s.effective_usd_per_mtok:.4f}",
              str(s.in_flight), str(s.free_capacity), str(s.leases_granted),
-             str(s.leases_expired), str(s.stale_completions), str(s.wasted_tokens),
+             str(s.leases_expired), str(s.stale_completions),
+             str(s.usage_rejections), str(s.wasted_tokens),
              f"{s.billed_usd:.6f}", f"{s.cost_usd:.6f}", f"{s.margin_usd:.6f}", _next_outage(s))
             for s in statuses]
     print_table("minimill sites", columns, rows, left=("site", "status", "chip", "serves",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from typing import Any
@@ -14,6 +15,10 @@ from minimill.control.keys import ensure_tenant
 from minimill.control.records import BatchRecord, Site, Tenant
 from minimill.control.sites import authenticate_site, create_site
 from minimill.control.store import Store
+from minimill.fleet.builtin_engine import flatten_content
+from minimill.models.registry import resolve_model
+from minimill.models.tokenizer import Tokenizer
+from minimill.models.tokenizer_files import load_tokenizer
 from minimill.protocol import (
     ChoiceProgress,
     CompleteRequest,
@@ -50,6 +55,20 @@ def batch(store: Store, owner: Tenant, lines: list[str], now: float | None = Non
                            now=now)
     ingest_pending(store, time.time(), config)
     return get_batch(store, owner.id, created.id)
+
+
+@functools.cache
+def _tokenizer() -> Tokenizer:
+    return load_tokenizer(resolve_model(MODEL))[0]
+
+
+def chat_prompt_tokens(content: str) -> int:
+    """The prompt tokens of a one-message chat, as a builtin worker renders and encodes it
+    (fleet/builtin_engine.py): what the control plane bills, whatever a site reports."""
+    tokenizer = _tokenizer()
+    text = tokenizer.apply_chat_template(flatten_content([{"role": "user", "content": content}]),
+                                         add_generation_prompt=True)
+    return len(tokenizer.encode(text, add_special_tokens=False))
 
 
 def ask(capacity: int = 8, tokens_per_s: float | None = 100.0) -> LeaseRequest:

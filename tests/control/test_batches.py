@@ -7,7 +7,16 @@ import time
 from typing import Any
 
 import pytest
-from control_factory import CONFIG, ask, batch, chat_line, site, success, tenant
+from control_factory import (
+    CONFIG,
+    ask,
+    batch,
+    chat_line,
+    chat_prompt_tokens,
+    site,
+    success,
+    tenant,
+)
 
 from minimill.control.batch_finalize import finalize, finishable
 from minimill.control.batches import cancel_batch, get_batch, list_batches, parse_window
@@ -41,7 +50,9 @@ def test_ingest_finalize_output_and_error_files(store: Store) -> None:
     assert done.status == BatchStatus.COMPLETED and done.completed_at is not None
     assert (done.counts.completed, done.counts.failed) == (2, 2)
     assert done.usage.completion_tokens == 4
-    assert done.usage.billed_usd == pytest.approx((6 * 0.10 + 4 * 0.40) / 1e6 * 0.5)
+    prompt = chat_prompt_tokens("one") + chat_prompt_tokens("two")
+    assert done.usage.prompt_tokens == prompt
+    assert done.usage.billed_usd == pytest.approx((prompt * 0.10 + 4 * 0.40) / 1e6 * 0.5)
     out = lines_of(store, owner.id, done.output_file_id)
     err = lines_of(store, owner.id, done.error_file_id)
     assert [(o["custom_id"], o["response"]["body"]["choices"][0]["message"]["content"])

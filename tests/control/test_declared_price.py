@@ -6,7 +6,17 @@ from __future__ import annotations
 import math
 
 import pytest
-from control_factory import CONFIG, MODEL, ask, batch, chat_line, site, success, tenant
+from control_factory import (
+    CONFIG,
+    MODEL,
+    ask,
+    batch,
+    chat_line,
+    chat_prompt_tokens,
+    site,
+    success,
+    tenant,
+)
 from pydantic import ValidationError
 from sqlalchemy import select
 
@@ -40,7 +50,8 @@ def test_a_declared_price_and_chip_replace_the_registered_ones(store: Store) -> 
     with store.read() as conn:
         billed = conn.execute(select(requests.c.billed_usd)
                               .where(requests.c.id == got.request_id)).scalar()
-    assert billed == pytest.approx((3 * 0.10 + 4 * 0.40) / 1e6 * CONFIG.background_price_factor)
+    assert billed == pytest.approx((chat_prompt_tokens("hi") * 0.10 + 4 * 0.40) / 1e6
+                                   * CONFIG.background_price_factor)
     # The second it held the request cost 0.72 $/hour.
     (status,) = list_sites(store, T0 + 1)
     assert status.cost_usd == pytest.approx(0.72 / 3600)

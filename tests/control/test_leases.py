@@ -8,7 +8,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from control_factory import CONFIG, MODEL, ask, batch, chat_line, site, success, tenant
+from control_factory import (
+    CONFIG,
+    MODEL,
+    ask,
+    batch,
+    chat_line,
+    chat_prompt_tokens,
+    site,
+    success,
+    tenant,
+)
 from sqlalchemy import select
 
 from minimill.control.bodies import ChatBody, prepare_body
@@ -37,7 +47,7 @@ from minimill.protocol import (
 
 
 def realtime(store: Store, owner_id: str, content: str, now: float, **body: object) -> str:
-    parsed = ChatBody.model_validate({"model": MODEL, "max_tokens": 4, **body,
+    parsed = ChatBody.model_validate({"model": MODEL, "max_tokens": 16, **body,
                                       "messages": [{"role": "user", "content": content}]})
     return submit(store, owner_id, prepare_body(Kind.CHAT, parsed, [MODEL]), now, CONFIG)
 
@@ -122,9 +132,11 @@ def test_completion_is_accepted_once_at_the_current_epoch(store: Store) -> None:
     done = get_request(store, owner.id, rid)
     assert done.status == RequestStatus.SUCCEEDED
     assert done.result is not None and done.result["choices"][0]["text"] == "first"
-    assert (done.prompt_tokens, done.completion_tokens) == (3, 4)
+    # The prompt as the control plane counted it (the site reported 3), the tokens returned.
+    prompt = chat_prompt_tokens("x")
+    assert (done.prompt_tokens, done.completion_tokens) == (prompt, 4)
     # The built-in price (0.10 $/Mtok in, 0.40 out), realtime: the site's price plays no part.
-    assert done.billed_usd == pytest.approx((3 * 0.10 + 4 * 0.40) / 1e6)
+    assert done.billed_usd == pytest.approx((prompt * 0.10 + 4 * 0.40) / 1e6)
     (stats,) = list_sites(store, now)
     assert (stats.completions, stats.stale_completions, stats.wasted_tokens) == (1, 1, 2)
     assert stats.tokens_generated == 4
@@ -250,8 +262,11 @@ def test_absurd_worker_numbers_do_not_break_the_store(store: Store) -> None:
         request_id=rid, epoch=held.epoch, outcome="succeeded",
         choices=[ChoiceProgress(index=0, text="x")],
         usage={"prompt_tokens": 2**70, "completion_tokens": 2**70})])
-    assert complete(store, s, huge, now, CONFIG).accepted == [rid]
+    refused = complete(store, s, huge, now, CONFIG)
+    assert [r.reason for r in refused.rejected] == ["usage_mismatch"]
     assert complete(store, s, success(rid, 2**70), now, CONFIG).rejected
+    (stats,) = list_sites(store, now)
+    assert stats.usage_rejections == 1
 
 
 def test_a_sessions_turn_goes_to_the_site_that_reported_it_and_cached_tokens_bill_less(
@@ -265,7 +280,8 @@ def test_a_sessions_turn_goes_to_the_site_that_reported_it_and_cached_tokens_bil
     # b's worker ran conv-1 before: it says so with its lease call (nothing queued yet).
     reported = ask(capacity=4).model_copy(update={"held_sessions": [session_tag("conv-1")]})
     assert lease(store, b, reported, now, CONFIG).leases == []
-    turn = realtime(store, owner.id, "next turn", now + 0.1, prompt_cache_key="conv-1")
+    # Long enough that 64 cached tokens are fewer than its prompt.
+    turn = realtime(store, owner.id, "next turn " * 40, now + 0.1, prompt_cache_key="conv-1")
     plain = realtime(store, owner.id, "no session", now + 0.2)
     assert [g.request_id for g in lease(store, a, ask(), now + 0.3, CONFIG).leases] == [plain]
     (held,) = lease(store, b, ask(), now + 0.4, CONFIG).leases
@@ -276,4 +292,6 @@ def test_a_sessions_turn_goes_to_the_site_that_reported_it_and_cached_tokens_bil
     assert complete(store, b, done, now + 0.5, CONFIG).accepted == [turn]
     record = get_request(store, owner.id, turn)
     assert record.cached_tokens == 64
-    assert record.billed_usd == pytest.approx((36 * 10.0 + 64 * 1.0 + 2 * 20.0) / 1e6)
+    prompt = chat_prompt_tokens("next turn " * 40)
+    assert record.prompt_tokens == prompt > 64
+    assert record.billed_usd == pytest.approx(((prompt - 64) * 10.0 + 64 * 1.0 + 2 * 20.0) / 1e6)

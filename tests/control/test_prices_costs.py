@@ -9,7 +9,16 @@ import subprocess
 import sys
 
 import pytest
-from control_factory import CONFIG, MODEL, batch, chat_line, site, success, tenant
+from control_factory import (
+    CONFIG,
+    MODEL,
+    batch,
+    chat_line,
+    chat_prompt_tokens,
+    site,
+    success,
+    tenant,
+)
 
 from minimill.control.bodies import ChatBody, prepare_body
 from minimill.control.errors import InvalidRequestError, NotFoundError
@@ -27,12 +36,13 @@ from minimill.protocol import HeartbeatItem, HeartbeatRequest, LeaseRequest
 T0 = 1_000_000.0
 # The price list of these tests, $ per million tokens.
 INPUT, OUTPUT = 1.0, 4.0
-# control_factory.success: 3 prompt tokens, `tokens` output tokens.
-PROMPT_TOKENS = 3
+# Every request here asks "hi": the prompt the control plane bills (whatever the site reports:
+# control_factory.success says 3), and `tokens` output tokens.
+PROMPT_TOKENS = chat_prompt_tokens("hi")
 
 
 def realtime(store: Store, owner_id: str, content: str, now: float) -> str:
-    parsed = ChatBody.model_validate({"model": MODEL, "max_tokens": 8,
+    parsed = ChatBody.model_validate({"model": MODEL, "max_tokens": 16,
                                       "messages": [{"role": "user", "content": content}]})
     return submit(store, owner_id, prepare_body(Kind.CHAT, parsed, [MODEL]), now, CONFIG)
 
@@ -55,12 +65,12 @@ def test_a_lying_site_changes_no_bill_and_its_throughput_is_measured(store: Stor
     set_price(store, MODEL, Tier.REALTIME, INPUT, OUTPUT)
     liar, honest = site(store, "liar", 0.36), site(store, "honest", 0.36)
     # 4 requests each, held 10 s, 5 output tokens each: 20 tokens in 10 s is 2 tokens/s.
-    for i in range(4):
-        realtime(store, owner.id, f"liar {i}", T0)
+    for _ in range(4):
+        realtime(store, owner.id, "hi", T0)
     lied = LeaseRequest(capacity=4, models=[MODEL], tokens_per_s=1e9, price_per_hour=1e6)
     by_liar = serve(store, liar, lied, T0, tokens=5)
-    for i in range(4):
-        realtime(store, owner.id, f"honest {i}", T0 + 10)
+    for _ in range(4):
+        realtime(store, owner.id, "hi", T0 + 10)
     by_honest = serve(store, honest, LeaseRequest(capacity=4, models=[MODEL],
                                                   tokens_per_s=2.0), T0 + 10, tokens=5)
     assert len(by_liar) == len(by_honest) == 4

@@ -5,7 +5,8 @@
   not make new series; unmatched paths count as "unmatched").
 - Fleet, from the store at scrape time (the same for every process): queue depth by tier and
   status, and per site tokens generated, completions, leases granted and expired, stale
-  completions, wasted tokens, cost and billed dollars.
+  completions, completions refused for their usage report, wasted tokens, cost and billed
+  dollars.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ _SITE_COUNTERS = (
     ("leases_expired", "minimill_site_lease_expiries", "Leases that expired (site went dark)."),
     ("stale_completions", "minimill_site_stale_completions",
      "Completions rejected at a stale epoch or after another site completed the request."),
+    ("usage_rejections", "minimill_site_usage_rejections",
+     "Completions rejected because their usage report disagreed with what they returned."),
     ("wasted_tokens", "minimill_site_wasted_tokens", "Tokens of rejected completions."),
     ("cost_usd", "minimill_site_cost_usd", "What the site's held time cost, in US dollars."),
     ("billed_usd", "minimill_site_billed_usd", "What tenants were billed for its tokens."),

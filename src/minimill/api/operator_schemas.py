@@ -43,6 +43,8 @@ class SiteObject(BaseModel):
     leases_expired: int
     completions: int
     stale_completions: int
+    usage_rejections: int = Field(description="Completions refused because their usage "
+                                  "report disagreed with what they returned.")
     wasted_tokens: int
     tokens_generated: int
     last_seen_at: float | None

@@ -1,5 +1,6 @@
 """What operators' monitoring scrapes from the store: queue depth by tier and status, and each
-site's counters (tokens, completions, lease expiries, stale completions, waste, cost, billed).
+site's counters (tokens, completions, lease expiries, stale completions, completions refused
+for a usage report that disagrees, waste, cost, billed).
 Read in one transaction; every control-plane process answers the same."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class SiteCounters:
     leases_granted: int
     leases_expired: int
     stale_completions: int
+    usage_rejections: int
     wasted_tokens: int
     cost_usd: float
     billed_usd: float
@@ -43,11 +45,12 @@ def fleet_stats(store: Store) -> FleetStats:
         rows = conn.execute(select(
             sites.c.name, sites.c.chip, sites.c.tokens_generated, sites.c.completions,
             sites.c.leases_granted, sites.c.leases_expired, sites.c.stale_completions,
-            sites.c.wasted_tokens, sites.c.cost_usd, sites.c.billed_usd)
+            sites.c.usage_rejections, sites.c.wasted_tokens, sites.c.cost_usd, sites.c.billed_usd)
             .order_by(sites.c.name)).all()
     return FleetStats(queue, [SiteCounters(
         name=r.name, chip=r.chip, tokens_generated=int(r.tokens_generated),
         completions=int(r.completions), leases_granted=int(r.leases_granted),
         leases_expired=int(r.leases_expired), stale_completions=int(r.stale_completions),
+        usage_rejections=int(r.usage_rejections or 0),
         wasted_tokens=int(r.wasted_tokens), cost_usd=float(r.cost_usd),
         billed_usd=float(r.billed_usd)) for r in rows])

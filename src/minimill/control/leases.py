@@ -9,10 +9,14 @@
   checkpoint deltas (checkpoints.py); everything else is reported revoked.
 - `complete`: accepted only at the row's current epoch, from the site that holds (or last held)
   it, while the row is not terminal: the first valid completion wins and each request completes
-  exactly once. An accepted one is billed from the operator's price list (prices.py), whatever
-  the site declares. Resending an accepted result is answered `accepted` again, and counted
-  nowhere. Rejections are counted per site, with the tokens they threw away: those beyond what
-  the request's next lease resumed from.
+  exactly once. An accepted one is billed from the operator's price list (prices.py) for the
+  control plane's own counts (usage_check.py: the prompt counted at admission, the tokens of
+  the choices returned), whatever the site reports or declares; one whose report disagrees
+  with them is rejected (`usage_mismatch`), counted against the site, and queued again as if
+  its lease had lapsed, without the checkpoints of a site caught misreporting. Resending an
+  accepted result is answered `accepted` again, and counted nowhere. Rejections are counted per
+  site, with the tokens they threw away: those beyond what the request's next lease resumed
+  from. The checks (tokenizing text) run before the write transaction opens.
 - `reap_expired`: expired leases go back to `queued`, keeping their checkpoint.
 - Released leases (release.py) go back to `queued` at once, with the checkpoint sent; a
   heartbeat answer names the leases a site should release ahead of its announced outage.
@@ -23,13 +27,14 @@ picked with `FOR UPDATE SKIP LOCKED`, so several control-plane processes can run
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import replace
 from typing import Any
 
 from sqlalchemy import Connection, case, func, select, tuple_, update
 
-from minimill.control import checkpoints, lease_rules, prices
+from minimill.control import checkpoints, lease_rules, prices, usage_check
 from minimill.control.config import ControlConfig
 from minimill.control.lease_rules import RejectReason
 from minimill.control.placement import (
@@ -42,6 +47,7 @@ from minimill.control.placement import (
     place,
     reserved_slots,
 )
+from minimill.control.prompt_count import counter_for
 from minimill.control.records import (
     Kind,
     RequestStatus,
@@ -57,6 +63,7 @@ from minimill.control.tables import requests, sites
 from minimill.protocol import (
     CompleteRequest,
     CompleteResponse,
+    CompletionItem,
     HeartbeatRequest,
     HeartbeatResponse,
     Lease,
@@ -66,6 +73,7 @@ from minimill.protocol import (
     session_tag,
 )
 
+log = logging.getLogger("minimill.leases")
 # Most requests handed out by one lease call, whatever capacity a worker claims.
 MAX_LEASES_PER_CALL = 1024
 # Most queued requests (per tier) one lease call reads: its own capacity plus what the peers
@@ -280,40 +288,51 @@ def heartbeat(store: Store, site: Site, beat: HeartbeatRequest, now: float,
 @retry_conflicts
 def complete(store: Store, site: Site, done: CompleteRequest, now: float,
              config: ControlConfig) -> CompleteResponse:
-    """Accept completions at the current epoch; reject stale ones and count them."""
+    """Accept completions at the current epoch whose usage holds up; reject the others and
+    count them."""
     accepted: list[str] = []
     finished: list[str] = []
     rejected: list[RejectedCompletion] = []
-    generated = wasted = stale = 0
+    generated = wasted = stale = refused = 0
     billed_total = 0.0
+    admitted = _admitted(store, [i.request_id for i in done.results
+                                 if i.outcome == "succeeded"])
+    # Counted and checked before the write transaction: tokenizing text takes a while.
+    verdicts = [_verdict(item, admitted.get(item.request_id)) for item in done.results]
     with store.write() as conn:
         price_list = prices.load_price_list(conn)
-        billed_as = _billed_as(conn, [i.request_id for i in done.results
-                                      if i.outcome == "succeeded"])
-        for item in done.results:
-            tokens_out = _count(item.usage.completion_tokens if item.usage
-                                else sum(len(c.token_ids) for c in item.choices))
+        for item, verdict in zip(done.results, verdicts, strict=True):
             values: dict[str, Any] = {"finished_at": now, "lease_expires_at": None,
                                       "version": requests.c.version + 1, "progress": None}
             billed = 0.0
-            if item.outcome == "succeeded":
-                tokens_in = _count(item.usage.prompt_tokens) if item.usage else 0
-                cached = min(_count(item.usage.cached_tokens), tokens_in) if item.usage else 0
-                model, tier = billed_as.get(item.request_id, ("", Tier.REALTIME.value))
+            tokens_out = _returned_tokens(item)
+            if verdict is not None and verdict.refused is not None \
+                    and _requeue_refused(conn, site, item, verdict.refused):
+                refused += 1
+                rejected.append(RejectedCompletion(request_id=item.request_id,
+                                                   reason="usage_mismatch",
+                                                   message=verdict.refused))
+                continue
+            if item.outcome == "succeeded" and verdict is not None \
+                    and verdict.refused is None:
+                tokens_out = verdict.completion_tokens
+                model, tier = admitted[item.request_id][:2]
                 billed = prices.billed_usd(
                     price_list.lookup(model, tier, config.background_price_factor),
-                    tokens_in, tokens_out, cached)
+                    verdict.prompt_tokens, tokens_out, verdict.cached_tokens)
                 values.update(
                     status=RequestStatus.SUCCEEDED.value,
                     result={"choices": [c.model_dump(mode="json") for c in item.choices]},
-                    prompt_tokens=tokens_in, completion_tokens=tokens_out, billed_usd=billed,
-                    cached_tokens=cached)
-            else:
+                    prompt_tokens=verdict.prompt_tokens, completion_tokens=tokens_out,
+                    billed_usd=billed, cached_tokens=verdict.cached_tokens)
+            elif item.outcome == "failed":
                 error = item.error.model_dump() if item.error else {
                     "code": "server_error", "message": "the worker reported a failure"}
                 values.update(status=RequestStatus.FAILED.value,
                               error={**error, "source": "serving"})
-            hit = _epoch_ok(item.epoch) and conn.execute(
+            # A succeeded one without a verdict names no request (or a refused one this site
+            # does not hold): the fencing below rejects it.
+            hit = "status" in values and _epoch_ok(item.epoch) and conn.execute(
                 update(requests)
                 .where(requests.c.id == item.request_id, requests.c.epoch == item.epoch,
                        requests.c.site_id == site.id,
@@ -352,9 +371,49 @@ def complete(store: Store, site: Site, done: CompleteRequest, now: float,
             completions=sites.c.completions + len(finished),
             tokens_generated=sites.c.tokens_generated + generated,
             stale_completions=sites.c.stale_completions + stale,
+            usage_rejections=sites.c.usage_rejections + refused,
             wasted_tokens=sites.c.wasted_tokens + wasted,
             billed_usd=sites.c.billed_usd + billed_total)
+    if refused:
+        log.warning("site %s: %d completions rejected, their usage reports disagree with what "
+                    "they returned (%s)", site.name, refused,
+                    "; ".join(r.message or "" for r in rejected if r.reason == "usage_mismatch"))
     return CompleteResponse(accepted=accepted, rejected=rejected)
+
+
+def _returned_tokens(item: CompletionItem) -> int:
+    """What a result that is not billed (failed, or too late) holds, for the site's counters:
+    its token ids (a choice with text only: a token per 4 characters), never its report."""
+    return _count(sum(len(c.token_ids) or -(-len(c.text) // 4) for c in item.choices))
+
+
+def _verdict(item: CompletionItem, admitted: tuple[Any, ...] | None
+             ) -> usage_check.Verdict | None:
+    """The usage check of a succeeded completion (None: not a succeeded one, or a request
+    that does not exist, which the fencing rejects)."""
+    if item.outcome != "succeeded" or admitted is None:
+        return None
+    model, _tier, facts = admitted
+    return usage_check.check(item, facts, counter_for(model))
+
+
+def _requeue_refused(conn: Connection, site: Site, item: CompletionItem, why: str) -> bool:
+    """Send a request whose completion was refused back to the queue, as a lapsed lease would
+    be, but without its checkpoint (written by the same site); False if the site does not
+    hold it at that epoch (the fencing then rejects the completion as for any other)."""
+    if not _epoch_ok(item.epoch):
+        return False
+    hit = conn.execute(
+        update(requests)
+        .where(requests.c.id == item.request_id, requests.c.epoch == item.epoch,
+               requests.c.site_id == site.id, requests.c.status.in_(_COMPLETABLE))
+        .values(status=_QUEUED, lease_id=None, lease_expires_at=None, progress=None,
+                checkpoint_tokens=0, lease_base_tokens=0,
+                version=requests.c.version + 1)).rowcount
+    if hit:
+        checkpoints.drop(conn, [item.request_id])
+        log.warning("site %s: completion of %s refused: %s", site.name, item.request_id, why)
+    return bool(hit)
 
 
 def _completed_by(row: Any, epoch: int, site_id: str) -> bool:
@@ -364,14 +423,23 @@ def _completed_by(row: Any, epoch: int, site_id: str) -> bool:
             and row.site_id == site_id)
 
 
-def _billed_as(conn: Connection, request_ids: list[str]) -> dict[str, tuple[str, str]]:
-    """(model, tier) of each request, which its price depends on; neither ever changes."""
-    found: dict[str, tuple[str, str]] = {}
-    for start in range(0, len(request_ids), 500):
-        part = request_ids[start:start + 500]
-        found.update((r.id, (r.model or "", r.tier)) for r in conn.execute(
-            select(requests.c.id, requests.c.model, requests.c.tier)
-            .where(requests.c.id.in_(part))))
+def _admitted(store: Store, request_ids: list[str]
+              ) -> dict[str, tuple[str, str, usage_check.Admitted]]:
+    """(model, tier, what was counted at admission) of each request: its price depends on the
+    first two, its bill on the rest; none of them ever changes, so they are read before the
+    write transaction."""
+    found: dict[str, tuple[str, str, usage_check.Admitted]] = {}
+    with store.read() as conn:
+        for start in range(0, len(request_ids), 500):
+            part = request_ids[start:start + 500]
+            found.update((r.id, (r.model or "", r.tier, usage_check.Admitted(
+                prompt_tokens=r.counted_prompt_tokens,
+                prompt_exact=bool(r.prompt_count_exact), num_choices=r.num_choices,
+                max_tokens=r.max_tokens))) for r in conn.execute(
+                select(requests.c.id, requests.c.model, requests.c.tier,
+                       requests.c.counted_prompt_tokens, requests.c.prompt_count_exact,
+                       requests.c.num_choices, requests.c.max_tokens)
+                .where(requests.c.id.in_(part))))
     return found
 
 

@@ -90,6 +90,7 @@ class SiteStatus:
     leases_expired: int  # lost work: leases that ran out (their requests resumed elsewhere)
     completions: int
     stale_completions: int  # completions rejected for a stale fencing epoch
+    usage_rejections: int  # completions rejected: their usage report disagreed (usage_check)
     wasted_tokens: int  # tokens of rejected results beyond what a later lease resumed from
     tokens_generated: int
     last_seen_at: float | None
@@ -132,6 +133,7 @@ def _status(row: Any, state: SiteState, now: float, policy: PlacementPolicy) -> 
         in_flight=state.in_flight, free_capacity=max(row.free_capacity, 0),
         leases_granted=row.leases_granted, leases_expired=row.leases_expired,
         completions=row.completions, stale_completions=row.stale_completions,
+        usage_rejections=row.usage_rejections or 0,
         wasted_tokens=row.wasted_tokens, tokens_generated=row.tokens_generated,
         last_seen_at=row.last_seen_at,
         outages=[{"start_at": o.start_at, "end_at": o.end_at} for o in state.outages

@@ -205,6 +205,12 @@ requests = Table(
     Column("completion_tokens", Integer, nullable=False, default=0),
     # Of the prompt tokens, those the engine served from its KV cache (None: none).
     Column("cached_tokens", Integer),
+    # What the control plane counted when the request came in (prompt_count.py): the prompt's
+    # tokens (an upper bound where the model has no tokenizer here: prompt_count_exact false)
+    # and the choices a worker must return. Bills use these, never what a site reports.
+    Column("counted_prompt_tokens", Integer),
+    Column("prompt_count_exact", Boolean),
+    Column("num_choices", Integer),
     # What the tenant is billed for it (the price list at completion; prices.billed_usd).
     Column("billed_usd", Double, nullable=False, default=0.0),
     Column("created_at", Double, nullable=False),
@@ -266,6 +272,9 @@ sites = Table(
     Column("leases_expired", BigInteger, nullable=False, default=0),
     Column("completions", BigInteger, nullable=False, default=0),
     Column("stale_completions", BigInteger, nullable=False, default=0),
+    # Completions rejected because their usage report disagreed with what they returned
+    # (usage_check.py): a site that tries to overbill, or a broken one.
+    Column("usage_rejections", BigInteger, nullable=False, server_default=text("0")),
     # Tokens generated and then discarded (stale completions, less what a checkpoint kept).
     Column("wasted_tokens", BigInteger, nullable=False, default=0),
     Column("tokens_generated", BigInteger, nullable=False, default=0),

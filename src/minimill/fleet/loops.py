@@ -350,8 +350,9 @@ class Worker:
             item = sent.get(rejection.request_id)
             if item is not None:
                 self.stats["rejected"] += 1
-                log.info("completion of %s (epoch %d) rejected: %s; result dropped",
-                         rejection.request_id, item.epoch, rejection.reason)
+                log.info("completion of %s (epoch %d) rejected: %s%s; result dropped",
+                         rejection.request_id, item.epoch, rejection.reason,
+                         f" ({rejection.message})" if rejection.message else "")
                 self._settle(item)
 
     def _settle(self, item: CompletionItem) -> None:

@@ -3,16 +3,15 @@ Mistral and Qwen2 decoders into a LoadedModel."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-import tokenizers
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from minimill.models.tokenizer import END_OF_TURN_TOKENS, Tokenizer
+from minimill.models.tokenizer_files import load_hf_tokenizer, read_json
 from minimill.models.types import LoadedModel, ModelConfig, ModelFileError
 
 _ARCHITECTURES = {
@@ -22,19 +21,6 @@ _ARCHITECTURES = {
 }
 # Defaults of the corresponding transformers config classes, for keys a config.json omits.
 _MAX_POSITIONS_DEFAULT = {"llama": 2048, "qwen2": 32768}
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object from a file; ModelFileError naming the file otherwise."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise ModelFileError(f"{path}: file is missing") from exc
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelFileError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise ModelFileError(f"{path}: expected a JSON object")
-    return data
 
 
 def _ids(value: Any) -> list[int]:
@@ -96,40 +82,6 @@ def config_from_hf(cfg: dict[str, Any], path: Path, tokenizer: Tokenizer,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelFileError(f"{path}: config.json is missing or has a bad value: {exc}") from exc
-
-
-def _token_text(value: Any) -> str | None:
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def load_hf_tokenizer(directory: Path) -> Tokenizer:
-    """Tokenizer from tokenizer.json plus tokenizer_config.json (special tokens, template)."""
-    tokenizer_file = directory / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        raise ModelFileError(f"{tokenizer_file}: file is missing")
-    try:
-        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
-    except Exception as exc:  # the Rust side raises bare Exception subclasses
-        raise ModelFileError(f"{tokenizer_file}: not a valid tokenizer file ({exc})") from exc
-    config_file = directory / "tokenizer_config.json"
-    tcfg = read_json(config_file) if config_file.exists() else {}
-    template = tcfg.get("chat_template")
-    if isinstance(template, list):  # named templates: use the default one
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    jinja_file = directory / "chat_template.jinja"
-    if jinja_file.is_file():
-        template = jinja_file.read_text(encoding="utf-8")
-    return Tokenizer(
-        backend,
-        bos_token=_token_text(tcfg.get("bos_token")),
-        eos_token=_token_text(tcfg.get("eos_token")),
-        pad_token=_token_text(tcfg.get("pad_token")),
-        unk_token=_token_text(tcfg.get("unk_token")),
-        chat_template=template if isinstance(template, str) else None,
-    )
 
 
 def _shard_files(directory: Path) -> list[Path]:

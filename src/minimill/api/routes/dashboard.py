@@ -67,6 +67,7 @@ def dashboard_data(store: StoreDep, config: ConfigDep,
                    "price_now": s.price_now, "uptime": s.uptime,
                    "measured_tokens_per_s": s.measured_tokens_per_s,
                    "cost_usd_per_mtok": s.cost_usd_per_mtok, "in_flight": s.in_flight,
+                   "usage_rejections": s.usage_rejections,
                    "outages_ahead": [o for o in s.outages if o["end_at"] > now]}
                   for s in sites],
         "queue": queue,

@@ -1,0 +1,156 @@
+"""The control plane's own token counts: what a tenant is billed for a prompt, and the counter a
+completion's reported usage is checked with (usage_check.py).
+
+A request's prompt is counted when it is admitted (a realtime call, a batch line, a response),
+with the served model's tokenizer and chat template, exactly as a builtin worker renders it, so
+that no site can change what the prompt costs. Each model's tokenizer is loaded once per
+process from its files (a GGUF file's vocabulary, or tokenizer.json): no weights, no torch.
+
+A model the control plane cannot tokenize (its files are not on this machine, say: workers
+serve it through another engine) is still served, with bounds instead of counts: a prompt is
+billed at most its text's UTF-8 bytes (no byte-level tokenizer makes more tokens than bytes)
+plus a few tokens per message for the template, and a completion at most its text's bytes; the
+site's report is taken within those bounds. The control plane logs a warning for such a model.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from minimill.control.bodies import PreparedBody
+from minimill.control.records import Kind
+from minimill.models.tokenizer import Tokenizer
+from minimill.models.types import ModelError
+
+log = logging.getLogger("minimill.usage")
+# Without a tokenizer, what a chat template may add: per message (role markers) and in all (a
+# default system prompt).
+TEMPLATE_TOKENS_PER_MESSAGE = 8
+TEMPLATE_TOKENS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCounter:
+    """Counts tokens of one model's texts; without a tokenizer, bounds them by bytes."""
+
+    model: str
+    tokenizer: Tokenizer | None
+    context_len: int | None  # the model's context length (None: unknown)
+
+    @property
+    def exact(self) -> bool:
+        return self.tokenizer is not None
+
+    def count_texts(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[int]:
+        """Tokens of each text (without a tokenizer: its UTF-8 bytes, an upper bound)."""
+        if not texts:
+            return []
+        if self.tokenizer is None:
+            return [len(t.encode("utf-8", "surrogatepass")) + int(add_special_tokens)
+                    for t in texts]
+        # One call for many texts: the tokenizers library spreads them over the cores.
+        return [len(e) for e in self.tokenizer.backend.encode_batch(
+            list(texts), add_special_tokens=add_special_tokens)]
+
+
+@functools.lru_cache(maxsize=64)
+def counter_for(model: str) -> ModelCounter:
+    """The counter of a served model, its tokenizer loaded once per process."""
+    from minimill.models.registry import resolve_model
+    from minimill.models.tokenizer_files import load_tokenizer
+
+    try:
+        tokenizer, context_len = load_tokenizer(resolve_model(model))
+    except (ModelError, OSError, ValueError) as exc:
+        log.warning("model %s: no tokenizer here (%s): its prompts and completions are billed "
+                    "within byte bounds, not counted", model, exc)
+        return ModelCounter(model, None, None)
+    return ModelCounter(model, tokenizer, context_len)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptCount:
+    """What the control plane counted of a request when it was admitted."""
+
+    tokens: int  # prompt tokens, counted (exact) or bounded from above
+    exact: bool
+    choices: int  # choices a worker must return: n, times the prompts of a completion
+
+    def columns(self) -> dict[str, Any]:
+        """The request row's values for it."""
+        return {"counted_prompt_tokens": self.tokens, "prompt_count_exact": self.exact,
+                "num_choices": self.choices}
+
+
+def _content(message: dict[str, Any]) -> str:
+    content = message.get("content")
+    if isinstance(content, list):  # text parts, as the worker flattens them
+        return "".join(str(p.get("text", "")) for p in content
+                       if isinstance(p, dict) and p.get("type", "text") == "text")
+    return "" if content is None else str(content)
+
+
+def chat_prompt_text(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> str:
+    """The chat prompt a builtin worker renders (fleet/builtin_engine.py `_prompt`: the
+    template with the generation prompt, encoded without more special tokens). The one place
+    the control plane renders a conversation: when models/ offers the worker's rendering as a
+    function, this calls it."""
+    flat = [{**m, "content": _content(m)} for m in messages]
+    return tokenizer.apply_chat_template(flat, add_generation_prompt=True)
+
+
+def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return [list(prompt)]
+    if isinstance(prompt, list):
+        return [p for p in prompt if isinstance(p, str | list)]
+    return []
+
+
+def _choices(body: dict[str, Any], prompts: int) -> int:
+    n = body.get("n")
+    return (n if isinstance(n, int) and n > 0 else 1) * max(prompts, 1)
+
+
+def count_prompts(prepared: Sequence[PreparedBody]) -> list[PromptCount]:
+    """The admission count of each body (a batch's group of lines at once: the texts of each
+    model are encoded in one call)."""
+    counts: list[PromptCount] = []
+    chats: dict[str, list[tuple[int, str]]] = {}  # model -> (index, rendered prompt)
+    texts: dict[str, list[tuple[int, str]]] = {}  # model -> (index, completion prompt)
+    for i, body in enumerate(prepared):
+        counter = counter_for(body.model)
+        if body.kind == Kind.COMPLETION:
+            prompts = _prompts(body.body)
+            texts.setdefault(body.model, []).extend((i, p) for p in prompts if isinstance(p, str))
+            counts.append(PromptCount(sum(len(p) for p in prompts if isinstance(p, list)),
+                                      counter.exact, _choices(body.body, len(prompts))))
+            continue
+        messages = body.body.get("messages") or []
+        choices = _choices(body.body, 1)
+        if counter.tokenizer is not None:
+            try:
+                chats.setdefault(body.model, []).append(
+                    (i, chat_prompt_text(counter.tokenizer, messages)))
+                counts.append(PromptCount(0, True, choices))
+                continue
+            except Exception as exc:  # the model's template refused it: the worker will too
+                log.info("prompt of a %s request not rendered (%s): bounded", body.model, exc)
+        bound = sum(len(_content(m).encode("utf-8", "surrogatepass"))
+                    + len(str(m.get("role", ""))) + TEMPLATE_TOKENS_PER_MESSAGE
+                    for m in messages) + TEMPLATE_TOKENS
+        counts.append(PromptCount(bound, False, choices))
+    for groups, special in ((chats, False), (texts, True)):
+        for model, items in groups.items():
+            tokens = counter_for(model).count_texts([t for _, t in items], special)
+            for (i, _), n in zip(items, tokens, strict=True):
+                counts[i] = PromptCount(counts[i].tokens + n, counts[i].exact,
+                                        counts[i].choices)
+    return counts
