@@ -8,6 +8,7 @@ containing FAIL_CONTEXT is failed with context_length_exceeded, as an engine wou
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import uuid
@@ -262,6 +263,27 @@ class EchoSite:
                    for i in range(n_choices)]
         return {**base, "outcome": "succeeded", "choices": choices,
                 "usage": {"prompt_tokens": 5, "completion_tokens": len(tokens) * n_choices}}
+
+
+@functools.cache
+def _tokenizer() -> Any:
+    from minimill.models.registry import resolve_model
+    from minimill.models.tokenizer_files import load_tokenizer
+
+    return load_tokenizer(resolve_model(MODEL))[0]
+
+
+def chat_prompt_tokens(*messages: str | dict[str, Any]) -> int:
+    """The prompt tokens of a chat (a plain string is a user message), as a builtin worker
+    renders and encodes it (fleet/builtin_engine.py): what the control plane bills, whatever a
+    site reports."""
+    from minimill.fleet.builtin_engine import flatten_content
+
+    tokenizer = _tokenizer()
+    text = tokenizer.apply_chat_template(
+        flatten_content([{"role": "user", "content": m} if isinstance(m, str) else m
+                         for m in messages]), add_generation_prompt=True)
+    return len(tokenizer.encode(text, add_special_tokens=False))
 
 
 def wait_for(predicate: Any, timeout_s: float = 30.0, interval_s: float = 0.05) -> Any:

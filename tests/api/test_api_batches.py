@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from api_harness import MODEL, ApiEnv, EchoSite, iter_lines, wait_for
+from api_harness import MODEL, ApiEnv, EchoSite, chat_prompt_tokens, iter_lines, wait_for
 from openai import OpenAI
 
 SERVER_SETTINGS = {"max_batch_lines": 1000}
@@ -109,7 +109,8 @@ def test_batch_of_250_lines_with_bad_lines(client: OpenAI, site: EchoSite) -> No
     assert first["status_code"] == 200
     assert first["body"]["choices"][0]["message"]["content"] == "echo item 0"
     # The built-in price (0.10 $/Mtok in, 0.40 out) at the background discount.
-    assert first["body"]["usage"]["cost_usd"] == pytest.approx((5 * 0.10 + 3 * 0.40) / 1e6 * 0.5)
+    assert first["body"]["usage"]["cost_usd"] == pytest.approx(
+        (chat_prompt_tokens("item 0") * 0.10 + 3 * 0.40) / 1e6 * 0.5)
     codes = {e["custom_id"]: e["error"]["code"] for e in err}
     assert codes == {None: "invalid_json", "req-3": "duplicate_custom_id",
                      "bad-model": "model_not_found", "bad-temp": "invalid_request",
@@ -117,8 +118,10 @@ def test_batch_of_250_lines_with_bad_lines(client: OpenAI, site: EchoSite) -> No
     assert {e["error"]["line"] for e in err} == set(range(101, 107))
     assert done.usage is not None and done.usage.output_tokens == 750
     assert done.usage.model_extra is not None
+    prompts = sum(chat_prompt_tokens(f"item {i}") for i in range(250))
+    assert done.usage.input_tokens == prompts
     assert done.usage.model_extra["cost_usd"] == pytest.approx(
-        (250 * 5 * 0.10 + 750 * 0.40) / 1e6 * 0.5)
+        (prompts * 0.10 + 750 * 0.40) / 1e6 * 0.5)
 
 
 def test_unusable_files_fail_at_validation(client: OpenAI) -> None:

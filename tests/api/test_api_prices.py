@@ -12,20 +12,20 @@ from typing import Any
 
 import httpx
 import pytest
-from api_harness import MODEL, ApiEnv, EchoSite, iter_lines, wait_for
+from api_harness import MODEL, ApiEnv, EchoSite, chat_prompt_tokens, iter_lines, wait_for
 from openai import OpenAI
 
 from minimill.control.sites import create_site
 
 # The price list of this module, $ per million tokens.
 INPUT, OUTPUT = 2.0, 8.0
-# EchoSite answers "echo <words>" (one token a word) and reports 5 prompt tokens.
-PROMPT_TOKENS = 5
+# EchoSite answers "echo <words>" (one token a word); the prompt is billed as the control plane
+# counts it, whatever the site reports (5).
 
 
-def bill(completion_tokens: int, factor: float = 1.0, input_: float = INPUT,
+def bill(content: str, completion_tokens: int, factor: float = 1.0, input_: float = INPUT,
          output: float = OUTPUT) -> float:
-    return (PROMPT_TOKENS * input_ + completion_tokens * output) / 1e6 * factor
+    return (chat_prompt_tokens(content) * input_ + completion_tokens * output) / 1e6 * factor
 
 
 def as_operator(env: ApiEnv) -> httpx.Client:
@@ -74,23 +74,23 @@ def test_usage_follows_the_price_list_whatever_the_site_declares(
         with EchoSite(env.base_url, liar_token, tokens_per_s=1e9, price_per_hour=1e6,
                       serve_delay_s=0.5) as liar:
             realtime = chat(client, "one two three")  # "echo one two three": 4 tokens
-            assert usage_cost(realtime.usage) == pytest.approx(bill(4))
+            assert usage_cost(realtime.usage) == pytest.approx(bill("one two three", 4))
             flex = chat(client, "one two three", service_tier="flex")
-            assert usage_cost(flex.usage) == pytest.approx(bill(4, 0.5))
+            assert usage_cost(flex.usage) == pytest.approx(bill("one two three", 4, 0.5))
             chunks = list(chat(client, "a b", stream=True,
                                stream_options={"include_usage": True}))
-            assert usage_cost(chunks[-1].usage) == pytest.approx(bill(3))
+            assert usage_cost(chunks[-1].usage) == pytest.approx(bill("a b", 3))
             done, lines = run_batch(client, ["x", "x y"])
             assert [usage_cost_of(line) for line in lines] == pytest.approx(
-                [bill(2, 0.5), bill(3, 0.5)])
+                [bill("x", 2, 0.5), bill("x y", 3, 0.5)])
             assert done.usage.model_extra["cost_usd"] == pytest.approx(
-                bill(2, 0.5) + bill(3, 0.5))
+                bill("x", 2, 0.5) + bill("x y", 3, 0.5))
             # An explicit background price replaces the discount.
             operator.post("/prices", json={"model": MODEL, "tier": "background",
                                            "input_usd_per_mtok": 0.5,
                                            "output_usd_per_mtok": 1.0}).raise_for_status()
             flex = chat(client, "one two three", service_tier="flex")
-            assert usage_cost(flex.usage) == pytest.approx(bill(4, 1.0, 0.5, 1.0))
+            assert usage_cost(flex.usage) == pytest.approx(bill("one two three", 4, 1.0, 0.5, 1.0))
             gone = operator.request("DELETE", "/prices", params={"model": MODEL,
                                                                  "tier": "background"})
             assert gone.status_code == 200 and gone.json()["deleted"]
@@ -109,7 +109,8 @@ def test_usage_follows_the_price_list_whatever_the_site_declares(
     assert 0 < measured <= 20 / (5 * 0.5 * 0.99), seen
     assert seen["cost_usd"] == pytest.approx(1e6 * seen["busy_s"] / 3600, rel=1e-6)
     assert seen["billed_usd"] == pytest.approx(
-        bill(4) + bill(4, 0.5) + bill(3) + bill(2, 0.5) + bill(3, 0.5) + bill(4, 1.0, 0.5, 1.0))
+        bill("one two three", 4) + bill("one two three", 4, 0.5) + bill("a b", 3)
+        + bill("x", 2, 0.5) + bill("x y", 3, 0.5) + bill("one two three", 4, 1.0, 0.5, 1.0))
     assert seen["margin_usd"] == pytest.approx(seen["billed_usd"] - seen["cost_usd"])
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from api_harness import MODEL, ApiEnv, EchoSite, wait_for
+from api_harness import MODEL, ApiEnv, EchoSite, chat_prompt_tokens, wait_for
 from openai import OpenAI
 from sqlalchemy import select
 
@@ -26,10 +26,13 @@ def test_chat_completion_non_stream(client: OpenAI, site: EchoSite) -> None:
     assert r.choices[0].message.content == "echo hello there friend"
     assert r.choices[0].finish_reason == "stop"
     assert r.usage is not None
-    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 4, 9)
+    # The prompt as the control plane counted it (the site reported 5).
+    prompt = chat_prompt_tokens("hello there friend")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+        prompt, 4, prompt + 4)
     # The built-in price (no price list set): 0.10 $/Mtok in, 0.40 out; realtime at full price.
     assert r.usage.model_extra is not None
-    assert r.usage.model_extra["cost_usd"] == pytest.approx((5 * 0.10 + 4 * 0.40) / 1e6)
+    assert r.usage.model_extra["cost_usd"] == pytest.approx((prompt * 0.10 + 4 * 0.40) / 1e6)
     assert r.service_tier == "default"
 
 
@@ -51,7 +54,8 @@ def test_flex_tier_is_background_and_cheaper(client: OpenAI, site: EchoSite) -> 
         model=MODEL, messages=[{"role": "user", "content": "a b c"}], service_tier="flex")
     assert r.service_tier == "flex"
     assert r.usage is not None and r.usage.model_extra is not None
-    assert r.usage.model_extra["cost_usd"] == pytest.approx((5 * 0.10 + 4 * 0.40) / 1e6 * 0.5)
+    assert r.usage.model_extra["cost_usd"] == pytest.approx(
+        (chat_prompt_tokens("a b c") * 0.10 + 4 * 0.40) / 1e6 * 0.5)
 
 
 def test_chat_stream_deltas_and_usage(client: OpenAI, site: EchoSite) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from api_harness import MODEL, ApiEnv, EchoSite, iter_lines, wait_for
+from api_harness import MODEL, ApiEnv, EchoSite, chat_prompt_tokens, iter_lines, wait_for
 from openai import OpenAI
 from sqlalchemy import select
 
@@ -45,10 +45,13 @@ def test_foreground_response_has_openai_shapes(client: OpenAI, site: EchoSite) -
     assert message.type == "message" and message.role == "assistant"
     assert message.status == "completed" and message.id.startswith("msg_")
     assert r.usage is not None
-    assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (5, 4, 9)
+    # The prompt as the control plane counted it: the chat the worker runs (the site said 5).
+    prompt = chat_prompt_tokens({"role": "system", "content": "Be brief."}, "hello there friend")
+    assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (
+        prompt, 4, prompt + 4)
     assert r.usage.input_tokens_details.cached_tokens == 0
     assert r.usage.model_extra is not None
-    assert r.usage.model_extra["cost_usd"] == pytest.approx((5 * 0.10 + 4 * 0.40) / 1e6)
+    assert r.usage.model_extra["cost_usd"] == pytest.approx((prompt * 0.10 + 4 * 0.40) / 1e6)
     assert (r.instructions, r.max_output_tokens, r.metadata) == ("Be brief.", 50, {"ticket": "T-1"})
     assert (r.temperature, r.top_p, r.service_tier) == (0.3, 0.9, "default")
     assert r.completed_at is not None and r.store is True
@@ -70,7 +73,8 @@ def test_background_create_poll_complete_at_the_background_price(client: OpenAI,
     assert done.status == "completed" and done.output_text == "echo one two three"
     assert done.service_tier == "flex"
     assert done.usage is not None and done.usage.model_extra is not None
-    assert done.usage.model_extra["cost_usd"] == pytest.approx((5 * 0.10 + 4 * 0.40) / 1e6 * 0.5)
+    assert done.usage.model_extra["cost_usd"] == pytest.approx(
+        (chat_prompt_tokens("one two three") * 0.10 + 4 * 0.40) / 1e6 * 0.5)
 
 
 def test_max_output_tokens_makes_an_incomplete_response(client: OpenAI, site: EchoSite) -> None:

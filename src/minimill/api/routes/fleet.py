@@ -85,7 +85,8 @@ async def heartbeat(beat: HeartbeatRequest, store: StoreDep, site: TokenSiteDep,
     return answer
 
 
-@router.post("/complete", response_model=CompleteResponse)
+# A rejection carries a message only when there is more to say than its reason.
+@router.post("/complete", response_model=CompleteResponse, response_model_exclude_none=True)
 async def complete(done: CompleteRequest, request: Request, store: StoreDep,
                    site: TokenSiteDep, config: ConfigDep,
                    watcher: WatcherDep) -> CompleteResponse:
