@@ -27,6 +27,7 @@ picked with `FOR UPDATE SKIP LOCKED`, so several control-plane processes can run
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 from dataclasses import replace
@@ -58,7 +59,7 @@ from minimill.control.records import (
 from minimill.control.release import handback_for, remaining_tokens
 from minimill.control.site_view import site_states
 from minimill.control.sites import touch_site
-from minimill.control.store import Store, retry_conflicts
+from minimill.control.store import JsonText, Store, retry_conflicts
 from minimill.control.tables import requests, sites
 from minimill.protocol import (
     CompleteRequest,
@@ -297,11 +298,14 @@ def complete(store: Store, site: Site, done: CompleteRequest, now: float,
     billed_total = 0.0
     admitted = _admitted(store, [i.request_id for i in done.results
                                  if i.outcome == "succeeded"])
-    # Counted and checked before the write transaction: tokenizing text takes a while.
+    # Counted, checked and encoded before the write transaction: tokenizing text and encoding
+    # megabytes of results would hold every other writer up.
     verdicts = [_verdict(item, admitted.get(item.request_id)) for item in done.results]
+    encoded = [_result_json(item) if verdict is not None and verdict.refused is None else None
+               for item, verdict in zip(done.results, verdicts, strict=True)]
     with store.write() as conn:
         price_list = prices.load_price_list(conn)
-        for item, verdict in zip(done.results, verdicts, strict=True):
+        for item, verdict, result in zip(done.results, verdicts, encoded, strict=True):
             values: dict[str, Any] = {"finished_at": now, "lease_expires_at": None,
                                       "version": requests.c.version + 1, "progress": None}
             billed = 0.0
@@ -321,8 +325,7 @@ def complete(store: Store, site: Site, done: CompleteRequest, now: float,
                     price_list.lookup(model, tier, config.background_price_factor),
                     verdict.prompt_tokens, tokens_out, verdict.cached_tokens)
                 values.update(
-                    status=RequestStatus.SUCCEEDED.value,
-                    result={"choices": [c.model_dump(mode="json") for c in item.choices]},
+                    status=RequestStatus.SUCCEEDED.value, result=result,
                     prompt_tokens=verdict.prompt_tokens, completion_tokens=tokens_out,
                     billed_usd=billed, cached_tokens=verdict.cached_tokens)
             elif item.outcome == "failed":
@@ -379,6 +382,11 @@ def complete(store: Store, site: Site, done: CompleteRequest, now: float,
                     "they returned (%s)", site.name, refused,
                     "; ".join(r.message or "" for r in rejected if r.reason == "usage_mismatch"))
     return CompleteResponse(accepted=accepted, rejected=rejected)
+
+
+def _result_json(item: CompletionItem) -> JsonText:
+    """The row's `result` of a succeeded completion, encoded."""
+    return JsonText(json.dumps({"choices": [c.model_dump(mode="json") for c in item.choices]}))
 
 
 def _returned_tokens(item: CompletionItem) -> int:

@@ -49,6 +49,17 @@ _RETRYABLE_SQLSTATES = {"40P01", "40001"}
 MAX_ATTEMPTS = 4
 
 
+class JsonText(str):
+    """A JSON document already encoded: a JSON column stores it as it is. Large values a site
+    sends (a completion's results) are encoded before the write transaction opens, so that
+    SQLite's one write lock is not held while Python encodes megabytes."""
+
+
+def json_dumps(value: Any) -> str:
+    """The store's JSON encoder (both backends): JsonText as it is, anything else encoded."""
+    return str(value) if isinstance(value, JsonText) else json.dumps(value)
+
+
 def retry_conflicts(fn: Callable[P, R]) -> Callable[P, R]:
     """Rerun a whole write operation that PostgreSQL aborted as a deadlock victim (two bulk
     UPDATEs, e.g. a cancel and a completion, can lock the same rows in opposite orders).
@@ -114,7 +125,7 @@ def insert_many(conn: Connection, table: Table, rows: list[dict[str, Any]]) -> N
     if not rows:
         return
     given = list(rows[0])
-    dumps = json.dumps
+    dumps = json_dumps
     as_json = [isinstance(table.c[name].type, JSON) for name in given]
     defaults: dict[str, Any] = {}  # the same for every row: encoded once
     for column in table.c:
@@ -138,7 +149,7 @@ def _sqlite_engine(url: str) -> Engine:
     if path and path != ":memory:":
         Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(
-        url, pool_size=8, max_overflow=32, pool_timeout=60,
+        url, pool_size=8, max_overflow=32, pool_timeout=60, json_serializer=json_dumps,
         connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S, "check_same_thread": False})
 
     @event.listens_for(engine, "connect")
@@ -275,7 +286,8 @@ def open_store(url: str | None = None) -> Store:
     if url.startswith("sqlite"):
         engine = _sqlite_engine(url)
     else:
-        engine = create_engine(url, pool_size=10, max_overflow=30, pool_pre_ping=True)
+        engine = create_engine(url, pool_size=10, max_overflow=30, pool_pre_ping=True,
+                               json_serializer=json_dumps)
     store = Store(engine, url)
     try:
         store.create_schema()
