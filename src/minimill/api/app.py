@@ -66,7 +66,7 @@ async def _janitor(store: Store, config: ControlConfig, interval_s: float,
             if report.reaped_leases:
                 requeued.notify()  # back in the queue: a waiting worker takes them up
             if (report.reaped_leases or report.expired_batches or report.reaped_boxes
-                    or report.reaped_agents or report.idle_boxes):
+                    or report.reaped_agents or report.idle_boxes or report.purged_requests):
                 log.info("janitor: %s", report)
         except Exception:  # the store may be briefly unreachable; try again next tick
             log.exception("janitor tick failed")

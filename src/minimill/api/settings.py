@@ -24,6 +24,9 @@ class Settings(BaseSettings):
     # Files without `expires_after` (uploads, batch outputs) expire this long after their
     # creation; 0 keeps them until deleted.
     file_expires_after_s: float = Field(default=30 * 24 * 3600.0, ge=0)
+    # Realtime requests and responses (prompts and results) are deleted this long after they
+    # ended; 0 keeps them. A batch's rows lose their text once one of its files is gone.
+    request_retention_s: float = Field(default=30 * 24 * 3600.0, ge=0)
     # Batch ingest: lines per transaction, and how long a silent ingester keeps its batch.
     ingest_group_lines: int = Field(default=1000, ge=1)
     ingest_claim_ttl_s: float = Field(default=60.0, gt=0)
@@ -70,6 +73,7 @@ class Settings(BaseSettings):
             max_line_bytes=self.max_body_bytes, ingest_group_lines=self.ingest_group_lines,
             ingest_claim_ttl_s=self.ingest_claim_ttl_s,
             file_expires_after_s=self.file_expires_after_s or None,
+            request_retention_s=self.request_retention_s or None,
             background_price_factor=self.background_price_factor,
             realtime_timeout_s=self.realtime_timeout_s,
             background_response_window_s=self.background_response_window_s,

@@ -47,6 +47,9 @@ class ControlConfig:
     webhook_retry_base_s: float = 5.0
     webhook_retry_cap_s: float = 300.0
     webhook_max_age_s: float = 72 * 3600.0
+    # Realtime requests and responses are deleted this long after they ended (retention.py;
+    # None: kept). A batch's rows lose their text once one of its files is gone.
+    request_retention_s: float | None = 30 * 24 * 3600.0
     # Webhook URLs may reach loopback, link-local and private addresses (url_guard.py): the
     # operator's own network, on purpose.
     webhook_allow_private: bool = False

@@ -17,6 +17,7 @@ from sqlalchemy import Connection, and_, delete, insert, or_, select, update
 
 from minimill.control.errors import InvalidRequestError, NotFoundError, PayloadTooLargeError
 from minimill.control.records import FileRecord, new_id
+from minimill.control.retention import clear_batches_of
 from minimill.control.store import Store
 from minimill.control.tables import file_chunks, files
 
@@ -244,7 +245,9 @@ def delete_file(store: Store, tenant_id: str, file_id: str) -> None:
 
 
 def _remove(store: Store, file_id: str) -> None:
-    """Delete a `deleting` file's chunks a few per transaction, then its row."""
+    """Delete a `deleting` file's chunks a few per transaction, then its row; the rows of the
+    ended batches it belongs to lose their text first (retention.py)."""
+    clear_batches_of(store, file_id, time.time())
     while True:
         with store.write() as conn:
             seqs = conn.execute(select(file_chunks.c.seq).where(file_chunks.c.file_id == file_id)

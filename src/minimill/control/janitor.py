@@ -1,6 +1,7 @@
 """The janitor's work: short steps one tick at a time (reap expired leases of requests, boxes
 and agents, expire overdue requests and batches, delete expired files and those whose writer or
-deleter died, pause boxes their idle policy says to), and the long batch jobs (read new
+deleter died, pause boxes their idle policy says to, clear or delete request rows whose time
+is up: retention.py), and the long batch jobs (read new
 batches' input files, write finished batches' output files).
 
 Every step is a conditional UPDATE or a claimed ingest or finalization, so any number of
@@ -17,7 +18,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-from minimill.control import agents, box_hosts, box_idle, files
+from minimill.control import agents, box_hosts, box_idle, files, retention
 from minimill.control.batch_finalize import expire_due, finalize, finishable
 from minimill.control.batch_load import ingest_pending
 from minimill.control.config import ControlConfig
@@ -37,6 +38,7 @@ class TickReport:
     reaped_boxes: int = 0
     reaped_agents: int = 0
     idle_boxes: int = 0  # paused (or asked to pause) by their idle policy
+    purged_requests: int = 0  # realtime rows deleted at the end of their retention
 
 
 def tick(store: Store, now: float, config: ControlConfig,
@@ -51,10 +53,12 @@ def tick(store: Store, now: float, config: ControlConfig,
     reaped_boxes = box_hosts.reap_expired(store, now)
     reaped_agents = agents.reap_expired(store, now)
     idle_boxes = box_idle.pause_idle(store, now)
+    purged = retention.delete_old_requests(store, now, config.request_retention_s)
     return TickReport(reaped_leases=reaped, expired_requests=expired,
                       expired_batches=expired_batches, finalized_batches=finalized,
                       deleted_files=deleted, reaped_boxes=reaped_boxes,
-                      reaped_agents=reaped_agents, idle_boxes=idle_boxes)
+                      reaped_agents=reaped_agents, idle_boxes=idle_boxes,
+                      purged_requests=purged)
 
 
 def finalize_ready(store: Store, now: float, config: ControlConfig) -> int:

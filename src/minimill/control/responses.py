@@ -12,6 +12,7 @@ from typing import Any
 
 from sqlalchemy import Connection, delete, insert, select
 
+from minimill.control import checkpoints
 from minimill.control.config import ControlConfig
 from minimill.control.errors import ConflictError, InvalidRequestError, NotFoundError
 from minimill.control.records import Kind, RequestRecord, RequestStatus, new_id
@@ -117,6 +118,7 @@ def delete_response(store: Store, tenant_id: str, response_id: str) -> None:
         if found is None:
             raise _not_found(response_id)
         conn.execute(delete(requests).where(requests.c.id == found.id))
+        checkpoints.drop(conn, [found.id])  # a running one's text so far goes too
         unwatch(conn, found.id)
 
 

@@ -157,11 +157,18 @@ batches = Table(
     Column("ingest_line", Integer, nullable=False, server_default=text("0")),
     # Seconds the output and error files live (None: the server's default).
     Column("output_expires_after_s", Double),
+    # When its rows' text (prompts, results, custom_ids) was cleared, once one of its files
+    # was gone (retention.py); None: not yet.
+    Column("rows_purged_at", Double),
     Column("output_file_id", String(40)),
     Column("error_file_id", String(40)),
     Column("errors", JSON),
     Column("metadata", JSON),
     Index("ix_batches_tenant_created", "tenant_id", "created_at"),
+    # A file that goes finds the batches it belongs to (retention.py).
+    Index("ix_batches_input_file", "input_file_id"),
+    Index("ix_batches_output_file", "output_file_id"),
+    Index("ix_batches_error_file", "error_file_id"),
 )
 
 requests = Table(
@@ -230,6 +237,8 @@ requests = Table(
     Index("ux_requests_batch_line", "batch_id", "line_no", unique=True),
     Index("ix_requests_lease_expiry", "status", "lease_expires_at"),
     Index("ix_requests_site", "site_id", "status"),
+    # Realtime rows (no batch) by when they ended: what retention deletes.
+    Index("ix_requests_batch_finished", "batch_id", "finished_at"),
 )
 
 # A checkpoint as appended pieces: each accepted heartbeat adds one row holding what is new
