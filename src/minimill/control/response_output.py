@@ -7,7 +7,9 @@ parse gives the items (the message, where there is text outside calls, and one i
 numbered by first appearance) and the segments the text came in: runs of one item's text (the
 message's words or a call's arguments) in the order they were written. Both grow only at the
 end as the text grows, which is what lets response_render.py number stream events once and for
-all. The message item is one item even when text comes both before and after calls.
+all. The message item is one item even when text comes both before and after calls. A call cut
+short (by max_output_tokens) stays an unclosed item, shown as incomplete; the grammar the engine
+enforces makes every other call well formed.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from minimill.control.render import request_hex, service_tier
 from minimill.control.response_output import (
     OutputItem,
     ParsedOutput,
+    call_item_id,
     message_id,
     output_part,
     parse_output,
@@ -184,8 +185,7 @@ def response_events(record: RequestRecord, start: int = 0) -> list[dict[str, Any
         return {"item_id": message_id(rid), "output_index": item.index, "content_index": 0}
 
     def call_where(item: OutputItem) -> dict[str, Any]:
-        return {"item_id": render_item(rid, item, "in_progress")["id"],
-                "output_index": item.index}
+        return {"item_id": call_item_id(rid, item.call), "output_index": item.index}
 
     def announce(item: OutputItem) -> None:
         added.add(item.index)
