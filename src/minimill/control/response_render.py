@@ -4,9 +4,10 @@ A stream is a pure function of the row: `response_events(row)` lists every event
 state implies, numbered from 0, and the list for a later state extends the list for an earlier
 one. So any process can stream a response, and a client that reconnects with `starting_after`
 gets exactly the events after that number: no gap, no repeat, nothing kept outside the store.
-That holds because the text only grows (a resumed request continues its checkpoint's text) and
-deltas are cut by a rule of the text alone: a piece is a run of whitespace and up to 32
-non-space characters, sent once the text goes on past it (or the response has ended).
+That holds because the text only grows (a resumed request continues its checkpoint's text), its
+output items (the message and function calls, response_output.py) grow only at the end with it,
+and deltas are cut by a rule of the text alone: a piece is a run of whitespace and up to 32
+non-space characters, sent once the text goes on past it (or the item or response has ended).
 """
 
 from __future__ import annotations
@@ -72,12 +73,6 @@ def output_of(record: RequestRecord) -> ParsedOutput:
         out.items.append(OutputItem("message", 0))
         out.extend(0, "")
     return out
-
-
-def output_text(record: RequestRecord) -> str:
-    """The answer's text so far, calls left out (all of it once the response has succeeded)."""
-    message = output_of(record).message
-    return message.text if message is not None else ""
 
 
 def status_of(record: RequestRecord) -> str:
