@@ -64,11 +64,12 @@ def test_a_required_call_answered_through_previous_response_id(serve: Serve) -> 
 def test_auto_gives_an_answer_or_valid_calls(serve: Serve) -> None:
     r = serve.client().responses.create(model=MODEL, input=ASK, tools=[WEATHER],
                                         max_output_tokens=32, temperature=0)
-    assert r.output, r
+    assert r.status in ("completed", "incomplete"), r
     for call in calls_of(r):
+        assert call.name == "get_weather"
         if call.status == "completed":
             jsonschema.validate(json.loads(call.arguments), CITY)
-    assert calls_of(r) or r.output_text
+    assert calls_of(r) or [item.type for item in r.output] == ["message"]
 
 
 def test_streamed_named_call_matches_the_final_response(serve: Serve) -> None:

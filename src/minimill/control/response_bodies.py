@@ -32,6 +32,7 @@ from minimill.control.response_items import (
     stored_items,
 )
 from minimill.control.response_tools import (
+    AnyTextFormat,
     TextFormat,
     ToolChoice,
     Tools,
@@ -127,7 +128,7 @@ class ResponseBody(_Body):
         return self
 
     @property
-    def text_format(self) -> Any:
+    def text_format(self) -> AnyTextFormat | None:
         return self.text.format if self.text is not None else None
 
 

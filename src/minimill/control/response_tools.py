@@ -62,6 +62,8 @@ class TextFormatJsonSchema(_Body):
     strict: bool | None = None
 
 
+# One of the formats, validated (TextFormat is the same union as the body's field).
+AnyTextFormat = TextFormatText | TextFormatJsonObject | TextFormatJsonSchema
 TextFormat = Annotated[Annotated[TextFormatText, Tag("type=text")]
                        | Annotated[TextFormatJsonObject, Tag("type=json_object")]
                        | Annotated[TextFormatJsonSchema, Tag("type=json_schema")],
@@ -108,8 +110,7 @@ def check_tool_fields(tools: list[FunctionToolParam] | None,
 
 
 def check_tool_schemas(tools: list[FunctionToolParam] | None,
-                       text_format: TextFormatText | TextFormatJsonObject | TextFormatJsonSchema
-                       | None) -> None:
+                       text_format: AnyTextFormat | None) -> None:
     """Every schema compiles in the grammar engine that will enforce it (a 400 naming it)."""
     if isinstance(text_format, TextFormatJsonSchema):
         check_schema("text.format.schema", text_format.schema_)
@@ -121,8 +122,7 @@ def check_tool_schemas(tools: list[FunctionToolParam] | None,
 def chat_fields(tools: list[FunctionToolParam] | None,
                 tool_choice: str | FunctionToolChoice | None,
                 parallel_tool_calls: bool | None,
-                text_format: TextFormatText | TextFormatJsonObject | TextFormatJsonSchema
-                | None) -> dict[str, Any]:
+                text_format: AnyTextFormat | None) -> dict[str, Any]:
     """The chat body's `tools`, `tool_choice`, `parallel_tool_calls` and `response_format`."""
     fields: dict[str, Any] = {}
     if tools:
@@ -147,8 +147,7 @@ def chat_fields(tools: list[FunctionToolParam] | None,
 
 def echoed(tools: list[FunctionToolParam] | None, tool_choice: str | FunctionToolChoice | None,
            parallel_tool_calls: bool | None,
-           text_format: TextFormatText | TextFormatJsonObject | TextFormatJsonSchema | None
-           ) -> dict[str, Any]:
+           text_format: AnyTextFormat | None) -> dict[str, Any]:
     """What the response object shows of them (OpenAI's defaults filled in)."""
     choice: Any = (tool_choice.model_dump() if isinstance(tool_choice, FunctionToolChoice)
                    else tool_choice or "auto")
