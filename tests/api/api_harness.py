@@ -3,12 +3,16 @@
 `EchoSite` is a real client of the fleet protocol (lease, heartbeat with checkpoint deltas,
 complete over HTTP with a site token). It answers without a model: each choice's text is the
 words of "echo <last message>", one word per token, so tests can predict every output. A prompt
-containing FAIL_CONTEXT is failed with context_length_exceeded, as an engine would.
+containing FAIL_CONTEXT is failed with context_length_exceeded, as an engine would. A chat with
+tools whose last message says `text CALL name {json} CALL ...` is answered with "echo text" and
+those calls, written as Hermes `<tool_call>` blocks (4 characters a token), as a model with
+tools would write them.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import threading
 import time
 import uuid
@@ -122,6 +126,27 @@ def reply_words(kind: str, body: dict[str, Any]) -> list[str]:
     return ["echo"] + [f" {w}" for w in source.split()]
 
 
+def tool_format(kind: str, body: dict[str, Any]) -> str | None:
+    """The tool syntax a site reports for a request: hermes when it may call its tools."""
+    calls = kind == "chat" and body.get("tools") and body.get("tool_choice") != "none"
+    return "hermes" if calls else None
+
+
+def reply_tokens(kind: str, body: dict[str, Any]) -> list[str]:
+    """The answer's tokens: the echo, or (a chat with tools asked to CALL) text and calls."""
+    source = str(body["messages"][-1].get("content") or "") if kind == "chat" else ""
+    if tool_format(kind, body) is None or "CALL " not in source:
+        return reply_words(kind, body)
+    head, *calls = source.split("CALL ")
+    blocks = [f"echo {head.strip()}"] if head.strip() else []
+    for call in calls:
+        name, _, arguments = call.strip().partition(" ")
+        blocks.append("<tool_call>\n" + json.dumps(
+            {"name": name, "arguments": json.loads(arguments or "{}")}) + "\n</tool_call>")
+    text = "\n".join(blocks)
+    return [text[i:i + 4] for i in range(0, len(text), 4)]
+
+
 @dataclass
 class EchoSite:
     """A worker site that answers over the real protocol from its own thread."""
@@ -203,7 +228,8 @@ class EchoSite:
     def _serve(self, lease: dict[str, Any]) -> dict[str, Any]:
         body, kind = lease["body"], lease["kind"]
         base = {"request_id": lease["request_id"], "epoch": lease["epoch"]}
-        words = reply_words(kind, body)
+        words = reply_tokens(kind, body)
+        fmt = {"tool_format": f} if (f := tool_format(kind, body)) else {}
         if any("FAIL_CONTEXT" in w for w in words):
             return {**base, "outcome": "failed", "error": {
                 "code": "context_length_exceeded", "param": "messages",
@@ -229,14 +255,15 @@ class EchoSite:
                      "top_logprobs": [{"token": t, "logprob": -0.5}] * top}
                     for t in tokens[:upto]] if want_lp else None)
             return {"index": i, "token_ids": list(range(upto)), "text": "".join(tokens[:upto]),
-                    "logprobs": lps}
+                    "logprobs": lps, **fmt}
 
         def delta(i: int, lo: int, hi: int) -> dict[str, Any]:
             new = progress(i, hi)
             lps = new["logprobs"]
             return {"index": i, "base_tokens": lo, "base_chars": len("".join(tokens[:lo])),
                     "base_logprobs": lo if want_lp else 0, "token_ids": new["token_ids"][lo:],
-                    "text": "".join(tokens[lo:hi]), "logprobs": None if lps is None else lps[lo:]}
+                    "text": "".join(tokens[lo:hi]), "logprobs": None if lps is None else lps[lo:],
+                    **fmt}
 
         if lease.get("stream"):
             full = self.full_checkpoints
@@ -275,15 +302,12 @@ def _tokenizer() -> Any:
 
 def chat_prompt_tokens(*messages: str | dict[str, Any]) -> int:
     """The prompt tokens of a chat (a plain string is a user message), as a builtin worker
-    renders and encodes it (fleet/builtin_engine.py): what the control plane bills, whatever a
-    site reports."""
-    from minimill.fleet.builtin_engine import flatten_content
+    renders and encodes it (models/prompt.py): what the control plane bills, whatever a site
+    reports."""
+    from minimill.models.prompt import render_chat_prompt
 
-    tokenizer = _tokenizer()
-    text = tokenizer.apply_chat_template(
-        flatten_content([{"role": "user", "content": m} if isinstance(m, str) else m
-                         for m in messages]), add_generation_prompt=True)
-    return len(tokenizer.encode(text, add_special_tokens=False))
+    return len(render_chat_prompt(_tokenizer(), [
+        {"role": "user", "content": m} if isinstance(m, str) else m for m in messages]))
 
 
 def wait_for(predicate: Any, timeout_s: float = 30.0, interval_s: float = 0.05) -> Any:

@@ -15,7 +15,7 @@ from minimill.control.keys import ensure_tenant
 from minimill.control.records import BatchRecord, Site, Tenant
 from minimill.control.sites import authenticate_site, create_site
 from minimill.control.store import Store
-from minimill.fleet.builtin_engine import flatten_content
+from minimill.models.prompt import render_chat_prompt
 from minimill.models.registry import resolve_model
 from minimill.models.tokenizer import Tokenizer
 from minimill.models.tokenizer_files import load_tokenizer
@@ -64,11 +64,8 @@ def _tokenizer() -> Tokenizer:
 
 def chat_prompt_tokens(content: str) -> int:
     """The prompt tokens of a one-message chat, as a builtin worker renders and encodes it
-    (fleet/builtin_engine.py): what the control plane bills, whatever a site reports."""
-    tokenizer = _tokenizer()
-    text = tokenizer.apply_chat_template(flatten_content([{"role": "user", "content": content}]),
-                                         add_generation_prompt=True)
-    return len(tokenizer.encode(text, add_special_tokens=False))
+    (models/prompt.py): what the control plane bills, whatever a site reports."""
+    return len(render_chat_prompt(_tokenizer(), [{"role": "user", "content": content}]))
 
 
 def ask(capacity: int = 8, tokens_per_s: float | None = 100.0) -> LeaseRequest:

@@ -23,6 +23,7 @@ from typing import Any
 
 from minimill.control.bodies import PreparedBody
 from minimill.control.records import Kind
+from minimill.models.prompt import render_chat_prompt
 from minimill.models.tokenizer import Tokenizer
 from minimill.models.types import ModelError
 
@@ -94,13 +95,10 @@ def _content(message: dict[str, Any]) -> str:
     return "" if content is None else str(content)
 
 
-def chat_prompt_text(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> str:
-    """The chat prompt a builtin worker renders (fleet/builtin_engine.py `_prompt`: the
-    template with the generation prompt, encoded without more special tokens). The one place
-    the control plane renders a conversation: when models/ offers the worker's rendering as a
-    function, this calls it."""
-    flat = [{**m, "content": _content(m)} for m in messages]
-    return tokenizer.apply_chat_template(flat, add_generation_prompt=True)
+def chat_prompt_tokens(tokenizer: Tokenizer, body: dict[str, Any]) -> int:
+    """The tokens of a chat body's prompt, rendered as the builtin worker renders it (its
+    messages and tools through the model's chat template: models/prompt.py)."""
+    return len(render_chat_prompt(tokenizer, body.get("messages") or [], body.get("tools")))
 
 
 def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
@@ -120,10 +118,9 @@ def _choices(body: dict[str, Any], prompts: int) -> int:
 
 
 def count_prompts(prepared: Sequence[PreparedBody]) -> list[PromptCount]:
-    """The admission count of each body (a batch's group of lines at once: the texts of each
-    model are encoded in one call)."""
+    """The admission count of each body (a batch's group of lines at once: the completion
+    prompts of each model are encoded in one call)."""
     counts: list[PromptCount] = []
-    chats: dict[str, list[tuple[int, str]]] = {}  # model -> (index, rendered prompt)
     texts: dict[str, list[tuple[int, str]]] = {}  # model -> (index, completion prompt)
     for i, body in enumerate(prepared):
         counter = counter_for(body.model)
@@ -137,9 +134,8 @@ def count_prompts(prepared: Sequence[PreparedBody]) -> list[PromptCount]:
         choices = _choices(body.body, 1)
         if counter.tokenizer is not None:
             try:
-                chats.setdefault(body.model, []).append(
-                    (i, chat_prompt_text(counter.tokenizer, messages)))
-                counts.append(PromptCount(0, True, choices))
+                counts.append(PromptCount(chat_prompt_tokens(counter.tokenizer, body.body),
+                                          True, choices))
                 continue
             except Exception as exc:  # the model's template refused it: the worker will too
                 log.info("prompt of a %s request not rendered (%s): bounded", body.model, exc)
@@ -147,10 +143,8 @@ def count_prompts(prepared: Sequence[PreparedBody]) -> list[PromptCount]:
                     + len(str(m.get("role", ""))) + TEMPLATE_TOKENS_PER_MESSAGE
                     for m in messages) + TEMPLATE_TOKENS
         counts.append(PromptCount(bound, False, choices))
-    for groups, special in ((chats, False), (texts, True)):
-        for model, items in groups.items():
-            tokens = counter_for(model).count_texts([t for _, t in items], special)
-            for (i, _), n in zip(items, tokens, strict=True):
-                counts[i] = PromptCount(counts[i].tokens + n, counts[i].exact,
-                                        counts[i].choices)
+    for model, items in texts.items():
+        tokens = counter_for(model).count_texts([t for _, t in items], add_special_tokens=True)
+        for (i, _), n in zip(items, tokens, strict=True):
+            counts[i] = PromptCount(counts[i].tokens + n, counts[i].exact, counts[i].choices)
     return counts
