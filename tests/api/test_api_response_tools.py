@@ -20,6 +20,8 @@ from openai import OpenAI
 
 from webhook_receiver import WebhookReceiver
 
+# The webhook receiver listens on loopback: allowed here as an operator may (url_guard.py).
+SERVER_SETTINGS = {"webhook_allow_private": True}
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                           "required": ["city"], "additionalProperties": False},

@@ -23,7 +23,10 @@ def e2e_home(tmp_path_factory: pytest.TempPathFactory, model_file: Path) -> Path
 @pytest.fixture(scope="session")
 def serve(tmp_path_factory: pytest.TempPathFactory, model_file: Path) -> Iterator[Serve]:
     """One serve shared by the e2e modules that need no serve of their own."""
-    proc = Serve(make_home(tmp_path_factory.mktemp("e2e-shared"), model_file.parent.parent))
+    # Its tests' webhook receivers listen on loopback, which webhooks reach only when the
+    # operator allows private addresses.
+    proc = Serve(make_home(tmp_path_factory.mktemp("e2e-shared"), model_file.parent.parent),
+                 extra_env={"MINIMILL_WEBHOOK_ALLOW_PRIVATE": "1"})
     try:
         yield proc.start_and_wait()
     finally:
