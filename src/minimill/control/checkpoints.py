@@ -6,19 +6,30 @@ checkpoint (after a resync) replaces the rows. `requests.progress` holds only th
 choice, so a delta is checked and appended without reading what it extends, and a stream reads
 only the rows after the last one it sent. Leases get the assembled checkpoint (once per lease).
 When a request ends, its rows are dropped; its result is kept with the row.
+
+What a site sends (token ids, text, logprobs) is encoded to JSON before the write transaction
+opens (`encode`); inside it, a chunk is only those pieces joined with the lengths they extend.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import json
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Connection, bindparam, delete, insert, select, update
 
 from minimill.control.records import RequestStatus
+from minimill.control.store import JsonText
 from minimill.control.tables import checkpoint_chunks, requests
-from minimill.protocol import Checkpoint, CheckpointDelta, ChoiceProgress, HeartbeatItem
+from minimill.protocol import (
+    Checkpoint,
+    CheckpointDelta,
+    ChoiceDelta,
+    ChoiceProgress,
+    HeartbeatItem,
+)
 
 # Ids per IN (...) list: well under every backend's limit on bound parameters.
 ID_GROUP = 500
@@ -83,40 +94,65 @@ def has_output(progress: dict[str, Any] | None) -> bool:
     return any(c.tokens or c.chars for c in Progress.of(progress).choices.values())
 
 
-def _entry(index: int, base: ChoiceLengths, token_ids: list[int], text: str,
-           logprobs: list[dict[str, Any]] | None, finish_reason: str | None,
-           tool_format: str | None = None) -> dict[str, Any]:
-    entry = {"index": index, "base_tokens": base.tokens, "base_chars": base.chars,
-             "base_logprobs": base.logprobs, "token_ids": token_ids, "text": text,
-             "logprobs": logprobs, "finish_reason": finish_reason}
-    if tool_format is not None:  # a request with tools: the syntax its calls are written in
-        entry["tool_format"] = tool_format
-    return entry
+def payload(choice: ChoiceProgress | ChoiceDelta) -> str:
+    """What a choice carries, as the JSON members of its chunk entry."""
+    return (f'"token_ids": {json.dumps(choice.token_ids)}, "text": {json.dumps(choice.text)}, '
+            f'"logprobs": {json.dumps(choice.logprobs)}')
 
 
-def replaced(current: Progress, checkpoint: Checkpoint) -> tuple[Progress, dict[str, Any]]:
-    """The progress and chunk of a full checkpoint that replaces what is stored."""
+def encode(items: Sequence[HeartbeatItem]) -> dict[int, list[str]]:
+    """The payloads of the items' choices, by id() of the item, each in the order its
+    checkpoint or delta lists its choices: made before the write transaction opens."""
+    encoded = {}
+    for item in items:
+        if item.checkpoint is not None:
+            encoded[id(item)] = [payload(c) for c in item.checkpoint.choices]
+        elif item.delta is not None:
+            encoded[id(item)] = [payload(d) for d in item.delta.choices]
+    return encoded
+
+
+def _entry(index: int, base: ChoiceLengths, encoded: str, finish_reason: str | None,
+           tool_format: str | None = None) -> str:
+    # A request with tools records the syntax its calls are written in.
+    fmt = "" if tool_format is None else f', "tool_format": {json.dumps(tool_format)}'
+    return (f'{{"index": {index}, "base_tokens": {base.tokens}, "base_chars": {base.chars}, '
+            f'"base_logprobs": {base.logprobs}, {encoded}, '
+            f'"finish_reason": {json.dumps(finish_reason)}{fmt}}}')
+
+
+def _chunk(full: bool, num_prompt_tokens: int, entries: list[str]) -> JsonText:
+    return JsonText(f'{{"full": {json.dumps(full)}, "num_prompt_tokens": {num_prompt_tokens}, '
+                    f'"choices": [{", ".join(entries)}]}}')
+
+
+def replaced(current: Progress, checkpoint: Checkpoint,
+             encoded: Sequence[str] | None = None) -> tuple[Progress, JsonText]:
+    """The progress and chunk of a full checkpoint that replaces what is stored (`encoded`:
+    its choices' payloads, made ahead)."""
     new = Progress(seq=current.seq + 1, num_prompt_tokens=checkpoint.num_prompt_tokens)
     entries = []
-    for c in checkpoint.choices:
+    for i, c in enumerate(checkpoint.choices):
         new.choices[c.index] = ChoiceLengths(
             tokens=len(c.token_ids), chars=len(c.text), logprobs=len(c.logprobs or []),
             has_logprobs=c.logprobs is not None, finish_reason=c.finish_reason)
-        entries.append(_entry(c.index, ChoiceLengths(), c.token_ids, c.text, c.logprobs,
+        entries.append(_entry(c.index, ChoiceLengths(),
+                              encoded[i] if encoded is not None else payload(c),
                               c.finish_reason, c.tool_format))
-    return new, {"full": True, "num_prompt_tokens": new.num_prompt_tokens, "choices": entries}
+    return new, _chunk(True, new.num_prompt_tokens, entries)
 
 
-def extended(current: Progress,
-             delta: CheckpointDelta) -> tuple[Progress, dict[str, Any] | None] | None:
+def extended(current: Progress, delta: CheckpointDelta, encoded: Sequence[str] | None = None
+             ) -> tuple[Progress, JsonText | None] | None:
     """The progress after `delta` and its chunk (None when it adds nothing); None when a
-    choice's base differs from what is stored (the worker must resend in full)."""
+    choice's base differs from what is stored (the worker must resend in full). `encoded`:
+    its choices' payloads, made ahead."""
     new = Progress(seq=current.seq, num_prompt_tokens=current.num_prompt_tokens,
                    choices={i: ChoiceLengths(c.tokens, c.chars, c.logprobs, c.has_logprobs,
                                              c.finish_reason)
                             for i, c in current.choices.items()})
     entries = []
-    for d in delta.choices:
+    for i, d in enumerate(delta.choices):
         base = current.choices.get(d.index, ChoiceLengths())
         if (d.base_tokens, d.base_chars, d.base_logprobs) != (base.tokens, base.chars,
                                                               base.logprobs):
@@ -130,29 +166,28 @@ def extended(current: Progress,
             logprobs=base.logprobs + len(d.logprobs or []),
             has_logprobs=base.has_logprobs or d.logprobs is not None,
             finish_reason=d.finish_reason or base.finish_reason)
-        entries.append(_entry(d.index, base, d.token_ids, d.text, d.logprobs, c.finish_reason,
-                              d.tool_format))
+        entries.append(_entry(d.index, base, encoded[i] if encoded is not None else payload(d),
+                              c.finish_reason, d.tool_format))
     prompt_changed = delta.num_prompt_tokens not in (0, current.num_prompt_tokens)
     if not entries and not prompt_changed:
         return new, None
     new.seq += 1
     if prompt_changed:
         new.num_prompt_tokens = delta.num_prompt_tokens
-    return new, {"full": False, "num_prompt_tokens": new.num_prompt_tokens, "choices": entries}
+    return new, _chunk(False, new.num_prompt_tokens, entries)
 
 
-def replacement(conn: Connection, request_id: str,
-                checkpoint: Checkpoint) -> tuple[dict[str, Any], dict[str, Any]]:
+def replacement(conn: Connection, request_id: str, checkpoint: Checkpoint,
+                encoded: Sequence[str] | None = None) -> tuple[dict[str, Any], JsonText]:
     """The row values and the chunk that replace the request's stored checkpoint with
-    `checkpoint` (a release's): set the values in the caller's conditional UPDATE, and `put` the
-    chunk if it took."""
+    `checkpoint` (a release's; `encoded`: its choices' payloads, made ahead): set the values in
+    the caller's conditional UPDATE, and `put` the chunk if it took."""
     row = conn.execute(select(requests.c.progress).where(requests.c.id == request_id)).first()
-    new, chunk = replaced(Progress.of(row.progress if row else None), checkpoint)
+    new, chunk = replaced(Progress.of(row.progress if row else None), checkpoint, encoded)
     return {"progress": new.as_json(), "checkpoint_tokens": _tokens(new)}, chunk
 
 
-def put(conn: Connection, request_id: str, values: dict[str, Any],
-        chunk: dict[str, Any]) -> None:
+def put(conn: Connection, request_id: str, values: dict[str, Any], chunk: JsonText) -> None:
     """Store a full checkpoint's chunk (from `replacement`) in place of the request's chunks."""
     drop(conn, [request_id])
     conn.execute(insert(checkpoint_chunks).values(request_id=request_id,
@@ -163,9 +198,12 @@ def _tokens(progress: Progress) -> int:
     return min(progress.num_tokens, 2**31 - 1)
 
 
-def save(conn: Connection, items: Sequence[HeartbeatItem]) -> list[str]:
+def save(conn: Connection, items: Sequence[HeartbeatItem],
+         encoded: Mapping[int, list[str]] | None = None) -> list[str]:
     """Store the checkpoints of leases just extended (held, at their epochs, locked by the
-    caller's transaction); returns the ids whose delta did not apply (resync)."""
+    caller's transaction; `encoded`: their payloads from `encode`, made before it opened);
+    returns the ids whose delta did not apply (resync)."""
+    encoded = encoded or {}
     wanted = [i for i in items if i.checkpoint is not None or i.delta is not None]
     current: dict[str, Progress] = {}
     ids = list({i.request_id for i in wanted})
@@ -175,19 +213,20 @@ def save(conn: Connection, items: Sequence[HeartbeatItem]) -> list[str]:
             .where(requests.c.id.in_(ids[start:start + ID_GROUP])))})
     resync: list[str] = []
     cleared: list[str] = []
-    chunks: dict[tuple[str, int], dict[str, Any]] = {}
+    chunks: dict[tuple[str, int], JsonText] = {}
     stored: dict[str, tuple[int, Progress]] = {}
     for item in wanted:
         if item.request_id not in current:
             continue
-        data: dict[str, Any] | None
+        data: JsonText | None
         if item.checkpoint is not None:
-            new, data = replaced(current[item.request_id], item.checkpoint)
+            new, data = replaced(current[item.request_id], item.checkpoint,
+                                 encoded.get(id(item)))
             cleared.append(item.request_id)
             chunks = {k: v for k, v in chunks.items() if k[0] != item.request_id}
         else:
             assert item.delta is not None
-            applied = extended(current[item.request_id], item.delta)
+            applied = extended(current[item.request_id], item.delta, encoded.get(id(item)))
             if applied is None:
                 resync.append(item.request_id)
                 continue

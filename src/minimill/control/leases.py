@@ -265,6 +265,7 @@ def heartbeat(store: Store, site: Site, beat: HeartbeatRequest, now: float,
     expires_at = now + config.lease_ttl_s
     extended: set[str] = set()
     plausible = [i for i in beat.leases if _epoch_ok(i.epoch)]
+    encoded = checkpoints.encode(plausible)  # before the write transaction opens
     with store.write(urgent=True) as conn:
         for start in range(0, len(plausible), 500):
             part = plausible[start:start + 500]
@@ -276,7 +277,8 @@ def heartbeat(store: Store, site: Site, beat: HeartbeatRequest, now: float,
                 .values(lease_expires_at=expires_at)
                 .returning(requests.c.id)).scalars().all()
             extended.update(held)
-        resync = checkpoints.save(conn, [i for i in plausible if i.request_id in extended])
+        resync = checkpoints.save(conn, [i for i in plausible if i.request_id in extended],
+                                  encoded)
         touch_site(conn, site.id, now, config.lease_ttl_s, beat.tokens_per_s,
                    busy=bool(extended))
         handback = handback_for(conn, site.id, now, policy_for(config)) if extended else []

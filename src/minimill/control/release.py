@@ -20,7 +20,7 @@ from minimill.control.placement import Candidate, PlacementPolicy
 from minimill.control.records import RequestStatus, Site, Tier
 from minimill.control.site_view import site_states
 from minimill.control.sites import touch_site
-from minimill.control.store import Store, retry_conflicts
+from minimill.control.store import JsonText, Store, retry_conflicts
 from minimill.control.tables import outages, requests
 from minimill.protocol import ReleaseItem, ReleaseRequest, ReleaseResponse
 
@@ -43,6 +43,9 @@ def release(store: Store, site: Site, request: ReleaseRequest, now: float,
     """Queue the released leases again with their checkpoints."""
     released: list[str] = []
     rejected: list[str] = []
+    # The checkpoints sent, encoded before the write transaction opens.
+    encoded = {id(item): [checkpoints.payload(c) for c in item.checkpoint.choices]
+               for item in request.leases if item.checkpoint is not None}
     with store.write() as conn:
         items = list(request.leases)
         if request.all_held:
@@ -59,9 +62,10 @@ def release(store: Store, site: Site, request: ReleaseRequest, now: float,
             mine = (requests.c.id == item.request_id, requests.c.epoch == item.epoch,
                     requests.c.site_id == site.id)
             values: dict[str, Any] = {"version": requests.c.version + 1}
-            chunk: dict[str, Any] | None = None
+            chunk: JsonText | None = None
             if item.checkpoint is not None:  # the whole progress, in place of what is stored
-                stored, chunk = checkpoints.replacement(conn, item.request_id, item.checkpoint)
+                stored, chunk = checkpoints.replacement(conn, item.request_id, item.checkpoint,
+                                                        encoded.get(id(item)))
                 values.update(stored)
             hit = conn.execute(
                 update(requests)
