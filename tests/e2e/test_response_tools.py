@@ -210,7 +210,8 @@ async def main(ctx, task):
 def test_harness_chat_with_tools(serve: Serve, tmp_path: Path) -> None:
     harness = tmp_path / "tools_harness.py"
     harness.write_text(HARNESS)
-    token = serve.cli("sites", "create", "runner-tools").stdout.strip().split()[-1]
+    token = serve.cli("sites", "create", "runner-tools",
+                      "--serves", "agents").stdout.strip().split()[-1]
     runner = Worker(serve.home, serve.base_url.removesuffix("/v1"), "runner-tools", token,
                     engine="none", extra_args=("--agents", "1")).start_and_wait()
     tool = {"type": "function", "function": {k: WEATHER[k] for k in (
