@@ -17,7 +17,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from minimill.control.bodies import PreparedBody, parse_body, prepare_body
@@ -57,6 +57,9 @@ class ParsedLine:
     custom_id: str | None
     prepared: PreparedBody | None  # None when the line is bad
     error: LineError | None
+    # The prepared body as the JSON the row stores (encoded once, here: a body that cannot be
+    # encoded is the line's error, not its group's insert's).
+    body_json: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,9 +181,7 @@ class LineParser:
         try:
             parsed = self._parse_text(text, line.line_no)
             if parsed.prepared is not None:
-                # The row stores the body as JSON: a body that cannot be written (nested too
-                # deeply, say) fails here, as its line, not in the insert of its group.
-                json.dumps(parsed.prepared.body)
+                parsed = replace(parsed, body_json=json.dumps(parsed.prepared.body))
         except Exception as exc:  # any other surprise is the line's too
             log.info("batch line %d could not be parsed: %s: %s", line.line_no,
                      type(exc).__name__, str(exc)[:200])

@@ -32,10 +32,9 @@ from minimill.control.batch_ingest import (
 )
 from minimill.control.config import ControlConfig
 from minimill.control.files import PROCESSED, chunks_from
-from minimill.control.prompt_count import count_prompts
 from minimill.control.records import BatchStatus, RequestStatus, Tier, new_id
 from minimill.control.requests import new_seed, row_values
-from minimill.control.store import Store, insert_many
+from minimill.control.store import JsonText, Store, insert_many
 from minimill.control.tables import batches, files, requests
 
 # A group also ends once its lines hold this many bytes, whatever `ingest_group_lines` says.
@@ -177,14 +176,16 @@ def _rows(claim: _Claim, group: list[ParsedLine],
     executemany needs one set of columns)."""
     good: list[dict[str, Any]] = []
     bad: list[dict[str, Any]] = []
-    # The control plane's own count of every good line's prompt (what it is billed).
-    counted = iter(count_prompts([line.prepared for line in group if line.prepared]))
     for line in group:
-        extra = {"batch_id": claim.batch_id, "custom_id": line.custom_id,
-                 "line_no": line.line_no}
+        extra: dict[str, Any] = {"batch_id": claim.batch_id, "custom_id": line.custom_id,
+                                 "line_no": line.line_no}
         if line.prepared is not None:
+            # Its prompt is counted once it is queued (prompt_count.count_uncounted); its body
+            # was encoded when it was parsed.
+            if line.body_json is not None:
+                extra["body"] = JsonText(line.body_json)
             good.append(row_values(claim.tenant_id, line.prepared, now, claim.deadline,
-                                   Tier.BACKGROUND, next(counted), **extra))
+                                   Tier.BACKGROUND, count_later=True, **extra))
             continue
         error = {**line.error.as_dict(), "source": "validation"} if line.error else None
         bad.append({"id": new_id("req_"), "tenant_id": claim.tenant_id, "kind": None,

@@ -23,6 +23,7 @@ from minimill.control.batch_finalize import expire_due, finalize, finishable
 from minimill.control.batch_load import ingest_pending
 from minimill.control.config import ControlConfig
 from minimill.control.leases import reap_expired
+from minimill.control.prompt_count import count_uncounted
 from minimill.control.requests import expire_overdue
 from minimill.control.store import Store, open_store
 from minimill.lifetime import set_parent_death_signal
@@ -71,9 +72,12 @@ def finalize_ready(store: Store, now: float, config: ControlConfig) -> int:
 
 
 def batch_jobs(store: Store, now: float, config: ControlConfig) -> tuple[int, int]:
-    """Queue the lines of batches waiting in `validating` (batch_load.py), then finalize the
-    finished ones; returns (batches validated, batches finalized)."""
-    return ingest_pending(store, now, config), finalize_ready(store, now, config)
+    """Queue the lines of batches waiting in `validating` (batch_load.py), count their prompts
+    (prompt_count.py), then finalize the finished ones; returns (batches validated, batches
+    finalized)."""
+    validated = ingest_pending(store, now, config)
+    count_uncounted(store)
+    return validated, finalize_ready(store, now, config)
 
 
 # The stores a batch-jobs worker process has opened, by URL. The process serves a call every

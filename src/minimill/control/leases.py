@@ -35,7 +35,7 @@ from typing import Any
 
 from sqlalchemy import Connection, case, func, select, tuple_, update
 
-from minimill.control import checkpoints, lease_rules, prices, usage_check
+from minimill.control import checkpoints, lease_rules, prices, prompt_count, usage_check
 from minimill.control.config import ControlConfig
 from minimill.control.lease_rules import RejectReason
 from minimill.control.placement import (
@@ -440,16 +440,22 @@ def _admitted(store: Store, request_ids: list[str]
     write transaction."""
     found: dict[str, tuple[str, str, usage_check.Admitted]] = {}
     with store.read() as conn:
+        rows: list[Any] = []
         for start in range(0, len(request_ids), 500):
-            part = request_ids[start:start + 500]
-            found.update((r.id, (r.model or "", r.tier, usage_check.Admitted(
-                prompt_tokens=r.counted_prompt_tokens,
-                prompt_exact=bool(r.prompt_count_exact), num_choices=r.num_choices,
-                max_tokens=r.max_tokens))) for r in conn.execute(
+            rows += conn.execute(
                 select(requests.c.id, requests.c.model, requests.c.tier,
                        requests.c.counted_prompt_tokens, requests.c.prompt_count_exact,
                        requests.c.num_choices, requests.c.max_tokens)
-                .where(requests.c.id.in_(part))))
+                .where(requests.c.id.in_(request_ids[start:start + 500]))).all()
+        # Batch lines completed before the batch jobs counted their prompts: counted now.
+        late = prompt_count.count_rows(conn, [
+            r.id for r in rows if r.counted_prompt_tokens is None and r.num_choices is not None])
+    for r in rows:
+        counted = late.get(r.id)
+        found[r.id] = (r.model or "", r.tier, usage_check.Admitted(
+            prompt_tokens=counted.tokens if counted else r.counted_prompt_tokens,
+            prompt_exact=bool(counted.exact if counted else r.prompt_count_exact),
+            num_choices=r.num_choices, max_tokens=r.max_tokens))
     return found
 
 

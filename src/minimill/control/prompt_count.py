@@ -1,9 +1,12 @@
 """The control plane's own token counts: what a tenant is billed for a prompt, and the counter a
 completion's reported usage is checked with (usage_check.py).
 
-A request's prompt is counted when it is admitted (a realtime call, a batch line, a response),
-with the served model's tokenizer and chat template, exactly as a builtin worker renders it, so
-that no site can change what the prompt costs. Each model's tokenizer is loaded once per
+A request's prompt is counted by the control plane with the served model's tokenizer and chat
+template, exactly as a builtin worker renders it, so that no site can change what the prompt
+costs: a realtime call or a response when it is admitted; a batch's lines by the batch jobs once
+they are queued (`count_uncounted`: 200 us or so a line would make ingest several times
+slower, and lines need not wait for it), or, for a line completed before that, at its
+completion, before the write transaction opens. Each model's tokenizer is loaded once per
 process from its files (a GGUF file's vocabulary, or tokenizer.json): no weights, no torch.
 
 A model the control plane cannot tokenize (its files are not on this machine, say: workers
@@ -21,8 +24,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sqlalchemy import Connection, bindparam, select, update
+
 from minimill.control.bodies import PreparedBody
 from minimill.control.records import Kind
+from minimill.control.store import Store
+from minimill.control.tables import requests
 from minimill.models.prompt import render_chat_prompt
 from minimill.models.tokenizer import Tokenizer
 from minimill.models.types import ModelError
@@ -75,11 +82,16 @@ def counter_for(model: str) -> ModelCounter:
 
 @dataclass(frozen=True, slots=True)
 class PromptCount:
-    """What the control plane counted of a request when it was admitted."""
+    """What the control plane counted of a request's prompt."""
 
-    tokens: int  # prompt tokens, counted (exact) or bounded from above
-    exact: bool
+    tokens: int | None  # prompt tokens, counted (exact) or bounded from above; None: not yet
+    exact: bool | None
     choices: int  # choices a worker must return: n, times the prompts of a completion
+
+    @classmethod
+    def later(cls, choices: int) -> PromptCount:
+        """A row whose prompt is counted after it is queued (a batch line)."""
+        return cls(None, None, choices)
 
     def columns(self) -> dict[str, Any]:
         """The request row's values for it."""
@@ -112,33 +124,43 @@ def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
     return []
 
 
-def _choices(body: dict[str, Any], prompts: int) -> int:
+def num_choices(kind: Kind, body: dict[str, Any]) -> int:
+    """Choices a worker must return for a body: n, times the prompts of a completion."""
     n = body.get("n")
+    prompts = len(_prompts(body)) if kind == Kind.COMPLETION else 1
     return (n if isinstance(n, int) and n > 0 else 1) * max(prompts, 1)
 
 
-def count_prompts(prepared: Sequence[PreparedBody]) -> list[PromptCount]:
-    """The admission count of each body (a batch's group of lines at once: the completion
-    prompts of each model are encoded in one call)."""
+# What a count needs of a request: its kind, its model and its (prepared) body.
+Prompted = tuple[Kind, str, dict[str, Any]]
+
+
+def of_prepared(prepared: PreparedBody) -> Prompted:
+    return prepared.kind, prepared.model, prepared.body
+
+
+def count_prompts(bodies: Sequence[Prompted]) -> list[PromptCount]:
+    """The control plane's count of each body's prompt (the completion prompts of each model
+    are encoded in one call)."""
     counts: list[PromptCount] = []
     texts: dict[str, list[tuple[int, str]]] = {}  # model -> (index, completion prompt)
-    for i, body in enumerate(prepared):
-        counter = counter_for(body.model)
-        if body.kind == Kind.COMPLETION:
-            prompts = _prompts(body.body)
-            texts.setdefault(body.model, []).extend((i, p) for p in prompts if isinstance(p, str))
+    for i, (kind, model, body) in enumerate(bodies):
+        counter = counter_for(model)
+        choices = num_choices(kind, body)
+        if kind == Kind.COMPLETION:
+            prompts = _prompts(body)
+            texts.setdefault(model, []).extend((i, p) for p in prompts if isinstance(p, str))
             counts.append(PromptCount(sum(len(p) for p in prompts if isinstance(p, list)),
-                                      counter.exact, _choices(body.body, len(prompts))))
+                                      counter.exact, choices))
             continue
-        messages = body.body.get("messages") or []
-        choices = _choices(body.body, 1)
+        messages = body.get("messages") or []
         if counter.tokenizer is not None:
             try:
-                counts.append(PromptCount(chat_prompt_tokens(counter.tokenizer, body.body),
+                counts.append(PromptCount(chat_prompt_tokens(counter.tokenizer, body),
                                           True, choices))
                 continue
             except Exception as exc:  # the model's template refused it: the worker will too
-                log.info("prompt of a %s request not rendered (%s): bounded", body.model, exc)
+                log.info("prompt of a %s request not rendered (%s): bounded", model, exc)
         bound = sum(len(_content(m).encode("utf-8", "surrogatepass"))
                     + len(str(m.get("role", ""))) + TEMPLATE_TOKENS_PER_MESSAGE
                     for m in messages) + TEMPLATE_TOKENS
@@ -146,5 +168,44 @@ def count_prompts(prepared: Sequence[PreparedBody]) -> list[PromptCount]:
     for model, items in texts.items():
         tokens = counter_for(model).count_texts([t for _, t in items], add_special_tokens=True)
         for (i, _), n in zip(items, tokens, strict=True):
-            counts[i] = PromptCount(counts[i].tokens + n, counts[i].exact, counts[i].choices)
+            counts[i] = PromptCount((counts[i].tokens or 0) + n, counts[i].exact,
+                                    counts[i].choices)
     return counts
+
+
+def count_rows(conn: Connection, request_ids: Sequence[str]) -> dict[str, PromptCount]:
+    """Count the prompts of these requests from their stored bodies (rows a count has not
+    reached yet)."""
+    rows: list[Any] = []
+    for start in range(0, len(request_ids), 500):
+        rows += conn.execute(select(requests.c.id, requests.c.kind, requests.c.model,
+                                    requests.c.body)
+                             .where(requests.c.id.in_(request_ids[start:start + 500]),
+                                    requests.c.kind.is_not(None))).all()
+    counts = count_prompts([(Kind(r.kind), r.model or "", r.body or {}) for r in rows])
+    return {r.id: c for r, c in zip(rows, counts, strict=True)}
+
+
+def count_uncounted(store: Store, max_rows: int = 20_000, group: int = 500) -> int:
+    """Count the prompts of queued batch lines not counted yet, a group per transaction (the
+    batch jobs call it after each ingest); returns how many."""
+    done = 0
+    while done < max_rows:
+        with store.read() as conn:
+            ids = list(conn.execute(select(requests.c.id).where(
+                requests.c.counted_prompt_tokens.is_(None), requests.c.num_choices.is_not(None))
+                .limit(group)).scalars().all())
+            counts = count_rows(conn, ids) if ids else {}
+        if not counts:
+            return done
+        with store.write() as conn:  # counts never change: a race writes the same values
+            conn.execute(update(requests).where(
+                requests.c.id == bindparam("b_id"),
+                requests.c.counted_prompt_tokens.is_(None)).values(
+                counted_prompt_tokens=bindparam("b_tokens"),
+                prompt_count_exact=bindparam("b_exact")),
+                [{"b_id": i, "b_tokens": c.tokens, "b_exact": c.exact}
+                 for i, c in counts.items()])
+        done += len(counts)
+    return done
+

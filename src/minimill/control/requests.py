@@ -12,7 +12,7 @@ from minimill.control import checkpoints
 from minimill.control.bodies import PreparedBody
 from minimill.control.config import ControlConfig
 from minimill.control.errors import NotFoundError
-from minimill.control.prompt_count import PromptCount, count_prompts
+from minimill.control.prompt_count import PromptCount, count_prompts, num_choices, of_prepared
 from minimill.control.records import (
     ACTIVE_REQUEST_STATUSES,
     Kind,
@@ -55,11 +55,12 @@ def record_with_checkpoint(conn: Connection, row: Any) -> RequestRecord:
 
 
 def row_values(tenant_id: str, prepared: PreparedBody, now: float, deadline: float,
-               tier: Tier, counted: PromptCount | None = None, **extra: Any) -> dict[str, Any]:
+               tier: Tier, *, count_later: bool = False, **extra: Any) -> dict[str, Any]:
     """Column values of a new queued row (shared by realtime submit, responses and batch
-    ingest), with the control plane's count of its prompt (`counted`: made here if not
-    given; a batch counts a group of lines at once)."""
-    counted = counted if counted is not None else count_prompts([prepared])[0]
+    ingest), with the control plane's count of its prompt, or, with `count_later` (a batch's
+    lines), none yet (prompt_count.count_uncounted makes it)."""
+    counted = (PromptCount.later(num_choices(prepared.kind, prepared.body)) if count_later
+               else count_prompts([of_prepared(prepared)])[0])
     return {**counted.columns(), "id": new_id("req_"), "tenant_id": tenant_id,
             "kind": prepared.kind.value,
             "tier": tier.value, "model": prepared.model, "body": prepared.body,

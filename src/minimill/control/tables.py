@@ -237,6 +237,8 @@ requests = Table(
     Index("ux_requests_batch_line", "batch_id", "line_no", unique=True),
     Index("ix_requests_lease_expiry", "status", "lease_expires_at"),
     Index("ix_requests_site", "site_id", "status"),
+    # Batch lines whose prompt is not counted yet (prompt_count.count_uncounted).
+    Index("ix_requests_uncounted", "counted_prompt_tokens", "num_choices"),
     # Realtime rows (no batch) by when they ended: what retention deletes.
     Index("ix_requests_batch_finished", "batch_id", "finished_at"),
 )
