@@ -153,3 +153,10 @@ class SnapshotStored(BaseModel):
 # An incremental snapshot's upload names (in its archive's header) a parent the control plane
 # does not have for that box: a 409 with this code; the host sends a full archive instead.
 SNAPSHOT_PARENT_NOT_FOUND = "snapshot_parent_not_found"
+
+# Snapshots travel in parts of at most this many bytes (PUT .../snapshots/uploads/{upload}/
+# parts/{seq}), then a commit (POST .../snapshots?upload=...&parts=N): no call carries more, so
+# a snapshot's size is bounded by the control plane's file limit, not by one body's.
+SNAPSHOT_PART_BYTES = 8 * 1024 * 1024
+# An upload's id: chosen by the host, the snapshot's id once committed.
+SNAPSHOT_UPLOAD_ID = r"^snap_[0-9a-f]{24}$"

@@ -276,13 +276,14 @@ def _run_exec_once(workspace: Path, command: list[str], *, stdin: bytes = b"",
              network: bool = False, insecure: bool = False, disk_free_bytes: int | None = None,
              over_quota: Callable[[], bool] | None = None,
              cancel: threading.Event | None = None,
-             on_output: OnOutput | None = None) -> ExecResult:
+             on_output: OnOutput | None = None, uid: int | None = None) -> ExecResult:
     """Run `command` in the box whose workspace is `workspace` and wait for it.
 
     `disk_free_bytes` caps the size of any file the exec writes; `over_quota`, polled while
     it runs, kills it once the workspace holds more than its quota; setting `cancel` kills it
     (its host lost the box). `insecure` runs it without
     bubblewrap (namespaces), with the same limits: only where the operator opted out.
+    `uid` is the host uid it runs as (a root host's uid of the box; default: box_uid()).
     """
     fsize = disk_free_bytes if disk_free_bytes is not None else limits.disk_mb * 1024 * 1024
     box_env = {"PATH": DEFAULT_PATH, "HOME": WORKSPACE_MOUNT, "LANG": "C.UTF-8",
@@ -295,13 +296,13 @@ def _run_exec_once(workspace: Path, command: list[str], *, stdin: bytes = b"",
         bwrap = bwrap_args(workspace, network)
         argv = [*_prlimit_args(limits, fsize), *bwrap[:-1], *env_args, "--", *command]
     root = _runs_as_root()
+    run_as = (uid if uid is not None else box_uid()) if root else None
     started = time.monotonic()
     proc = subprocess.Popen(
         argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         cwd=workspace, env=box_env if insecure else {"PATH": DEFAULT_PATH},
         start_new_session=True, close_fds=True,
-        user=box_uid() if root else None, group=box_uid() if root else None,
-        extra_groups=[] if root else None)
+        user=run_as, group=run_as, extra_groups=[] if root else None)
     out = _Capped(proc.stdout, "stdout", on_output)
     err = _Capped(proc.stderr, "stderr", on_output)
     threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True).start()

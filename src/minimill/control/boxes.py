@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import Connection, delete, insert, select, update
+from sqlalchemy import Connection, delete, func, insert, select, update
 
 from minimill.control import box_idle, box_output, files
 from minimill.control.box_records import (
@@ -62,11 +62,18 @@ def check_path(path: str) -> str:
 
 def store_archive(conn: Connection, tenant_id: str, box_id: str | None, kind: SnapshotKind,
                   parts: Iterable[bytes], max_bytes: int,
-                  parent_id: str | None = None) -> SnapshotRecord:
+                  parent_id: str | None = None,
+                  snapshot_id: str | None = None) -> SnapshotRecord:
     """Insert an archive (image, full snapshot, or a delta of `parent_id`) inside the
-    caller's transaction."""
-    snapshot_id = new_id("snap_")
-    size = files.insert_chunks(conn, snapshot_id, parts, max_bytes)
+    caller's transaction. With `snapshot_id`, its chunks are stored under that id already
+    (an upload in parts) and `parts` is empty."""
+    if snapshot_id is None:
+        snapshot_id = new_id("snap_")
+        size = files.insert_chunks(conn, snapshot_id, parts, max_bytes)
+    else:
+        size = int(conn.execute(select(func.coalesce(func.sum(func.length(
+            file_chunks.c.data)), 0)).where(file_chunks.c.file_id == snapshot_id)).scalar()
+            or 0)
     now = time.time()
     conn.execute(insert(box_snapshots).values(id=snapshot_id, tenant_id=tenant_id,
                                               box_id=box_id, kind=kind.value, bytes=size,
