@@ -45,6 +45,16 @@ class BoxLimits(BaseModel):
                              description="Default wall clock per exec, seconds.")
 
 
+# The operator's caps on every box limit unless set (`minimill serve|worker --box-max-*`, env
+# MINIMILL_BOX_MAX_*): a tenant asking for more gets a 400 naming the limit, and a host runs
+# no box past its own caps.
+DEFAULT_BOX_CAPS = BoxLimits(cpu_s=3600, memory_mb=8192, max_processes=512, disk_mb=16384,
+                             timeout_s=24 * 3600.0)
+# Each limit's option (without `--box-max-`) and settings name.
+CAP_NAMES = {"memory_mb": "memory-mb", "max_processes": "processes", "cpu_s": "cpu-s",
+             "timeout_s": "exec-s", "disk_mb": "disk-mb"}
+
+
 class HeldBox(BaseModel):
     box_id: str
     epoch: Epoch

@@ -67,6 +67,10 @@ def run_exec(ws: Workspace, args: dict[str, Any],
     if not command:
         raise OpError("invalid_command", "command must not be empty")
     env = {str(k): str(v) for k, v in (args.get("env") or {}).items()}
+    problem = sandbox.network_problem() if ws.network and not ws.insecure else None
+    if problem is not None:
+        raise OpError("network_unavailable", f"this box has network, and its host cannot "
+                      f"give it: {problem}")
     limits = sandbox.Limits(cpu_s=ws.limits.cpu_s, memory_mb=ws.limits.memory_mb,
                             max_processes=ws.limits.max_processes, disk_mb=ws.limits.disk_mb,
                             timeout_s=float(args.get("timeout_s") or ws.limits.timeout_s))

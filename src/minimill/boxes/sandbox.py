@@ -1,24 +1,35 @@
-"""One exec in a box: bubblewrap isolation plus per-exec limits.
+"""One exec in a box: layers of isolation, each assumed to fail, plus per-exec limits.
 
-The box sees a read-only system (/usr and the few /etc files programs need), its workspace at
-/workspace (writable), a small private /tmp, a fresh /proc of its own PID namespace, and no
-network unless the box asked for it. Nothing else of the host is mounted: not the store, not
-MINIMILL_HOME, not the worker's environment (the sandbox starts from an empty one).
-
-Limits per exec: CPU seconds, address space, process count (RLIMIT_NPROC; counted per user
-namespace, so per exec), the largest file it may write (what is left of the disk quota), and
-a wall clock after which the whole process tree dies with bubblewrap's PID namespace. A host
-running as root runs boxes as an unprivileged uid: the kernel does not count processes of
-root against RLIMIT_NPROC, and a box must own nothing of the host's.
+- bubblewrap: the box sees a read-only system (/usr and the few /etc files programs need),
+  its workspace at /workspace (writable), a small private /tmp, a fresh /proc of its own PID
+  namespace, and minimal /etc/passwd and /etc/group of its own (root, the box user, nobody):
+  no account of the host. Nothing else of the host is mounted: not the store, not
+  MINIMILL_HOME, not the worker's environment (the sandbox starts from an empty one).
+- seccomp (seccomp.py, libseccomp): no new user namespaces, no keyring, no ptrace, no bpf,
+  no mounts, no kernel modules, and the rest container runtimes refuse.
+- A host uid per box (uids.py) on root hosts: a box owns nothing of the host's or of another
+  box's, and its processes count against its own process limit only.
+- Limits: CPU seconds, address space, process count and the largest file it may write (what
+  is left of the disk quota) as rlimits, always; where the host has a delegated cgroup v2
+  (cgroups.py), memory, processes and CPU seconds of the exec as a whole too. A wall clock
+  after which the whole process tree dies with bubblewrap's PID namespace.
+- Network: none (only its own loopback) unless the box asked for it; then a user-mode network
+  stack (pasta, Debian's `passt`) in a network namespace of its own, whose routes make the
+  private, link-local and carrier ranges unreachable, with no route to the host's loopback
+  (NET_SETUP): the box reaches the internet where the host can, never the control plane, the
+  store or a metadata service. DNS goes to the host's resolver through pasta.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import logging
 import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -27,10 +38,41 @@ from pathlib import Path
 from typing import Any
 
 from minimill.box_protocol import MAX_EXEC_OUTPUT_BYTES
+from minimill.boxes import cgroups, seccomp
 
-# What a box sees of the host's /etc: enough for the dynamic linker, users and certificates.
-_ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "passwd", "group", "nsswitch.conf",
-              "hosts", "resolv.conf", "ssl", "ca-certificates", "alternatives", "localtime")
+# What a box sees of the host's /etc: enough for the dynamic linker and certificates. Its users
+# and groups are its own (BOX_PASSWD, BOX_GROUP), never the host's accounts; so is its
+# resolv.conf, with network (BOX_DNS).
+_ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "hosts", "ssl",
+              "ca-certificates", "alternatives", "localtime")
+BOX_PASSWD = ("root:x:0:0:root:/root:/usr/sbin/nologin\n"
+              "box:x:1000:1000:box:/workspace:/bin/sh\n"
+              "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
+BOX_GROUP = "root:x:0:\nbox:x:1000:\nnogroup:x:65534:\n"
+# A box with network: pasta forwards DNS sent here to the host's resolver (whatever address
+# that has, a loopback or private one included), and the box's resolv.conf names it.
+BOX_DNS = "198.18.0.53"
+# What a box with network may not reach: private, shared (carrier), link-local and reserved
+# ranges. Its loopback is its own; the host's is not mapped (pasta --no-map-gw, -T none).
+BLOCKED_NETS = ("0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "169.254.0.0/16", "172.16.0.0/12",
+                "192.0.0.0/24", "192.168.0.0/16", "224.0.0.0/4", "240.0.0.0/4")
+# Run by pasta as the network namespace's root before bubblewrap: no route to the host's
+# own subnet or gateway except as the next hop of the default route, the blocked ranges
+# unreachable, then bubblewrap. IPv4 only (pasta -4): no IPv6 route leads out.
+NET_SETUP = r"""set -e
+route=$(ip -4 route show default)
+gw=$(echo "$route" | awk '{print $3; exit}')
+dev=$(echo "$route" | awk '{print $5; exit}')
+if [ -n "$gw" ]; then
+  ip -4 route flush dev "$dev" proto kernel scope link
+  ip -4 route replace default via "$gw" dev "$dev" onlink
+  ip -4 route add unreachable "$gw/32"
+fi
+for net in BLOCKED; do ip -4 route add unreachable "$net"; done
+exec "$@"
+""".replace("BLOCKED", " ".join(BLOCKED_NETS))
+PASTA_ARGS = ("--config-net", "-4", "--no-map-gw", "-t", "none", "-u", "none", "-T", "none",
+              "-U", "none", "-f", "-q", "--dns-forward", BOX_DNS)
 # The uid a root host runs boxes as (nobody); the box sees itself as SANDBOX_UID inside.
 UNPRIVILEGED_UID = 65534
 SANDBOX_UID = 1000
@@ -69,7 +111,8 @@ class ExecResult:
     stderr: bytes
     duration_s: float
     timed_out: bool = False
-    # Set when a limit ended or spoiled the exec: "timeout" | "disk_quota_exceeded"; or
+    # Set when a limit ended or spoiled the exec: "timeout" | "disk_quota_exceeded" |
+    # "cpu_limit" | "memory_limit" (the last two where a cgroup holds the exec); or
     # "cancelled" when its host stopped it.
     error: str | None = None
     output_truncated: bool = False
@@ -77,6 +120,65 @@ class ExecResult:
 
 def bwrap_path() -> str | None:
     return shutil.which("bwrap")
+
+
+def pasta_path() -> str | None:
+    return shutil.which("pasta")
+
+
+def network_problem() -> str | None:
+    """Why boxes with network cannot run here (None: they can)."""
+    if pasta_path() is None:
+        return ("boxes with network need a user-mode network stack: install the Debian "
+                "package 'passt' (pasta)")
+    if shutil.which("ip") is None:
+        return "boxes with network need iproute2's `ip` (Debian package 'iproute2')"
+    try:
+        if not os.stat("/dev/net/tun").st_mode & 0o006:
+            return ("boxes with network need /dev/net/tun usable by unprivileged users "
+                    "(chmod 0666 /dev/net/tun, as distributions ship it)")
+    except OSError:
+        return "boxes with network need /dev/net/tun (the tun module)"
+    return None
+
+
+def _data_fd(data: bytes) -> int:
+    """A pipe's read end holding `data` (bubblewrap reads it: --seccomp, --ro-bind-data)."""
+    read_fd, write_fd = os.pipe()
+    try:
+        os.write(write_fd, data)  # a few KiB: never fills the pipe
+    finally:
+        os.close(write_fd)
+    return read_fd
+
+
+@functools.cache
+def _etc_dir() -> Path:
+    """The box's own /etc files, made once per process in a directory of its own (bound
+    read-only: bubblewrap writing them into the sandbox would be refused by an exec whose
+    file size limit is 0, as a full quota makes it)."""
+    where = Path(tempfile.mkdtemp(prefix="minimill-box-etc-"))
+    where.chmod(0o755)
+    for name, text in (("passwd", BOX_PASSWD), ("group", BOX_GROUP),
+                       ("resolv.conf", f"nameserver {BOX_DNS}\n")):
+        (where / name).write_text(text)
+        (where / name).chmod(0o644)
+    atexit.register(shutil.rmtree, where, ignore_errors=True)
+    return where
+
+
+def _box_files(network: bool) -> tuple[list[str], list[int]]:
+    """bubblewrap's arguments for the box's own /etc files and seccomp filter, and the
+    descriptors they name (to pass to it, and to close after it started)."""
+    etc = _etc_dir()
+    names = ["passwd", "group", *(["resolv.conf"] if network else [])]
+    args = [a for name in names for a in ("--ro-bind", str(etc / name), f"/etc/{name}")]
+    fds: list[int] = []
+    program = seccomp.box_filter()
+    if program is not None:
+        fds.append(_data_fd(program))
+        args += ["--seccomp", str(fds[-1])]
+    return args, fds
 
 
 def _runs_as_root() -> bool:
@@ -105,7 +207,7 @@ def bwrap_args(workspace: Path | None, network: bool,
         args += ["--chdir", "/tmp"]
     args += extra
     if network:
-        args.append("--share-net")
+        args.append("--share-net")  # pasta's namespace (never the host's: see _net_prefix)
     # Merged-/usr systems have /bin -> usr/bin; others have real directories.
     for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         path = Path("/") / top
@@ -137,6 +239,10 @@ def check_isolation() -> None:
             "bubblewrap (bwrap) is not installed: install the Debian package 'bubblewrap' "
             "(apt-get install bubblewrap), or pass --insecure-no-sandbox to run boxes "
             "without isolation")
+    if not seccomp.available():
+        raise IsolationUnavailable(
+            "libseccomp is not installed: install the Debian package 'libseccomp2', or pass "
+            "--insecure-no-sandbox to run boxes without isolation")
     probe = Path(os.environ.get("TMPDIR", "/tmp")) / f"minimill-box-probe-{os.getpid()}"
     probe.mkdir(exist_ok=True)
     try:
@@ -205,6 +311,35 @@ def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _net_prefix(network: bool) -> list[str]:
+    """What runs bubblewrap inside a network namespace of pasta's (nothing without network:
+    bubblewrap's own namespace has only a loopback)."""
+    if not network:
+        return []
+    pasta = pasta_path()
+    if pasta is None:
+        raise IsolationUnavailable(network_problem() or "pasta is not installed")
+    return [pasta, *PASTA_ARGS, "--", "/bin/sh", "-c", NET_SETUP, "net-setup"]
+
+
+def _exec_group(limits: Limits) -> cgroups.ExecGroup | None:
+    root = cgroups.available()
+    if root is None:
+        return None
+    try:
+        return cgroups.ExecGroup(root, limits.memory_mb, limits.max_processes)
+    except OSError as exc:
+        log.warning("no cgroup for this exec (%s): its rlimits hold alone", exc)
+        return None
+
+
+def _in_group(group: cgroups.ExecGroup, argv: list[str], uid: int | None) -> list[str]:
+    """`argv` started inside the exec's cgroup (before it can fork), then as `uid`."""
+    drop = ([] if uid is None else
+            ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"])
+    return ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(group.procs), *drop, *argv]
 
 
 def _setup_failed(result: ExecResult) -> bool:
@@ -288,21 +423,36 @@ def _run_exec_once(workspace: Path, command: list[str], *, stdin: bytes = b"",
     fsize = disk_free_bytes if disk_free_bytes is not None else limits.disk_mb * 1024 * 1024
     box_env = {"PATH": DEFAULT_PATH, "HOME": WORKSPACE_MOUNT, "LANG": "C.UTF-8",
                **(env or {})}
+    fds: list[int] = []
     if insecure:
         box_env["HOME"] = str(workspace)
         argv = [*_prlimit_args(limits, fsize), *command]
     else:
         env_args = [a for k, v in box_env.items() for a in ("--setenv", k, v)]
-        bwrap = bwrap_args(workspace, network)
-        argv = [*_prlimit_args(limits, fsize), *bwrap[:-1], *env_args, "--", *command]
+        files, fds = _box_files(network)
+        bwrap = bwrap_args(workspace, network, extra=files)
+        argv = [*_prlimit_args(limits, fsize), *_net_prefix(network), *bwrap[:-1], *env_args,
+                "--", *command]
     root = _runs_as_root()
     run_as = (uid if uid is not None else box_uid()) if root else None
+    group = _exec_group(limits) if not insecure else None
+    if group is not None:
+        argv = _in_group(group, argv, run_as)
+        run_as = None  # the wrapper drops to the box's uid once it is in the group
     started = time.monotonic()
-    proc = subprocess.Popen(
-        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        cwd=workspace, env=box_env if insecure else {"PATH": DEFAULT_PATH},
-        start_new_session=True, close_fds=True,
-        user=run_as, group=run_as, extra_groups=[] if root else None)
+    try:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            cwd=workspace, env=box_env if insecure else {"PATH": DEFAULT_PATH},
+            start_new_session=True, close_fds=True, pass_fds=fds,
+            user=run_as, group=run_as, extra_groups=[] if run_as is not None else None)
+    except BaseException:
+        if group is not None:
+            group.close()
+        raise
+    finally:
+        for fd in fds:
+            os.close(fd)
     out = _Capped(proc.stdout, "stdout", on_output)
     err = _Capped(proc.stderr, "stderr", on_output)
     threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True).start()
@@ -315,6 +465,8 @@ def _run_exec_once(workspace: Path, command: list[str], *, stdin: bytes = b"",
             error = "timeout"
         elif over_quota is not None and over_quota():
             error = "disk_quota_exceeded"
+        elif group is not None and group.cpu_seconds() > limits.cpu_s:
+            error = "cpu_limit"  # all of its processes together
         if error is not None:
             _kill_tree(proc)
             break
@@ -324,6 +476,10 @@ def _run_exec_once(workspace: Path, command: list[str], *, stdin: bytes = b"",
             pass
     code = proc.wait()
     _kill_tree(proc)  # anything it left behind in its session
+    if group is not None:
+        if error is None and group.oom_killed():
+            error = "memory_limit"
+        group.close()  # and anything that left the session
     stdout, stderr = out.join(5.0), err.join(5.0)
     return ExecResult(exit_code=128 - code if code < 0 else code, stdout=stdout, stderr=stderr,
                       duration_s=time.monotonic() - started, timed_out=error == "timeout",
