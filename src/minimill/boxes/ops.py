@@ -16,6 +16,7 @@ from typing import Any
 
 from minimill.box_protocol import BoxLimits
 from minimill.boxes import sandbox, workspace
+from minimill.boxes.layers import network_problem
 
 MAX_READ_BYTES = 16 * 1024 * 1024
 # The quota check walks the workspace: not more often than this while an exec runs.
@@ -67,7 +68,7 @@ def run_exec(ws: Workspace, args: dict[str, Any],
     if not command:
         raise OpError("invalid_command", "command must not be empty")
     env = {str(k): str(v) for k, v in (args.get("env") or {}).items()}
-    problem = sandbox.network_problem() if ws.network and not ws.insecure else None
+    problem = network_problem() if ws.network and not ws.insecure else None
     if problem is not None:
         raise OpError("network_unavailable", f"this box has network, and its host cannot "
                       f"give it: {problem}")
