@@ -207,6 +207,7 @@ def _kind(member: tarfile.TarInfo) -> str:
 def check(source: Source, bounds: ArchiveBounds) -> Summary:
     """The first pass: every header read, nothing written. Raises ArchiveError."""
     sizes: dict[str, int] = {}
+    kinds: dict[str, str] = {}  # what each name of the archive is, as far as it has gone
     members = logical = 0
     with _members(source, bounds) as (_tar, items):
         for member in items:
@@ -217,6 +218,13 @@ def check(source: Source, bounds: ArchiveBounds) -> Summary:
             parts = member_parts(member.name)
             kind = _kind(member)
             key = "/".join(parts)
+            for i in range(1, len(parts)):
+                above = kinds.get("/".join(parts[:i]))
+                if above not in (None, "dir"):
+                    raise ArchiveError(f"member {member.name[:200]!r} would be written "
+                                       f"through {'/'.join(parts[:i])[:200]!r}, a {above} of "
+                                       "the archive (a symlink is never followed)")
+            kinds[key] = kind
             if kind == "file":
                 sizes[key] = member.size
                 logical += member.size
