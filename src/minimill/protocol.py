@@ -27,6 +27,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
+# The tool-call syntaxes a site may say its text is written in.
+from minimill.models.tool_calls import ToolFormatName
+
 FLEET_PREFIX = "/v1/fleet"
 # Longest chip name a worker may declare (the site registry's column holds this many).
 MAX_CHIP_CHARS = 100
@@ -51,6 +54,9 @@ class ChoiceProgress(BaseModel):
     finish_reason: str | None = None
     # Logprob per generated token, when the request asked for logprobs.
     logprobs: list[dict[str, Any]] | None = None
+    # A request with tools: the syntax of the tool calls in `text` (the control plane parses
+    # them out of it).
+    tool_format: ToolFormatName | None = None
 
 
 class Checkpoint(BaseModel):
@@ -75,6 +81,7 @@ class ChoiceDelta(BaseModel):
     # None: no logprobs in this delta (the request did not ask, or none are new).
     logprobs: list[dict[str, Any]] | None = None
     finish_reason: str | None = None
+    tool_format: ToolFormatName | None = None
 
 
 class CheckpointDelta(BaseModel):

@@ -58,7 +58,10 @@ async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
                               f"({detail}). Send a valid JSON object.")
     # loc[0] is where the value came from: body, query, path or header.
     message, param = describe_errors(errors, skip=1)
-    if errors and tuple(errors[0].get("loc", ())) == ("body",):
+    # A check of the body as a whole (a validator's "param: ..." message) says what is wrong;
+    # any other error at the body itself means it is not an object at all.
+    if errors and tuple(errors[0].get("loc", ())) == ("body",) \
+            and errors[0].get("type") != "value_error":
         message = ("The body must be a JSON object (Content-Type: application/json)"
                    if errors[0].get("type") != "missing" else "A request body is required.")
     return error_response(400, message, param=param)

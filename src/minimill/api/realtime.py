@@ -70,7 +70,7 @@ def _timeout(request: Request) -> float:
 async def serve_realtime(request: Request, kind: Kind, body: ChatBody | CompletionBody,
                          store: Store, tenant: Tenant, config: ControlConfig,
                          watcher: ProgressWatcher) -> Response | dict[str, Any]:
-    prepared = prepare_body(kind, body, config.served_models)
+    prepared = prepare_body(kind, body, config.served_models, config.context_length_of)
     # A call retried with the same Idempotency-Key waits for the first one's request; such a
     # request outlives a client that goes away (its retry will come for it).
     idempotency_key = (request.headers.get("idempotency-key") or "")[:500] or None

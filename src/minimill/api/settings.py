@@ -7,6 +7,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from minimill.box_protocol import DEFAULT_BOX_CAPS, BoxLimits
 from minimill.control.config import DEFAULT_MODEL, ControlConfig
+from minimill.models.info import context_length
 
 
 class Settings(BaseSettings):
@@ -74,6 +75,8 @@ class Settings(BaseSettings):
     def control_config(self) -> ControlConfig:
         return ControlConfig(
             served_models=tuple(self.models), lease_ttl_s=self.lease_ttl_s,
+            context_lengths=tuple((m, n) for m in self.models
+                                  if (n := context_length(m)) is not None),
             checkpoint_interval_s=self.checkpoint_interval_s,
             stream_checkpoint_interval_s=self.stream_checkpoint_interval_s,
             site_checkpoints_per_s=self.site_checkpoints_per_s,

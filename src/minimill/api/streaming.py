@@ -22,14 +22,24 @@ from starlette.requests import Request
 from minimill.api.progress import ProgressWatcher, Watch
 from minimill.control.records import Kind, RequestRecord, RequestStatus
 from minimill.control.render import (
+    assistant_message,
     chat_logprobs,
     completion_logprobs,
     error_body,
     render_chunk,
+    tool_call_id,
     usage_dict,
 )
 from minimill.control.requests import cancel_request, read_stream
 from minimill.control.store import Store
+from minimill.models.tool_calls import (
+    FORMATS,
+    ArgumentsDelta,
+    CallStarted,
+    ContentDelta,
+    ParseEvent,
+    ToolCallParser,
+)
 
 # Longest wait between two reads of the row when nothing wakes the stream.
 WAKE_S = 0.5
@@ -80,6 +90,8 @@ class ChunkStream:
         self.num_choices = num_choices
         self.sent: dict[int, _Sent] = {}
         self.after_seq = 0  # the last checkpoint chunk read
+        # Choices of a request with tools: their text parsed into content and calls.
+        self.parsers: dict[int, ToolCallParser] = {}
 
     def _chunk(self, choices: list[dict[str, Any]],
                usage: dict[str, Any] | None = None) -> str:
@@ -109,7 +121,10 @@ class ChunkStream:
         ahead: dict[int, tuple[int, int]] = {}  # index -> (chars, logprobs) once these are sent
 
         def take(index: int, base_chars: int, text: str, base_lps: int,
-                 logprobs: list[dict[str, Any]] | None) -> None:
+                 logprobs: list[dict[str, Any]] | None, tool_format: Any = None) -> None:
+            fmt = FORMATS.get(str(tool_format))
+            if fmt is not None and index not in self.parsers and self.kind == Kind.CHAT:
+                self.parsers[index] = ToolCallParser(fmt)
             sent = self.sent.setdefault(index, _Sent())
             chars, num_lps = ahead.get(index, (sent.chars, sent.logprobs))
             new_text = text[max(chars - base_chars, 0):]
@@ -124,18 +139,56 @@ class ChunkStream:
         for seq, chunk in chunks:
             for c in chunk.get("choices", []):
                 take(int(c.get("index", 0)), int(c.get("base_chars", 0)), str(c.get("text", "")),
-                     int(c.get("base_logprobs", 0)), c.get("logprobs"))
+                     int(c.get("base_logprobs", 0)), c.get("logprobs"), c.get("tool_format"))
             self.after_seq = seq
         for choice in _choices(self.record):
             take(int(choice.get("index", 0)), 0, str(choice.get("text", "")), 0,
-                 choice.get("logprobs"))
+                 choice.get("logprobs"), choice.get("tool_format"))
         out = []
         for index in sorted(set(texts) | set(lps)):
             sent = self.sent[index]
             text, new_lps = "".join(texts.get(index, [])), lps.get(index)
-            out.append(self._chunk([self._delta(index, text, new_lps, sent.chars)]))
+            parser = self.parsers.get(index)
+            if parser is None:
+                out.append(self._chunk([self._delta(index, text, new_lps, sent.chars)]))
+            else:
+                out.extend(self._parsed(index, parser.feed(text), new_lps))
             sent.chars += len(text)
             sent.logprobs += len(new_lps or [])
+        return out
+
+    def _parsed(self, index: int, events: list[ParseEvent],
+                logprobs: list[dict[str, Any]] | None = None) -> list[str]:
+        """Chunks for a tools request's parsed text: content, and each call's name, then its
+        arguments in pieces (as the openai client's stream helpers accumulate them)."""
+        out: list[str] = []
+        pending_lps = logprobs
+        content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+        if content or pending_lps:
+            out.append(self._chunk([{"index": index, "delta": {"content": content},
+                                     "logprobs": chat_logprobs(pending_lps),
+                                     "finish_reason": None}]))
+        args: dict[int, list[str]] = {}
+
+        def flush() -> None:
+            for call, pieces in args.items():
+                out.append(self._chunk([{"index": index, "delta": {"tool_calls": [
+                    {"index": call, "function": {"arguments": "".join(pieces)}}]},
+                    "logprobs": None, "finish_reason": None}]))
+            args.clear()
+
+        for event in events:
+            if isinstance(event, CallStarted):
+                flush()
+                out.append(self._chunk([{"index": index, "delta": {"tool_calls": [
+                    {"index": event.index, "id": tool_call_id(self.record.id, index,
+                                                                 event.index),
+                     "type": "function",
+                     "function": {"name": event.name, "arguments": ""}}]},
+                    "logprobs": None, "finish_reason": None}]))
+            elif isinstance(event, ArgumentsDelta):
+                args.setdefault(event.index, []).append(event.text)
+        flush()
         return out
 
     async def events(self) -> AsyncIterator[str]:
@@ -157,9 +210,15 @@ class ChunkStream:
                     finished = True
                     if r.status == RequestStatus.SUCCEEDED:
                         for choice in _choices(r):
-                            yield self._chunk([self._finish(int(choice.get("index", 0)),
-                                                            choice.get("finish_reason")
-                                                            or "stop")])
+                            index = int(choice.get("index", 0))
+                            parser = self.parsers.get(index)
+                            if parser is not None:
+                                for event in self._parsed(index, parser.finish()):
+                                    yield event
+                            reason = (assistant_message(r.id, choice)[1]
+                                      if self.kind == Kind.CHAT
+                                      else choice.get("finish_reason") or "stop")
+                            yield self._chunk([self._finish(index, reason)])
                         if self.include_usage:
                             yield self._chunk([], usage_dict(
                                 r.prompt_tokens, r.completion_tokens, r.billed_usd,

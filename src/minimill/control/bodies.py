@@ -7,8 +7,9 @@ call rejects is rejected the same way, with the same `param`, inside a batch.
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from minimill.control.errors import InvalidRequestError, NotFoundError
 from minimill.control.records import Kind, Tier
+from minimill.models.grammar import GrammarError, GuidedDecoding, check_grammar
 
 MAX_CHOICES = 128
 MAX_INT32 = 2**31 - 1
@@ -34,16 +36,89 @@ class TextPart(_Body):
     text: str
 
 
+# OpenAI's rule for function names (tools, tool_choice, calls).
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+MAX_TOOLS = 128
+
+
+class FunctionCall(_Body):
+    name: str = Field(pattern=FUNCTION_NAME)
+    arguments: str = Field(description="The call's arguments, as JSON text.")
+
+
+class ToolCall(_Body):
+    id: str = Field(min_length=1, max_length=200)
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # An assistant message's calls, and the call a tool message answers.
+    tool_calls: list[ToolCall] | None = Field(None, min_length=1)
+    tool_call_id: str | None = Field(None, min_length=1, max_length=200)
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if self.content is None and self.role == "assistant" and not self.tool_calls:
+            raise ValueError("an assistant message needs content or tool_calls")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only assistant messages carry tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: a tool message needs the id of the call it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id: only tool messages answer a call")
         return self
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    # A JSON schema of the arguments (absent: a function without parameters).
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str = Field(pattern=FUNCTION_NAME)
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Body):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatText(_Body):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(_Body):
+    type: Literal["json_object"]
+
+
+class ResponseFormatJsonSchema(_Body):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[ResponseFormatText | ResponseFormatJsonObject
+                           | ResponseFormatJsonSchema, Field(discriminator="type")]
 
 
 class StreamOptions(_Body):
@@ -90,11 +165,21 @@ class ChatBody(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatBody:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: logprobs must be true when top_logprobs is set")
+        return self
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> ChatBody:
+        check_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+        check_tool_messages(self.messages)
         return self
 
 
@@ -123,6 +208,49 @@ class CompletionBody(_Sampling):
         if _num_prompts(self.prompt) * (self.n or 1) > MAX_CHOICES:
             raise ValueError(f"n: prompts times n must be at most {MAX_CHOICES}")
         return self
+
+
+def check_tools(tools: list[FunctionTool] | None,
+                tool_choice: str | NamedToolChoice | None,
+                parallel_tool_calls: bool | None) -> None:
+    """OpenAI's rules for tools, tool_choice and parallel_tool_calls (errors name the
+    parameter as `param: message`)."""
+    if not tools:
+        if tool_choice is not None:
+            raise ValueError("tool_choice: only allowed when tools are specified")
+        if parallel_tool_calls is not None:
+            raise ValueError("parallel_tool_calls: only allowed when tools are specified")
+        return
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise ValueError("tools: function names must be unique")
+    if isinstance(tool_choice, NamedToolChoice) and tool_choice.function.name not in names:
+        raise ValueError(f"tool_choice: the function {tool_choice.function.name!r} is not "
+                         "in tools")
+
+
+def check_tool_messages(messages: list[ChatMessage]) -> None:
+    """Every tool message answers a call of the assistant message before it, and every call
+    of an assistant message is answered before the conversation goes on (as OpenAI checks)."""
+    open_calls: set[str] = set()
+    for i, message in enumerate(messages):
+        if message.role == "tool":
+            if message.tool_call_id not in open_calls:
+                raise ValueError(f"messages: messages[{i}] with role 'tool' must answer a "
+                                 "tool_call_id of a preceding assistant message with "
+                                 "'tool_calls'")
+            open_calls.discard(message.tool_call_id or "")
+            continue
+        if open_calls:
+            raise ValueError(f"messages: an assistant message with 'tool_calls' must be "
+                             f"followed by tool messages answering each call; no answer "
+                             f"for: {', '.join(sorted(open_calls))}")
+        if message.tool_calls:
+            open_calls = {c.id for c in message.tool_calls}
+    if open_calls:
+        raise ValueError(f"messages: an assistant message with 'tool_calls' must be followed "
+                         f"by tool messages answering each call; no answer for: "
+                         f"{', '.join(sorted(open_calls))}")
 
 
 def _flat_ints(prompt: Sequence[Any]) -> list[Any]:
@@ -200,21 +328,56 @@ def parse_body(kind: Kind, raw: Any) -> _Sampling:
         raise InvalidRequestError(message, param=param) from None
 
 
-def prepare_body(kind: Kind, parsed: _Sampling, served_models: Collection[str]) -> PreparedBody:
-    """Check the model is served and normalize: text parts joined, OpenAI defaults filled."""
+def check_schemas(parsed: ChatBody) -> None:
+    """Every schema the body gives (response_format, tools' parameters) compiles in the
+    grammar engine that will enforce it; a 400 naming it otherwise."""
+    checks: list[tuple[str, Any]] = []
+    if isinstance(parsed.response_format, ResponseFormatJsonSchema):
+        checks.append(("response_format.json_schema.schema",
+                       parsed.response_format.json_schema.schema_ or {}))
+    for i, tool in enumerate(parsed.tools or []):
+        if tool.function.parameters is not None:
+            checks.append((f"tools[{i}].function.parameters", tool.function.parameters))
+    for param, schema in checks:
+        try:
+            check_grammar(GuidedDecoding(json_schema=json.dumps(schema)))
+        except GrammarError as exc:
+            raise InvalidRequestError(f"Invalid schema for '{param}': {exc}",
+                                      param=param, code="invalid_json_schema") from None
+
+
+def check_max_tokens(parsed: _Sampling, max_tokens: int | None,
+                     context_lengths: Mapping[str, int] | None) -> None:
+    """A completion longer than the model's whole context is refused, as OpenAI does."""
+    context = (context_lengths or {}).get(parsed.model)
+    if max_tokens is None or context is None or max_tokens <= context:
+        return
+    param = ("max_completion_tokens" if isinstance(parsed, ChatBody)
+             and parsed.max_completion_tokens is not None else "max_tokens")
+    raise InvalidRequestError(f"{param} is too large: {max_tokens}. This model's context "
+                              f"holds at most {context} tokens.", param=param,
+                              code="invalid_value")
+
+
+def prepare_body(kind: Kind, parsed: _Sampling, served_models: Collection[str],
+                 context_lengths: Mapping[str, int] | None = None) -> PreparedBody:
+    """Check the model is served and normalize: text parts joined, OpenAI defaults filled.
+    `context_lengths`: the served models' context lengths where known."""
     if parsed.model not in served_models:
         raise NotFoundError(f"The model '{parsed.model}' does not exist or you do not have "
                             f"access to it. Served: {', '.join(sorted(served_models))}.",
                             param="model", code="model_not_found")
-    body = parsed.model_dump(mode="json", exclude_none=True)
+    body = parsed.model_dump(mode="json", exclude_none=True, by_alias=True)
     max_tokens = parsed.max_tokens
     if isinstance(parsed, ChatBody):
+        check_schemas(parsed)
         for message in body["messages"]:
             if isinstance(message.get("content"), list):
                 message["content"] = "".join(part["text"] for part in message["content"])
         max_tokens = parsed.max_completion_tokens or max_tokens
     elif max_tokens is None:
         max_tokens = body["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS
+    check_max_tokens(parsed, max_tokens, context_lengths)
     tier = Tier.BACKGROUND if parsed.service_tier == "flex" else Tier.REALTIME
     session_key = parsed.prompt_cache_key
     return PreparedBody(kind=kind, model=parsed.model, body=body, tier=tier,

@@ -84,10 +84,14 @@ def has_output(progress: dict[str, Any] | None) -> bool:
 
 
 def _entry(index: int, base: ChoiceLengths, token_ids: list[int], text: str,
-           logprobs: list[dict[str, Any]] | None, finish_reason: str | None) -> dict[str, Any]:
-    return {"index": index, "base_tokens": base.tokens, "base_chars": base.chars,
-            "base_logprobs": base.logprobs, "token_ids": token_ids, "text": text,
-            "logprobs": logprobs, "finish_reason": finish_reason}
+           logprobs: list[dict[str, Any]] | None, finish_reason: str | None,
+           tool_format: str | None = None) -> dict[str, Any]:
+    entry = {"index": index, "base_tokens": base.tokens, "base_chars": base.chars,
+             "base_logprobs": base.logprobs, "token_ids": token_ids, "text": text,
+             "logprobs": logprobs, "finish_reason": finish_reason}
+    if tool_format is not None:  # a request with tools: the syntax its calls are written in
+        entry["tool_format"] = tool_format
+    return entry
 
 
 def replaced(current: Progress, checkpoint: Checkpoint) -> tuple[Progress, dict[str, Any]]:
@@ -99,7 +103,7 @@ def replaced(current: Progress, checkpoint: Checkpoint) -> tuple[Progress, dict[
             tokens=len(c.token_ids), chars=len(c.text), logprobs=len(c.logprobs or []),
             has_logprobs=c.logprobs is not None, finish_reason=c.finish_reason)
         entries.append(_entry(c.index, ChoiceLengths(), c.token_ids, c.text, c.logprobs,
-                              c.finish_reason))
+                              c.finish_reason, c.tool_format))
     return new, {"full": True, "num_prompt_tokens": new.num_prompt_tokens, "choices": entries}
 
 
@@ -126,7 +130,8 @@ def extended(current: Progress,
             logprobs=base.logprobs + len(d.logprobs or []),
             has_logprobs=base.has_logprobs or d.logprobs is not None,
             finish_reason=d.finish_reason or base.finish_reason)
-        entries.append(_entry(d.index, base, d.token_ids, d.text, d.logprobs, c.finish_reason))
+        entries.append(_entry(d.index, base, d.token_ids, d.text, d.logprobs, c.finish_reason,
+                              d.tool_format))
     prompt_changed = delta.num_prompt_tokens not in (0, current.num_prompt_tokens)
     if not entries and not prompt_changed:
         return new, None
@@ -231,6 +236,7 @@ def assemble(chunks: Iterable[dict[str, Any]]) -> Checkpoint:
     texts: dict[int, list[str]] = {}
     logprobs: dict[int, list[dict[str, Any]]] = {}
     finish: dict[int, str | None] = {}
+    formats: dict[int, Any] = {}
     num_prompt_tokens = 0
     for chunk in chunks:
         if chunk.get("full"):
@@ -243,9 +249,11 @@ def assemble(chunks: Iterable[dict[str, Any]]) -> Checkpoint:
             if c.get("logprobs") is not None:
                 logprobs.setdefault(i, []).extend(c["logprobs"])
             finish[i] = c.get("finish_reason") or finish.get(i)
+            formats[i] = c.get("tool_format") or formats.get(i)
     return Checkpoint(num_prompt_tokens=num_prompt_tokens, choices=[
         ChoiceProgress(index=i, token_ids=token_ids[i], text="".join(texts[i]),
-                       logprobs=logprobs.get(i), finish_reason=finish[i])
+                       logprobs=logprobs.get(i), finish_reason=finish[i],
+                       tool_format=formats.get(i))
         for i in sorted(texts)])
 
 

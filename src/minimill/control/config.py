@@ -13,6 +13,8 @@ DEFAULT_MODEL = "smollm2-135m"
 class ControlConfig:
     # Model names workers serve under; requests for any other model are 404 model_not_found.
     served_models: tuple[str, ...] = (DEFAULT_MODEL,)
+    # (model, context length in tokens) where known: longer completions are refused (400).
+    context_lengths: tuple[tuple[str, int], ...] = ()
     # Seconds a lease lives without a heartbeat.
     lease_ttl_s: float = 30.0
     # How often workers checkpoint ordinary leases, and streaming ones (streams read them).
@@ -56,3 +58,7 @@ class ControlConfig:
     # How long before an announced outage a site gives back the work it would not finish
     # (None: the placement policy's own); never less than a heartbeat's delay (leases.py).
     handback_lead_s: float | None = None
+
+    @property
+    def context_length_of(self) -> dict[str, int]:
+        return dict(self.context_lengths)

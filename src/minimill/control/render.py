@@ -8,9 +8,11 @@ Workers report per-token logprobs as `{"token", "logprob", "top_logprobs": [{"to
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from minimill.control.records import Kind, Tier
+from minimill.models.tool_calls import FORMATS, parse_message
 
 SYSTEM_FINGERPRINT = "minimill"
 
@@ -79,12 +81,40 @@ def completion_logprobs(items: list[dict[str, Any]] | None,
             "text_offset": offsets}
 
 
-def render_choice(kind: Kind, choice: dict[str, Any]) -> dict[str, Any]:
+def tool_call_id(request_id: str, choice_index: int, call_index: int) -> str:
+    """The id of a call: the same in a stream, its final message and a later retrieval."""
+    digest = hashlib.blake2b(f"{request_id}:{choice_index}:{call_index}".encode(),
+                             digest_size=12).hexdigest()
+    return f"call_{digest}"
+
+
+def assistant_message(request_id: str, choice: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """A chat choice's message and finish reason: a request with tools has its calls parsed
+    out of the text (the worker says in which syntax); "tool_calls" when it made any."""
+    finish = choice.get("finish_reason") or "stop"
+    text = str(choice.get("text", ""))
+    fmt = FORMATS.get(str(choice.get("tool_format")))
+    if fmt is None:
+        return {"role": "assistant", "content": text, "refusal": None}, finish
+    parsed = parse_message(fmt, text)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content, "refusal": None}
+    if parsed.calls:
+        index = int(choice.get("index", 0))
+        message["tool_calls"] = [
+            {"id": tool_call_id(request_id, index, i), "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}}
+            for i, call in enumerate(parsed.calls)]
+        if finish == "stop":
+            finish = "tool_calls"
+    return message, finish
+
+
+def render_choice(kind: Kind, choice: dict[str, Any], request_id: str = "") -> dict[str, Any]:
     finish = choice.get("finish_reason") or "stop"
     text = choice.get("text", "")
     if kind == Kind.CHAT:
-        return {"index": choice.get("index", 0),
-                "message": {"role": "assistant", "content": text, "refusal": None},
+        message, finish = assistant_message(request_id, choice)
+        return {"index": choice.get("index", 0), "message": message,
                 "logprobs": chat_logprobs(choice.get("logprobs")), "finish_reason": finish}
     return {"index": choice.get("index", 0), "text": text,
             "logprobs": completion_logprobs(choice.get("logprobs")), "finish_reason": finish}
@@ -97,7 +127,7 @@ def render_response(kind: Kind, request_id: str, model: str, created: float, tie
     return {"id": response_id(kind, request_id),
             "object": "chat.completion" if kind == Kind.CHAT else "text_completion",
             "created": int(created), "model": model,
-            "choices": [render_choice(kind, c) for c in ordered],
+            "choices": [render_choice(kind, c, request_id) for c in ordered],
             "usage": usage, "service_tier": service_tier(tier),
             "system_fingerprint": SYSTEM_FINGERPRINT}
 

@@ -29,6 +29,7 @@ import torch
 
 from minimill.engine.config import EngineConfig
 from minimill.engine.frontend import EngineLimits, check_tokens
+from minimill.engine.guided import Guides, StepMasks
 from minimill.engine.kv_tiers import KvTiers
 from minimill.engine.model_runner import ModelRunner
 from minimill.engine.output import OutputProcessor
@@ -82,6 +83,7 @@ class EngineCore:
             eos.add(loaded.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.vocab_size = loaded.config.vocab_size
+        self.guides = Guides(loaded.tokenizer, self.vocab_size, self.eos_token_ids)
         self._pending: list[TokenDelta] = []  # finished at admission (resumed past max_tokens)
         self._recent: deque[tuple[float, int]] = deque()  # (time, output tokens) per step
         # Steps that ran the model, and the sequences they ran: their ratio is the mean batch.
@@ -115,12 +117,17 @@ class EngineCore:
         if request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         self.check_request(prompt, resume)
+        guide = self.guides.start(params.guided, resume) if params.guided is not None else None
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         seq = Sequence(request_id, prompt, params, seed, self.eos_token_ids, resume)
+        seq.guide = guide
         handed_out = self.outputs.add_request(seq, resume_text)
-        if len(resume) >= params.max_tokens:
-            # The checkpoint already holds every token asked for.
-            seq.status = RequestStatus.FINISHED_LENGTH
+        done = (RequestStatus.FINISHED_LENGTH if len(resume) >= params.max_tokens
+                else RequestStatus.FINISHED_STOPPED if guide is not None and guide.finished
+                else None)
+        if done is not None:
+            # The checkpoint already holds every token asked for, or a complete output.
+            seq.status = done
             self._pending.append(self.outputs.delta(seq, [], seq.status.finish_reason, None))
             self.outputs.remove(request_id)
             return seed, handed_out
@@ -175,6 +182,9 @@ class EngineCore:
         self._move_blocks()
         if scheduled.is_empty:
             return result
+        masks = self._attach_masks(scheduled)
+        if masks is not None:
+            masks.fill()
         try:
             model_output = self.runner.execute(scheduled)
         except Exception as exc:  # the batch failed: fail its requests, keep the engine alive
@@ -192,6 +202,8 @@ class EngineCore:
         self._write_through()
         for seq in updated:
             if seq.request_id in self._aborted_in_flight:
+                continue
+            if seq.guide is not None and not self._advance_guide(seq, result):
                 continue
             try:
                 result.deltas.append(self._process(seq))
@@ -219,7 +231,34 @@ class EngineCore:
             if scheduled.is_empty:
                 continue
             self._in_flight[lane] = scheduled
+            masks = self._attach_masks(scheduled)
             self.runner.start(scheduled, lane, lanes, functools.partial(self._report, lane))
+            if masks is not None:
+                masks.fill()  # while the lane's forward pass runs; it waits only to sample
+
+    def _attach_masks(self, scheduled: SchedulerOutput) -> StepMasks | None:
+        """The step's guided samples get a row of one bitmask, to be filled (guided.py)."""
+        entries = [e for e in scheduled.scheduled if e.sample and e.seq.guide is not None]
+        if not entries:
+            return None
+        masks = StepMasks([e.seq.guide for e in entries if e.seq.guide is not None],
+                          self.vocab_size)
+        for row, entry in enumerate(entries):
+            entry.masks, entry.mask_row = masks, row
+        return masks
+
+    def _advance_guide(self, seq: Sequence, result: StepResult) -> bool:
+        """Feed a guided request's new token to its grammar: a complete output ends the
+        request, a refused token fails it. False when the request failed."""
+        assert seq.guide is not None
+        if not seq.guide.accept(seq.token_ids[-1]):
+            self._fail(seq.request_id, InvalidRequestError(
+                f"the output left its schema or tools: {seq.guide.error or 'refused token'}"),
+                result)
+            return False
+        if seq.guide.finished and not seq.status.is_finished:
+            self.scheduler.finish_request(seq.request_id, RequestStatus.FINISHED_STOPPED)
+        return True
 
     def _report(self, lane: int, ok: bool, value: object) -> None:
         """Called on the lane's core when its step ends (the caller's thread finishes it)."""

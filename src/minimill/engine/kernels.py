@@ -19,7 +19,12 @@ from minimill.engine.attention import (
     write_kv_reference,
 )
 from minimill.engine.kv_int4 import paged_attention_int4_reference, write_kv_int4_reference
-from minimill.engine.sampler import Adjustments, reference_logprobs, reference_sample
+from minimill.engine.sampler import (
+    Adjustments,
+    TokenMasks,
+    reference_logprobs,
+    reference_sample,
+)
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +123,10 @@ class TorchKernels:
         return [-1] * torch.get_num_threads()
 
     def sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-               top_p: torch.Tensor, u: torch.Tensor,
-               adjustments: list[Adjustments]) -> torch.Tensor:
+               top_p: torch.Tensor, u: torch.Tensor, adjustments: list[Adjustments],
+               masks: TokenMasks | None = None) -> torch.Tensor:
         """One token per row (sampler.py has the semantics); parameters are CPU tensors."""
-        return reference_sample(logits, temperature, top_k, top_p, u, adjustments)
+        return reference_sample(logits, temperature, top_k, top_p, u, adjustments, masks)
 
     def token_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, num_top: int
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -272,10 +277,10 @@ class CpuKernels(TorchKernels):
         return out
 
     def sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-               top_p: torch.Tensor, u: torch.Tensor,
-               adjustments: list[Adjustments]) -> torch.Tensor:
+               top_p: torch.Tensor, u: torch.Tensor, adjustments: list[Adjustments],
+               masks: TokenMasks | None = None) -> torch.Tensor:
         if logits.dtype not in (torch.float32, torch.bfloat16):
-            return super().sample(logits, temperature, top_k, top_p, u, adjustments)
+            return super().sample(logits, temperature, top_k, top_p, u, adjustments, masks)
         offsets = [0]
         ids: list[int] = []
         values: list[float] = []
@@ -284,10 +289,14 @@ class CpuKernels(TorchKernels):
             values.extend(v for _, v in adjust)
             offsets.append(len(ids))
         out = torch.empty(logits.shape[0], dtype=torch.long)
+        if masks is None:
+            masks = TokenMasks(torch.full((logits.shape[0],), -1, dtype=torch.long),
+                               torch.empty(0, 0, dtype=torch.int32))
         self._ops.sample_tokens(logits.contiguous(), temperature, top_k, top_p, u,
                                 torch.tensor(offsets, dtype=torch.long),
                                 torch.tensor(ids, dtype=torch.long),
-                                torch.tensor(values, dtype=torch.float32), out)
+                                torch.tensor(values, dtype=torch.float32),
+                                masks.index, masks.words.contiguous(), out)
         return out
 
     def token_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, num_top: int

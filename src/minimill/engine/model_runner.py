@@ -178,9 +178,25 @@ class ModelRunner:
             meta, self.kv_cache, torch.tensor(logits_rows, dtype=torch.long, device=dev))
         if not logits_rows:
             return ModelOutput([], [])
-        sampling = [e.seq for e in entries if e.sample]
+        sampled = [e for e in entries if e.sample]
+        sampling = [e.seq for e in sampled]
         tokens, logprobs = sample(logits, [s.params for s in sampling],
                                   [s.seed for s in sampling],
                                   [s.num_output_tokens for s in sampling], self.kernels,
-                                  [s.output_counts for s in sampling])
+                                  [s.output_counts for s in sampling], _masks(sampled))
         return ModelOutput(tokens, logprobs)
+
+
+def _masks(sampled: list[ScheduledSequence]) -> list[torch.Tensor | None] | None:
+    """Each sample's allowed-token bitmask (None: unconstrained), once the engine filled them
+    (it does while the forward pass runs: engine/guided.py)."""
+    if all(e.masks is None for e in sampled):
+        return None
+    out: list[torch.Tensor | None] = []
+    for e in sampled:
+        if e.masks is None:
+            out.append(None)
+            continue
+        e.masks.ready.wait()
+        out.append(e.masks.words[e.mask_row])
+    return out

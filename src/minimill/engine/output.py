@@ -84,8 +84,10 @@ class OutputProcessor:
         state = self.texts[seq.request_id]
         new_ids = seq.token_ids[seq.num_prompt_tokens + state.num_emitted_tokens:]
         state.num_emitted_tokens += len(new_ids)
-        if seq.status == RequestStatus.FINISHED_STOPPED and new_ids:
-            # Stopped by a token (eos or a stop id): it adds no text, as in vLLM.
+        if seq.status == RequestStatus.FINISHED_STOPPED and new_ids and (
+                new_ids[-1] in seq.eos_token_ids or new_ids[-1] in seq.params.stop_token_ids):
+            # Stopped by a token (eos or a stop id): it adds no text, as in vLLM. (A request
+            # whose grammar completed stops after a token that is part of its text.)
             return state.add(new_ids[:-1])
         return state.add(new_ids)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from minimill.models.grammar import GuidedDecoding
+
 
 class EngineError(Exception):
     """Base class for errors raised to a caller of the engine."""
@@ -41,6 +43,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, -100..100) added to the logit
+    # What the output may be (a JSON schema, tool calls): tokens outside it are never sampled.
+    guided: GuidedDecoding | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:

@@ -16,7 +16,9 @@ PyTorch reference below, which defines the semantics:
   prefix of them (best first; among equal logits, lower id first) whose probability reaches
   top_p (the best token always stays); the CDF then walks the kept tokens in id order, so no
   vocabulary-wide sort is needed.
-Logprobs are those of the model's own distribution (before adjustments, temperature or
+- a guided row (engine/guided.py) has a bitmask of allowed token ids (bit t % 32 of word
+  t // 32): every other token's logit is -inf after the adjustments, before the rest.
+Logprobs are those of the model's own distribution (before adjustments, masks, temperature or
 filters), as vLLM reports them.
 """
 
@@ -34,8 +36,42 @@ if TYPE_CHECKING:
     from minimill.engine.kernels import TorchKernels
 
 _MASK64 = (1 << 64) - 1
+_BITS = torch.arange(32, dtype=torch.int32)
 SampledLogprob = tuple[float, list[tuple[int, float]]]
 Adjustments = list[tuple[int, float]]  # (token id, amount added to its logit)
+
+
+class TokenMasks:
+    """Rows' allowed-token bitmasks as the kernels take them: `index[r]` is row r's row of
+    `words` (int32 [masked rows, words]), -1 for an unconstrained row."""
+
+    __slots__ = ("index", "words")
+
+    def __init__(self, index: torch.Tensor, words: torch.Tensor) -> None:
+        self.index = index
+        self.words = words
+
+    @classmethod
+    def of(cls, masks: Seq[torch.Tensor | None] | None, rows: int) -> TokenMasks | None:
+        if masks is None or all(m is None for m in masks):
+            return None
+        present = [m for m in masks if m is not None]
+        index, k = [], 0
+        for m in masks:
+            index.append(-1 if m is None else k)
+            k += m is not None
+        return cls(torch.tensor(index, dtype=torch.long), torch.stack(present))
+
+    def allowed(self, row: int, vocab: int) -> torch.Tensor | None:
+        """Row `row`'s mask as bools [vocab], or None if unconstrained."""
+        i = int(self.index[row])
+        if i < 0:
+            return None
+        bits = (self.words[i].unsqueeze(-1) >> _BITS) & 1
+        allowed = bits.flatten()[:vocab].bool()
+        if allowed.shape[0] < vocab:  # ids past the mask's words are never allowed
+            allowed = torch.cat([allowed, allowed.new_zeros(vocab - allowed.shape[0])])
+        return allowed
 
 
 def splitmix64(x: int) -> int:
@@ -63,10 +99,12 @@ def adjustments_for(params: SamplingParams, counts: Mapping[int, int] | None) ->
 def sample(logits: torch.Tensor, params: Seq[SamplingParams], seeds: Seq[int],
            output_indices: Seq[int], kernels: TorchKernels,
            output_counts: Seq[Mapping[int, int] | None] | None = None,
+           masks: Seq[torch.Tensor | None] | None = None,
            ) -> tuple[list[int], list[SampledLogprob | None]]:
     """Pick one token per row of `logits` [num_rows, vocab] (any float dtype).
 
-    `output_counts[r]` counts row r's output tokens so far (needed only for penalties).
+    `output_counts[r]` counts row r's output tokens so far (needed only for penalties);
+    `masks[r]`, if not None, is row r's allowed-token bitmask (int32 [words]).
     Returns the token ids and, per row, (logprob of the token, top alternatives) when asked.
     """
     rows = len(params)
@@ -81,7 +119,8 @@ def sample(logits: torch.Tensor, params: Seq[SamplingParams], seeds: Seq[int],
         needs = p.logit_bias or p.frequency_penalty or p.presence_penalty
         counts = output_counts[r] if output_counts is not None else None
         adjustments.append(adjustments_for(p, counts) if needs else [])
-    tokens = kernels.sample(logits, temperature, top_k, top_p, u, adjustments).to(cpu)
+    tokens = kernels.sample(logits, temperature, top_k, top_p, u, adjustments,
+                            TokenMasks.of(masks, rows)).to(cpu)
     token_list = tokens.tolist()
     out: list[SampledLogprob | None] = [None] * rows
     wanted = [r for r, p in enumerate(params) if p.logprobs or p.top_logprobs > 0]
@@ -101,8 +140,8 @@ def sample(logits: torch.Tensor, params: Seq[SamplingParams], seeds: Seq[int],
 # The reference implementations (portable PyTorch; TorchKernels runs them).
 
 def reference_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                     top_p: torch.Tensor, u: torch.Tensor,
-                     adjustments: Seq[Adjustments]) -> torch.Tensor:
+                     top_p: torch.Tensor, u: torch.Tensor, adjustments: Seq[Adjustments],
+                     masks: TokenMasks | None = None) -> torch.Tensor:
     """tokens [rows] int64, by the semantics in the module docstring (float64 arithmetic)."""
     x = logits.double()
     for r, adjust in enumerate(adjustments):
@@ -110,6 +149,11 @@ def reference_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
             ids = torch.tensor([t for t, _ in adjust], device=x.device)
             x[r].index_add_(0, ids, torch.tensor([v for _, v in adjust], dtype=x.dtype,
                                                  device=x.device))
+    if masks is not None:
+        for r in range(x.shape[0]):
+            allowed = masks.allowed(r, x.shape[1])
+            if allowed is not None and bool(allowed.any()):
+                x[r].masked_fill_(~allowed.to(x.device), float("-inf"))
     greedy = (temperature == 0) | (top_k == 1)
     tokens = x.argmax(dim=-1)
     for r in (~greedy).nonzero().flatten().tolist():

@@ -23,6 +23,7 @@ from minimill.engine.params import TokenLogprob
 from minimill.engine.sequence import RequestStatus, Sequence
 
 if TYPE_CHECKING:
+    from minimill.engine.guided import StepMasks
     from minimill.engine.kv_tiers import KvTiers
 
 
@@ -31,6 +32,9 @@ class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int  # tokens whose KV this step computes, from seq.num_computed_tokens on
     sample: bool  # True when this step reaches the sequence's last token: sample the next
+    # A guided sample's allowed tokens: row `mask_row` of `masks` (engine/guided.py).
+    masks: StepMasks | None = None
+    mask_row: int = 0
 
 
 @dataclass(slots=True)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from minimill.engine.params import FinishReason, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from minimill.engine.guided import Guide
 
 
 class RequestStatus(enum.IntEnum):
@@ -37,7 +41,7 @@ class Sequence:
     """One request: `num_computed_tokens` of `num_tokens` have their KV in the cache."""
 
     __slots__ = (
-        "block_table", "eos_token_ids", "lane", "logprobs", "num_cached_prompt_tokens",
+        "block_table", "eos_token_ids", "guide", "lane", "logprobs", "num_cached_prompt_tokens",
         "num_cached_tokens", "num_computed_tokens",
         "num_prompt_tokens", "output_counts", "params", "request_id", "seed",
         "stage_units", "status", "token_ids",
@@ -61,6 +65,8 @@ class Sequence:
         # The engine lane (one per core, core.py) that runs it while lanes are in use; -1: none.
         self.lane = -1
         self.params = params
+        # The grammar state of a guided request (params.guided), advanced past every output.
+        self.guide: Guide | None = None
         self.seed = seed
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.status = RequestStatus.WAITING

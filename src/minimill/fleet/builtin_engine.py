@@ -19,6 +19,10 @@ from minimill.fleet.engines import (
     JobError,
 )
 from minimill.fleet.startup import StartClock
+from minimill.models.chat_template import ChatTemplateError
+from minimill.models.prompt import render_chat_prompt
+from minimill.models.prompt import tool_format as model_tool_format
+from minimill.models.tool_calls import ToolFormat
 
 # Context length used when the engine does not say; SmolLM2 and most small models have >= 2048.
 _FALLBACK_CONTEXT = 2048
@@ -54,6 +58,7 @@ class BuiltinEngineAdapter:
         self._engine = engine
         self._models = model_names
         self._tokenizer = engine.tokenizer
+        self._tool_format = model_tool_format(self._tokenizer)
 
     @classmethod
     async def start(cls, *, model: str, dtype: str, clock: StartClock | None = None,
@@ -91,13 +96,18 @@ class BuiltinEngineAdapter:
         value = getattr(self._engine, "max_model_len", None)
         return value if isinstance(value, int) and value > 0 else _FALLBACK_CONTEXT
 
+    @property
+    def tool_format(self) -> ToolFormat | None:
+        return self._tool_format
+
+    @property
+    def guides(self) -> bool:
+        return True
+
     def _prompt(self, job: ChoiceJob) -> str | list[int]:
         if job.kind == "chat":
             assert job.messages is not None  # choice_jobs sets messages for chat
-            rendered = self._tokenizer.apply_chat_template(
-                flatten_content(job.messages), add_generation_prompt=True)
-            # The template spells out its special tokens: encode it without adding more.
-            return list(self._tokenizer.encode(rendered, add_special_tokens=False))
+            return render_chat_prompt(self._tokenizer, job.messages, job.rules.tools)
         assert job.prompt is not None  # choice_jobs sets prompt for completions
         return job.prompt
 
@@ -141,6 +151,8 @@ class BuiltinEngineAdapter:
                     num_cached_tokens=delta.num_cached_tokens)
         except InvalidRequestError as exc:
             raise JobError(error_code(exc), str(exc)) from exc
+        except ChatTemplateError as exc:  # the conversation does not fit the model's template
+            raise JobError("invalid_request_error", str(exc), "messages") from exc
         except EngineError as exc:  # the engine (its process) failed, not the request
             raise EngineUnavailableError(str(exc)) from exc
 

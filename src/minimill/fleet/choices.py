@@ -7,11 +7,13 @@ request becomes a `failed` completion and never takes the worker down.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from minimill.engine.params import InvalidRequestError, SamplingParams
-from minimill.protocol import ChoiceProgress, Lease
+from minimill.fleet.output_rules import OutputRules, RulesError, guided_decoding, read_rules
+from minimill.models.tool_calls import ToolFormat
+from minimill.protocol import ChoiceProgress, Lease, ToolFormatName
 
 # Seeds are kept inside a signed 63-bit range so every engine and JSON consumer can hold them.
 _SEED_MASK = (1 << 63) - 1
@@ -45,6 +47,10 @@ class ChoiceJob:
     params: SamplingParams  # max_tokens here is the body's, or the adapter's default
     max_tokens_from_body: bool  # False: the body set no limit ("up to the context")
     resume: ChoiceProgress | None  # generated-so-far state from the lease's checkpoint
+    # Chat: the body's tools, tool_choice and response_format (params.guided enforces them).
+    rules: OutputRules = field(default_factory=OutputRules)
+    # The syntax the output's tool calls are written in (the control plane parses them).
+    tool_format: ToolFormatName | None = None
 
 
 def derive_seed(seed: int, index: int) -> int:
@@ -171,9 +177,29 @@ def sampling_params(lease: Lease, index: int, default_max_tokens: int) -> tuple[
     return params, max_tokens is not None
 
 
-def choice_jobs(lease: Lease, default_max_tokens: int) -> list[ChoiceJob]:
-    """One job per choice; completions with several prompts get n choices per prompt."""
+def _output_rules(lease: Lease, tool_format: ToolFormat | None, guides: bool
+                  ) -> tuple[OutputRules, Any]:
+    """The chat body's output rules, and the grammar enforcing them here (or None)."""
+    if lease.kind != "chat":
+        return OutputRules(), None
+    try:
+        rules = read_rules(lease.body)
+        guided = guided_decoding(rules, tool_format)
+    except RulesError as exc:
+        raise BodyError(str(exc), exc.param) from exc
+    if guided is not None and not guides:
+        raise BodyError("this site's engine cannot enforce tools or response_format",
+                        "tools" if rules.calls_tools else "response_format")
+    return rules, guided
+
+
+def choice_jobs(lease: Lease, default_max_tokens: int, tool_format: ToolFormat | None = None,
+                guides: bool = False) -> list[ChoiceJob]:
+    """One job per choice; completions with several prompts get n choices per prompt.
+    `tool_format`: the syntax the engine's model calls tools in; `guides`: whether the engine
+    can enforce a grammar (tools and response_format need it)."""
     body = lease.body
+    rules, guided = _output_rules(lease, tool_format, guides)
     n = _int_param(body, "n")
     n = 1 if n is None else n
     if not 1 <= n <= MAX_CHOICES:
@@ -192,9 +218,12 @@ def choice_jobs(lease: Lease, default_max_tokens: int) -> list[ChoiceJob]:
         for j in range(n):
             index = p * n + j
             params, from_body = sampling_params(lease, index, default_max_tokens)
+            if guided is not None:
+                params = replace(params, guided=guided)
             jobs.append(ChoiceJob(
                 engine_request_id=f"{lease.request_id}:{lease.epoch}:{index}",
                 index=index, kind=lease.kind, model=lease.model, messages=messages,
                 prompt=prompt, params=params, max_tokens_from_body=from_body,
-                resume=resumed.get(index)))
+                resume=resumed.get(index), rules=rules,
+                tool_format=tool_format.name if tool_format and rules.calls_tools else None))
     return jobs

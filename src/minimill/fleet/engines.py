@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from minimill.fleet.choices import ChoiceJob
 from minimill.fleet.startup import StartClock
+from minimill.models.tool_calls import ToolFormat
 
 
 class EngineStartError(RuntimeError):
@@ -65,6 +66,16 @@ class EngineAdapter(Protocol):
     @property
     def default_max_tokens(self) -> int:
         """Limit used when a request sets none (the rest of the context)."""
+        ...
+
+    @property
+    def tool_format(self) -> ToolFormat | None:
+        """The syntax this engine's model writes tool calls in; None: it has none."""
+        ...
+
+    @property
+    def guides(self) -> bool:
+        """Whether it enforces a grammar on outputs (tools, response_format)."""
         ...
 
     def generate(self, job: ChoiceJob) -> AsyncIterator[ChoiceUpdate]:

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 
 from minimill.fleet.choices import ChoiceJob, resumed_token_count
 from minimill.fleet.engines import ChoiceUpdate, EngineStartError
+from minimill.models.tool_calls import ToolFormat
 
 PREFIX = "fake"
 # Tokens a request without max_tokens gets: the fake's whole "context".
@@ -78,6 +79,14 @@ class FakeEngineAdapter:
     @property
     def default_max_tokens(self) -> int:
         return DEFAULT_MAX_TOKENS
+
+    @property
+    def tool_format(self) -> ToolFormat | None:
+        return None  # it sees text only: tools and response_format are refused (choices.py)
+
+    @property
+    def guides(self) -> bool:
+        return False
 
     def _token_gap_s(self) -> float:
         """Seconds between two tokens of one request: its share of a full batch."""

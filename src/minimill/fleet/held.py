@@ -144,7 +144,7 @@ class HeldLease:
                 base_logprobs=base.logprobs, token_ids=p.token_ids[base.tokens:],
                 text=p.text[base.chars:],
                 logprobs=None if p.logprobs is None else p.logprobs[base.logprobs:],
-                finish_reason=p.finish_reason))
+                finish_reason=p.finish_reason, tool_format=p.tool_format))
         return CheckpointDelta(choices=choices, num_prompt_tokens=self.num_prompt_tokens)
 
     def pending_bytes(self) -> int:
@@ -195,9 +195,11 @@ class HeldLease:
 
     async def _run(self, on_done: Callable[[HeldLease], None]) -> None:
         try:
-            self.jobs = choice_jobs(self.lease, self.adapter.default_max_tokens)
+            self.jobs = choice_jobs(self.lease, self.adapter.default_max_tokens,
+                                    self.adapter.tool_format, self.adapter.guides)
             for job in self.jobs:
                 self.progress.setdefault(job.index, ChoiceProgress(index=job.index))
+                self.progress[job.index].tool_format = job.tool_format
                 self.num_tokens[job.index] = resumed_token_count(job)
             if self.resumed_tokens:
                 log.debug("lease %s epoch %d resumes from a checkpoint of %d tokens",

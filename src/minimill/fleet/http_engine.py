@@ -27,6 +27,7 @@ from minimill.fleet.engines import (
     JobError,
 )
 from minimill.fleet.rate import TokenRate
+from minimill.models.tool_calls import ToolFormat
 
 _DEFAULT_CONTEXT = 1 << 20  # only a marker for "ask with no limit": never sent to the server
 
@@ -77,6 +78,14 @@ class HttpEngineAdapter:
     @property
     def default_max_tokens(self) -> int:
         return _DEFAULT_CONTEXT
+
+    @property
+    def tool_format(self) -> ToolFormat | None:
+        return None  # it sees text only: tools and response_format are refused (choices.py)
+
+    @property
+    def guides(self) -> bool:
+        return False
 
     def _request(self, job: ChoiceJob) -> tuple[str, dict[str, Any]]:
         p = job.params

@@ -31,7 +31,8 @@ void kv_int4_write(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_
                    int64_t block_size);
 void sample_tokens(at::Tensor logits, at::Tensor temperature, at::Tensor top_k, at::Tensor top_p,
                    at::Tensor u, at::Tensor adjust_offsets, at::Tensor adjust_ids,
-                   at::Tensor adjust_values, at::Tensor out);
+                   at::Tensor adjust_values, at::Tensor mask_index, at::Tensor mask_words,
+                   at::Tensor out);
 void token_logprobs(at::Tensor logits, at::Tensor tokens, int64_t num_top, at::Tensor chosen,
                     at::Tensor top_ids, at::Tensor top_values);
 std::vector<int64_t> pin_threads(std::vector<int64_t> cpus);

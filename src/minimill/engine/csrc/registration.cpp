@@ -47,7 +47,7 @@ TORCH_LIBRARY(minimill, m) {
         "Tensor(b!) k_out, Tensor(c!) v_out, int num_heads, int num_kv_heads) -> ()");
   m.def("sample_tokens(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, "
         "Tensor u, Tensor adjust_offsets, Tensor adjust_ids, Tensor adjust_values, "
-        "Tensor(a!) out) -> ()");
+        "Tensor mask_index, Tensor mask_words, Tensor(a!) out) -> ()");
   m.def("token_logprobs(Tensor logits, Tensor tokens, int num_top, Tensor(a!) chosen, "
         "Tensor(b!) top_ids, Tensor(c!) top_values) -> ()");
   m.def("pin_threads(int[] cpus) -> int[]");

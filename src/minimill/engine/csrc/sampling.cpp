@@ -287,10 +287,31 @@ int64_t sample_filtered(RowScratch& s, int64_t vocab, int64_t top_k, float top_p
   return idx.back();
 }
 
+// A guided row's allowed tokens: bit (i % 32) of word i / 32. Every other logit becomes -inf
+// (ids past the mask's words too); a mask that allows nothing is not applied (the engine never
+// fills one: a finished grammar still allows the end of the output).
+void apply_mask(float* x, int64_t vocab, const int32_t* words, int64_t num_words) {
+  bool any = false;
+  for (int64_t w = 0; w < num_words && !any; ++w) any = words[w] != 0;
+  if (!any) return;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t w = 0; w < num_words; ++w) {
+    const uint32_t bits = static_cast<uint32_t>(words[w]);
+    if (bits == 0xFFFFFFFFu) continue;
+    const int64_t lo = w * 32, hi = std::min(vocab, lo + 32);
+    for (int64_t i = lo; i < hi; ++i) {
+      if (!((bits >> (i - lo)) & 1u)) x[i] = ninf;
+    }
+  }
+  for (int64_t i = num_words * 32; i < vocab; ++i) x[i] = ninf;
+}
+
 template <typename T>
 void sample_tokens_impl(const at::Tensor& logits, const float* temperature, const int64_t* top_k,
                         const float* top_p, const double* u, const int64_t* adj_off,
-                        const int64_t* adj_ids, const float* adj_vals, int64_t* out) {
+                        const int64_t* adj_ids, const float* adj_vals,
+                        const int64_t* mask_index, const int32_t* mask_words,
+                        int64_t num_words, int64_t* out) {
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   const T* lp = logits.data_ptr<T>();
   const int64_t stride = logits.stride(0);
@@ -299,7 +320,7 @@ void sample_tokens_impl(const at::Tensor& logits, const float* temperature, cons
     s.x.resize(vocab);
     for (int64_t r = b; r < e; ++r) {
       const bool greedy = temperature[r] == 0.f || top_k[r] == 1;
-      if (greedy && adj_off[r] == adj_off[r + 1]) {
+      if (greedy && adj_off[r] == adj_off[r + 1] && mask_index[r] < 0) {
         out[r] = row_argmax(lp + r * stride, vocab);
         continue;
       }
@@ -308,6 +329,8 @@ void sample_tokens_impl(const at::Tensor& logits, const float* temperature, cons
       for (int64_t a = adj_off[r]; a < adj_off[r + 1]; ++a) {
         if (adj_ids[a] >= 0 && adj_ids[a] < vocab) x[adj_ids[a]] += adj_vals[a];
       }
+      if (mask_index[r] >= 0) apply_mask(x, vocab, mask_words + mask_index[r] * num_words,
+                                         num_words);
       if (greedy) {
         out[r] = row_argmax(x, vocab);
         continue;
@@ -332,7 +355,8 @@ void sample_tokens_impl(const at::Tensor& logits, const float* temperature, cons
 
 void sample_tokens(at::Tensor logits, at::Tensor temperature, at::Tensor top_k, at::Tensor top_p,
                    at::Tensor u, at::Tensor adjust_offsets, at::Tensor adjust_ids,
-                   at::Tensor adjust_values, at::Tensor out) {
+                   at::Tensor adjust_values, at::Tensor mask_index, at::Tensor mask_words,
+                   at::Tensor out) {
   check_cpu(logits, "logits");
   const int64_t rows = logits.size(0);
   TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "logits must be [rows, vocab]");
@@ -345,8 +369,16 @@ void sample_tokens(at::Tensor logits, at::Tensor temperature, at::Tensor top_k, 
   TORCH_CHECK(adjust_offsets.scalar_type() == at::kLong && adjust_ids.scalar_type() == at::kLong
                   && adjust_values.scalar_type() == at::kFloat &&
                   adjust_ids.numel() == adjust_values.numel(), "sample_tokens: adjustments");
+  TORCH_CHECK(mask_index.scalar_type() == at::kLong && mask_index.numel() == rows &&
+                  mask_words.scalar_type() == at::kInt && mask_words.dim() == 2,
+              "sample_tokens: masks");
+  const int64_t num_masks = mask_words.size(0), num_words = mask_words.size(1);
+  const int64_t* mi = mask_index.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(mi[r] < num_masks, "sample_tokens: mask index out of range");
+  }
   for (const at::Tensor* t : {&temperature, &top_k, &top_p, &u, &adjust_offsets, &adjust_ids,
-                              &adjust_values, &out}) {
+                              &adjust_values, &mask_index, &mask_words, &out}) {
     TORCH_CHECK(t->is_contiguous(), "sample_tokens: parameters must be contiguous");
   }
   auto run = [&](auto tag) {
@@ -354,7 +386,8 @@ void sample_tokens(at::Tensor logits, at::Tensor temperature, at::Tensor top_k, 
     sample_tokens_impl<T>(logits, temperature.data_ptr<float>(), top_k.data_ptr<int64_t>(),
                           top_p.data_ptr<float>(), u.data_ptr<double>(),
                           adjust_offsets.data_ptr<int64_t>(), adjust_ids.data_ptr<int64_t>(),
-                          adjust_values.data_ptr<float>(), out.data_ptr<int64_t>());
+                          adjust_values.data_ptr<float>(), mi, mask_words.data_ptr<int32_t>(),
+                          num_words, out.data_ptr<int64_t>());
   };
   if (logits.scalar_type() == at::kFloat) {
     run(float{});
