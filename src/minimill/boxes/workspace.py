@@ -1,5 +1,5 @@
-"""A box's files on its host: file operations that cannot leave the workspace, disk usage
-against the quota, and the extraction of archives (snapshots.py makes and restores snapshots).
+"""A box's files on its host: file operations that cannot leave the workspace, and disk usage
+against the quota (archive.py unpacks archives; snapshots.py makes and restores snapshots).
 
 The host process is not sandboxed, and a box's own commands can plant symlinks in its
 workspace (`ln -s /etc/shadow x`). So every file operation walks the path one component at a
