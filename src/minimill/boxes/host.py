@@ -36,7 +36,6 @@ from typing import Any, TypeVar
 import anyio
 
 from minimill.box_protocol import (
-    SNAPSHOT_PART_BYTES,
     BoxLease,
     BoxLimits,
     BoxOp,
@@ -52,6 +51,7 @@ from minimill.boxes import snapshots
 from minimill.boxes.archive import ArchiveBounds
 from minimill.boxes.exec_output import ExecOutput
 from minimill.boxes.host_client import BoxHostClient, NotHeld, ParentMissing, Refused
+from minimill.boxes.host_snapshots import Taken, download_chain, take, upload
 from minimill.boxes.ops import MUTATING, OpError, Workspace, run_op
 from minimill.boxes.uids import UidPool
 from minimill.boxes.workspace import PathError, usage_bytes
@@ -249,13 +249,7 @@ class BoxHost:
         archives.mkdir(parents=True)
         lease = box.lease
         ids = lease.chain or ([lease.snapshot_id] if lease.snapshot_id else [])
-        chain: list[tuple[str, bytes | Path]] = []
-        for snapshot_id in ids:
-            dest = archives / snapshot_id
-            download = functools.partial(self.client.download_snapshot, box.box_id,
-                                         snapshot_id, dest)
-            await retrying(download, "snapshot download")
-            chain.append((snapshot_id, dest))
+        chain = await download_chain(self.client, box.box_id, ids, archives)
         owner = box.ws.owner
         # An archive may hold what the box's quota allows, no more (archive.py checks each
         # before writing anything of it).
@@ -357,23 +351,8 @@ class BoxHost:
             box.last_snapshot_at = time.monotonic()
 
     async def _upload(self, box: HostedBox, kind: str, taken: Taken) -> SnapshotStored:
-        """Send the archive in parts, each tried again on its own, then commit it."""
-        upload_id = "snap_" + secrets.token_hex(12)
-        seq = 0
-        with open(taken.path, "rb") as archive:
-            while True:
-                part = await self._in_thread(box, archive.read, SNAPSHOT_PART_BYTES)
-                if not part and seq:
-                    break
-                await retrying(functools.partial(self.client.put_snapshot_part, box.box_id,
-                                                 box.epoch, upload_id, seq, part),
-                               "snapshot part")
-                seq += 1
-                if not part:
-                    break
-        return await retrying(functools.partial(self.client.commit_snapshot, box.box_id,
-                                                box.epoch, kind, upload_id, seq),
-                              "snapshot commit")
+        return await upload(self.client, box.box_id, box.epoch, kind, taken.path,
+                            functools.partial(self._in_thread, box))
 
     async def _post(self, item: BoxOpResult) -> None:
         try:
@@ -430,34 +409,3 @@ class BoxHost:
 
 def _remove(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
-
-
-@dataclass(frozen=True, slots=True)
-class Taken:
-    """A snapshot of a box's workspace: its archive's file and the scan it was taken from."""
-
-    manifest: snapshots.Manifest
-    depth: int  # deltas since the last full snapshot (0: this one is full)
-    snapshot_id: str = ""  # the control plane's id, once stored
-    path: Path = Path()
-
-
-def take(root: Path, base: Taken | None, out: Path) -> Taken:
-    """A delta of `base` where the rules say it pays (snapshots.worth_a_delta), else a full
-    archive, written to the file `out`. The scan comes first: whatever changes after it
-    differs from it next time."""
-    now = snapshots.scan(root)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if base is not None and base.snapshot_id:
-        delta = snapshots.diff(base.manifest, now)
-        if snapshots.worth_a_delta(base.depth, delta, now):
-            try:
-                with open(out, "wb") as f:
-                    snapshots.write_delta(root, base.snapshot_id, delta, now, f)
-            except OSError:
-                pass  # an entry went between the scan and the archive: a full one instead
-            else:
-                return Taken(manifest=now, depth=base.depth + 1, path=out)
-    with open(out, "wb") as f:
-        snapshots.write_full(root, f)
-    return Taken(manifest=now, depth=0, path=out)

@@ -8,9 +8,9 @@
 - `complete_ops`: a result counts only from the box's host at the box's current epoch; a
   successful pause sends the box to `paused`, off its host. The operation's streamed output
   goes: the result holds all of it. Every other result is activity (box_idle.py).
-- `store_snapshot`: an archive from the host at the box's epoch becomes its latest snapshot
-  (automatic ones replace the previous automatic one, which stays while a newer delta needs
-  it). A delta (boxes/snapshots.py) names its parent, a snapshot of the same box.
+- Snapshots from the host at the box's epoch become its latest (box_uploads.py: automatic
+  ones replace the previous automatic one, which stays while a newer delta needs it). A
+  delta (boxes/snapshots.py) names its parent, a snapshot of the same box.
 - Leases carry the chain to restore (full archive first, then its deltas), and a host may
   download any archive of that chain.
 - `reap_expired`: a box whose lease lapsed goes back to `pending` (to come back elsewhere from
@@ -21,13 +21,12 @@ Every transition is a conditional UPDATE on status and epoch, as for requests (l
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-from sqlalchemy import Connection, case, delete, func, insert, select, tuple_, update
+from sqlalchemy import Connection, case, select, tuple_, update
 
 from minimill.box_protocol import (
-    SNAPSHOT_PARENT_NOT_FOUND,
     BoxLease,
     BoxLimits,
     BoxOp,
@@ -39,31 +38,24 @@ from minimill.box_protocol import (
     BoxReleaseResponse,
     BoxResultsRequest,
     BoxResultsResponse,
-    SnapshotStored,
 )
 from minimill.control import box_idle, box_output, files
-from minimill.control.box_records import BoxStatus, OpStatus, SnapshotKind
-from minimill.control.boxes import chain_of, drop_unneeded, store_archive
+from minimill.control.box_records import BoxStatus, OpStatus
+from minimill.control.box_uploads import drop_stale_uploads
+from minimill.control.boxes import chain_of
 from minimill.control.config import ControlConfig
 from minimill.control.errors import (
     ConflictError,
-    InvalidRequestError,
     NotFoundError,
-    PayloadTooLargeError,
 )
 from minimill.control.records import Site
 from minimill.control.store import Store, retry_conflicts
 from minimill.control.tables import (
     box_ops,
-    box_snapshot_uploads,
-    box_snapshots,
     boxes,
-    file_chunks,
 )
 
 MAX_OPS_PER_POLL = 256
-# A snapshot upload not committed this long after its first part lost its host: dropped.
-UPLOAD_TTL_S = 3600.0
 _RUNNING = BoxStatus.RUNNING.value
 _PENDING = BoxStatus.PENDING.value
 HOST_LOST = ("box_host_lost", "the box's host was lost while this ran; the box comes back on "
@@ -210,138 +202,6 @@ def _paused(conn: Connection, box_id: str, epoch: int) -> None:
         box_idle.clear_idle_pause(conn, box_id)
     elif hit:
         box_idle.mark_paused(conn, box_id, by_idle=idle)
-
-
-def _held_for_snapshot(conn: Connection, site: Site, box_id: str, epoch: int) -> Any:
-    row = conn.execute(select(boxes.c.tenant_id, boxes.c.snapshot_id).where(
-        boxes.c.id == box_id, boxes.c.epoch == epoch, boxes.c.site_id == site.id,
-        boxes.c.status == _RUNNING).with_for_update()).first()
-    if row is None:
-        raise ConflictError(f"box {box_id} is not this host's at epoch {epoch}",
-                            code="stale_epoch")
-    return row
-
-
-def _record_snapshot(conn: Connection, box_id: str, tenant_id: str, kind: SnapshotKind,
-                     parts: Iterable[bytes], max_bytes: int, parent_id: str | None,
-                     snapshot_id: str | None = None) -> SnapshotStored:
-    """The archive becomes the box's latest snapshot; automatic ones it replaces go."""
-    if parent_id is not None and conn.execute(select(box_snapshots.c.id).where(
-            box_snapshots.c.id == parent_id,
-            box_snapshots.c.box_id == box_id)).first() is None:
-        raise ConflictError(f"snapshot {parent_id}, the parent of this incremental "
-                            f"snapshot, is not one of box {box_id}",
-                            code=SNAPSHOT_PARENT_NOT_FOUND)
-    record = store_archive(conn, tenant_id, box_id, kind, parts, max_bytes, parent_id,
-                           snapshot_id=snapshot_id)
-    conn.execute(update(boxes).where(boxes.c.id == box_id).values(snapshot_id=record.id))
-    previous = conn.execute(select(box_snapshots.c.id).where(
-        box_snapshots.c.box_id == box_id, box_snapshots.c.kind == SnapshotKind.AUTO.value,
-        box_snapshots.c.id != record.id)).scalars().all()
-    drop_unneeded(conn, box_id, list(previous))
-    return SnapshotStored(snapshot_id=record.id, bytes=record.bytes,
-                          incremental=record.incremental)
-
-
-@retry_conflicts
-def store_snapshot(store: Store, site: Site, box_id: str, epoch: int, kind: SnapshotKind,
-                   parts: Iterable[bytes], max_bytes: int,
-                   parent_id: str | None = None) -> SnapshotStored:
-    """Store a full archive, or (with `parent_id`) a delta of an earlier snapshot of the
-    same box. A parent that is gone is a ConflictError `snapshot_parent_not_found`: the
-    host sends a full archive instead."""
-    with store.write() as conn:
-        row = _held_for_snapshot(conn, site, box_id, epoch)
-        return _record_snapshot(conn, box_id, row.tenant_id, kind, parts, max_bytes,
-                                parent_id)
-
-
-def _too_large(max_bytes: int) -> PayloadTooLargeError:
-    return PayloadTooLargeError(f"the snapshot is larger than the limit of {max_bytes} bytes",
-                                code="snapshot_too_large")
-
-
-@retry_conflicts
-def store_snapshot_part(store: Store, site: Site, box_id: str, epoch: int, upload_id: str,
-                        seq: int, data: bytes, max_bytes: int, now: float) -> None:
-    """One part of an upload (sent again: replaced). The parts together may not pass
-    `max_bytes` (413, for good: the host fails the snapshot rather than sending it again)."""
-    with store.write() as conn:
-        _held_for_snapshot(conn, site, box_id, epoch)
-        if conn.execute(select(box_snapshots.c.id).where(
-                box_snapshots.c.id == upload_id)).first() is not None:
-            raise ConflictError(f"upload {upload_id} is committed already",
-                                code="upload_committed")
-        owner = conn.execute(select(box_snapshot_uploads.c.box_id).where(
-            box_snapshot_uploads.c.id == upload_id)).scalar()
-        if owner is None:
-            conn.execute(insert(box_snapshot_uploads).values(id=upload_id, box_id=box_id,
-                                                             started_at=now))
-        elif owner != box_id:
-            raise ConflictError(f"upload {upload_id} is another box's", code="stale_epoch")
-        others = conn.execute(select(func.coalesce(func.sum(func.length(
-            file_chunks.c.data)), 0)).where(file_chunks.c.file_id == upload_id,
-                                           file_chunks.c.seq != seq)).scalar() or 0
-        if int(others) + len(data) > max_bytes:
-            raise _too_large(max_bytes)
-        conn.execute(delete(file_chunks).where(file_chunks.c.file_id == upload_id,
-                                               file_chunks.c.seq == seq))
-        conn.execute(insert(file_chunks).values(file_id=upload_id, seq=seq, data=data))
-
-
-def upload_head(store: Store, upload_id: str, max_bytes: int) -> Iterator[bytes]:
-    """An upload's parts in order, for reading its start (a delta's header)."""
-    read = 0
-    seq = 0
-    while read < max_bytes:
-        with store.read() as conn:
-            data = conn.execute(select(file_chunks.c.data).where(
-                file_chunks.c.file_id == upload_id, file_chunks.c.seq == seq)).scalar()
-        if data is None:
-            return
-        read += len(data)
-        seq += 1
-        yield bytes(data)
-
-
-@retry_conflicts
-def commit_snapshot(store: Store, site: Site, box_id: str, epoch: int, kind: SnapshotKind,
-                    upload_id: str, parts: int, max_bytes: int,
-                    parent_id: str | None) -> SnapshotStored:
-    """An upload's parts 0 .. parts - 1 become the box's latest snapshot, under the upload's
-    id. Committed already (an answer lost): the same answer."""
-    with store.write() as conn:
-        done = conn.execute(select(box_snapshots).where(
-            box_snapshots.c.id == upload_id, box_snapshots.c.box_id == box_id)).first()
-        if done is not None:
-            return SnapshotStored(snapshot_id=done.id, bytes=done.bytes,
-                                  incremental=done.parent_id is not None)
-        row = _held_for_snapshot(conn, site, box_id, epoch)
-        if conn.execute(select(box_snapshot_uploads.c.id).where(
-                box_snapshot_uploads.c.id == upload_id,
-                box_snapshot_uploads.c.box_id == box_id)).first() is None:
-            raise InvalidRequestError(f"no upload {upload_id} of box {box_id}",
-                                      param="upload", code="upload_not_found")
-        sizes = conn.execute(select(file_chunks.c.seq, func.length(file_chunks.c.data)).where(
-            file_chunks.c.file_id == upload_id).order_by(file_chunks.c.seq)).tuples().all()
-        if [seq for seq, _ in sizes] != list(range(parts)):
-            raise InvalidRequestError(f"upload {upload_id} has {len(sizes)} parts, not the "
-                                      f"{parts} it names", param="parts",
-                                      code="incomplete_upload")
-        if sum(int(n) for _, n in sizes) > max_bytes:
-            raise _too_large(max_bytes)
-        conn.execute(delete(box_snapshot_uploads).where(box_snapshot_uploads.c.id == upload_id))
-        return _record_snapshot(conn, box_id, row.tenant_id, kind, [], max_bytes, parent_id,
-                                snapshot_id=upload_id)
-
-
-def drop_stale_uploads(conn: Connection, now: float) -> int:
-    stale = conn.execute(select(box_snapshot_uploads.c.id).where(
-        box_snapshot_uploads.c.started_at < now - UPLOAD_TTL_S)).scalars().all()
-    if stale:
-        conn.execute(delete(file_chunks).where(file_chunks.c.file_id.in_(stale)))
-        conn.execute(delete(box_snapshot_uploads).where(box_snapshot_uploads.c.id.in_(stale)))
-    return len(stale)
 
 
 def snapshot_content(store: Store, site: Site, box_id: str, snapshot_id: str) -> Iterator[bytes]:

@@ -33,7 +33,7 @@ from minimill.box_protocol import (
     SnapshotStored,
 )
 from minimill.boxes import snapshots
-from minimill.control import box_hosts
+from minimill.control import box_hosts, box_uploads
 from minimill.control.box_records import SnapshotKind
 from minimill.control.errors import InvalidRequestError
 from minimill.control.store import Store
@@ -93,7 +93,7 @@ async def store_snapshot(box_id: str, request: Request, store: StoreDep, site: S
     if upload is not None:
         parent = await anyio.to_thread.run_sync(_upload_parent, store, upload)
         return await anyio.to_thread.run_sync(
-            box_hosts.commit_snapshot, store, site, box_id, epoch, SnapshotKind(kind), upload,
+            box_uploads.commit_snapshot, store, site, box_id, epoch, SnapshotKind(kind), upload,
             parts, config.max_file_bytes, parent)
     data = b"".join([c async for c in body_chunks(request, config.max_file_bytes)])
     try:
@@ -101,13 +101,13 @@ async def store_snapshot(box_id: str, request: Request, store: StoreDep, site: S
     except snapshots.SnapshotError as exc:
         raise InvalidRequestError(str(exc), code="invalid_archive") from None
     return await anyio.to_thread.run_sync(
-        box_hosts.store_snapshot, store, site, box_id, epoch, SnapshotKind(kind), [data],
+        box_uploads.store_snapshot, store, site, box_id, epoch, SnapshotKind(kind), [data],
         config.max_file_bytes, delta[0].parent if delta is not None else None)
 
 
 def _upload_parent(store: Store, upload_id: str) -> str | None:
     """The parent an uploaded delta's header names (None: a full archive)."""
-    head = box_hosts.upload_head(store, upload_id, snapshots.MAX_DELTA_HEADER_BYTES + 64)
+    head = box_uploads.upload_head(store, upload_id, snapshots.MAX_DELTA_HEADER_BYTES + 64)
     buffer = bytearray()
 
     def more(n: int) -> bytes:
@@ -136,7 +136,7 @@ async def store_snapshot_part(box_id: str, upload_id: UploadId,
                               epoch: Annotated[int, Query(ge=0, le=2**31 - 1)]) -> dict[str, int]:
     """One part of a snapshot upload (SNAPSHOT_PART_BYTES at most; sent again: replaced)."""
     data = b"".join([c async for c in body_chunks(request, SNAPSHOT_PART_BYTES)])
-    await anyio.to_thread.run_sync(box_hosts.store_snapshot_part, store, site, box_id, epoch,
+    await anyio.to_thread.run_sync(box_uploads.store_snapshot_part, store, site, box_id, epoch,
                                    upload_id, seq, data, config.max_file_bytes, time.time())
     return {"bytes": len(data)}
 
