@@ -76,3 +76,37 @@ def test_seccomp_filters_are_built_by_libseccomp() -> None:
     assert box is not None and harness is not None
     # Classic BPF: 8-byte instructions, the harness's a few more (no fork, vfork, clone).
     assert len(box) % 8 == 0 and len(harness) > len(box)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a root host's box uid")
+def test_an_exec_enters_its_cgroup_before_it_drops_to_the_box_uid(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole exec path with a cgroup, against a fake cgroup directory: the wrapper writes
+    its own pid into the group's cgroup.procs as root, then runs the sandbox as the box's uid
+    (a real cgroup's kernel moves it there; this machine has no delegated cgroup v2)."""
+    from minimill.boxes import sandbox
+
+    fake = tmp_path / "fake-cgroup"
+    fake.mkdir()
+    (fake / "cgroup.controllers").write_text("memory pids\n")
+    (fake / "cgroup.subtree_control").write_text("")
+    monkeypatch.setattr(cgroups, "available", lambda: cgroups.prepare(fake))
+    made: list[cgroups.ExecGroup] = []
+    real = cgroups.ExecGroup
+
+    def recording(*args: object) -> cgroups.ExecGroup:
+        made.append(real(*args))  # type: ignore[arg-type]
+        return made[-1]
+
+    monkeypatch.setattr(cgroups, "ExecGroup", recording)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    for path in (ws, *ws.parents):
+        path.chmod(path.stat().st_mode | 0o001)
+    os.chown(ws, 300123, 300123)
+    result = sandbox.run_exec(ws, ["sh", "-c", "id -u; touch mine"],
+                              limits=sandbox.Limits(memory_mb=64, max_processes=8), uid=300123)
+    assert (result.exit_code, result.stdout) == (0, b"1000\n"), result
+    assert os.stat(ws / "mine").st_uid == 300123  # the box's host uid, not root
+    assert (made[0].path / "memory.max").read_text() == str(64 * 1024 * 1024)
+    assert int((made[0].path / "cgroup.procs").read_text()) > 1
