@@ -102,6 +102,40 @@ def bench_sessions(
         probe_tokens=probe_tokens))
 
 
+@bench_app.command("structured")
+def bench_structured(
+    workload: Path = WorkloadOption,
+    json_out: bool = JsonOption,
+    model: str = ModelOption,
+    dtype: str = EngineDtypeOption,
+    limit: int | None = typer.Option(None, help="Use only the first N requests."),
+    rounds: int = typer.Option(3, min=1, help="Constrained/unconstrained pairs; the median "
+                               "ratio is the headline."),
+) -> None:
+    """Grammar-constrained decoding against the same work unconstrained: throughput ratio,
+    schema validity of every answer, grammar compile times."""
+    import json
+
+    from rich.console import Console
+
+    from minimill.bench.structured_bench import StructuredBenchOptions, run_structured_bench
+    from minimill.engine.params import EngineError
+    from minimill.models.types import ModelError
+
+    try:
+        report = run_structured_bench(StructuredBenchOptions(
+            workload=workload, json_out=json_out, model=model, dtype=dtype, limit=limit,
+            rounds=rounds))
+    except (EngineError, ModelError, OSError) as exc:
+        Console(stderr=True).print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from None
+    if json_out:
+        print(json.dumps(report))
+        return
+    for key, value in report.items():
+        print(f"{key:>28}: {value}")
+
+
 @bench_app.command("kv")
 def bench_kv(
     json_out: bool = JsonOption,

@@ -3,11 +3,15 @@
 `EchoSite` is a real client of the fleet protocol (lease, heartbeat with checkpoint deltas,
 complete over HTTP with a site token). It answers without a model: each choice's text is the
 words of "echo <last message>", one word per token, so tests can predict every output. A prompt
-containing FAIL_CONTEXT is failed with context_length_exceeded, as an engine would.
+containing FAIL_CONTEXT is failed with context_length_exceeded, as an engine would. A chat with
+tools whose last message says `text CALL name {json} CALL ...` is answered with "echo text" and
+those calls, written as Hermes `<tool_call>` blocks (4 characters a token), as a model with
+tools would write them.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -118,6 +122,27 @@ def reply_words(kind: str, body: dict[str, Any]) -> list[str]:
     return ["echo"] + [f" {w}" for w in source.split()]
 
 
+def tool_format(kind: str, body: dict[str, Any]) -> str | None:
+    """The tool syntax a site reports for a request: hermes when it may call its tools."""
+    calls = kind == "chat" and body.get("tools") and body.get("tool_choice") != "none"
+    return "hermes" if calls else None
+
+
+def reply_tokens(kind: str, body: dict[str, Any]) -> list[str]:
+    """The answer's tokens: the echo, or (a chat with tools asked to CALL) text and calls."""
+    source = str(body["messages"][-1].get("content") or "") if kind == "chat" else ""
+    if tool_format(kind, body) is None or "CALL " not in source:
+        return reply_words(kind, body)
+    head, *calls = source.split("CALL ")
+    blocks = [f"echo {head.strip()}"] if head.strip() else []
+    for call in calls:
+        name, _, arguments = call.strip().partition(" ")
+        blocks.append("<tool_call>\n" + json.dumps(
+            {"name": name, "arguments": json.loads(arguments or "{}")}) + "\n</tool_call>")
+    text = "\n".join(blocks)
+    return [text[i:i + 4] for i in range(0, len(text), 4)]
+
+
 @dataclass
 class EchoSite:
     """A worker site that answers over the real protocol from its own thread."""
@@ -199,7 +224,8 @@ class EchoSite:
     def _serve(self, lease: dict[str, Any]) -> dict[str, Any]:
         body, kind = lease["body"], lease["kind"]
         base = {"request_id": lease["request_id"], "epoch": lease["epoch"]}
-        words = reply_words(kind, body)
+        words = reply_tokens(kind, body)
+        fmt = {"tool_format": f} if (f := tool_format(kind, body)) else {}
         if any("FAIL_CONTEXT" in w for w in words):
             return {**base, "outcome": "failed", "error": {
                 "code": "context_length_exceeded", "param": "messages",
@@ -225,14 +251,15 @@ class EchoSite:
                      "top_logprobs": [{"token": t, "logprob": -0.5}] * top}
                     for t in tokens[:upto]] if want_lp else None)
             return {"index": i, "token_ids": list(range(upto)), "text": "".join(tokens[:upto]),
-                    "logprobs": lps}
+                    "logprobs": lps, **fmt}
 
         def delta(i: int, lo: int, hi: int) -> dict[str, Any]:
             new = progress(i, hi)
             lps = new["logprobs"]
             return {"index": i, "base_tokens": lo, "base_chars": len("".join(tokens[:lo])),
                     "base_logprobs": lo if want_lp else 0, "token_ids": new["token_ids"][lo:],
-                    "text": "".join(tokens[lo:hi]), "logprobs": None if lps is None else lps[lo:]}
+                    "text": "".join(tokens[lo:hi]), "logprobs": None if lps is None else lps[lo:],
+                    **fmt}
 
         if lease.get("stream"):
             full = self.full_checkpoints

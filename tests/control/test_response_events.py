@@ -5,6 +5,7 @@ repeat; and the deltas add up to the answer."""
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import replace
 from typing import Any
 
@@ -97,3 +98,91 @@ def test_status_and_usage_follow_the_row() -> None:
     assert (queued["status"], queued["output"]) == ("queued", [])
     assert response_events(row("", RequestStatus.CANCELLED))[-1]["response"]["status"] \
         == "cancelled"
+
+
+# ------------------------------------------------------------------------------------------
+# Responses with tools: the answer's text in a model's tool syntax becomes a message and calls.
+
+WEATHER = {"type": "function", "name": "get_weather",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+
+def call_text(city: str) -> str:
+    return f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}"}}}}\n' \
+           '</tool_call>'
+
+
+def tool_row(text: str, status: RequestStatus, finish: str = "stop") -> RequestRecord:
+    base = row(text, status, finish)
+    body = prepare_response(ResponseBody.model_validate(
+        {"model": MODEL, "input": "hi", "tools": [WEATHER], "background": True}), [MODEL]).body
+
+    def with_format(source: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if source is None else {
+            "choices": [{**c, "tool_format": "hermes"} for c in source["choices"]]}
+
+    return replace(base, body=body, checkpoint=with_format(base.checkpoint),
+                   result=with_format(base.result))
+
+
+def arguments(events: list[dict[str, Any]], item_id: str) -> str:
+    return "".join(e["delta"] for e in events
+                   if e["type"] == "response.function_call_arguments.delta"
+                   and e["item_id"] == item_id)
+
+
+TOOL_TEXT = "Let me look.\n" + call_text("Paris") + "\n" + call_text("São Paulo") + "\nDone."
+
+
+@settings(max_examples=150, deadline=None)
+@given(cuts=st.lists(st.integers(0, len(TOOL_TEXT)), max_size=6),
+       end=st.sampled_from([RequestStatus.SUCCEEDED, RequestStatus.FAILED]))
+def test_tool_call_events_only_grow_and_add_up(cuts: list[int], end: RequestStatus) -> None:
+    states = [tool_row(TOOL_TEXT[:cut], RequestStatus.LEASED) for cut in sorted(cuts)]
+    states.append(tool_row(TOOL_TEXT, end))
+    lists = [response_events(s) for s in states]
+    for earlier, later in itertools.pairwise(lists):
+        assert later[:len(earlier)] == earlier
+    final = lists[-1]
+    assert [e["sequence_number"] for e in final] == list(range(len(final)))
+    for start in {0, *cuts}:
+        assert response_events(states[-1], start) == final[start:]
+    output = final[-1]["response"]["output"]
+    assert [i["type"] for i in output] == ["message", "function_call", "function_call"]
+    assert deltas(final) == output[0]["content"][0]["text"] == "Let me look.\nDone."
+    for item in output[1:]:
+        assert arguments(final, item["id"]) == item["arguments"]
+        assert item["status"] == "completed" and item["call_id"].startswith("call_")
+    assert [json.loads(i["arguments"])["city"] for i in output[1:]] == ["Paris", "São Paulo"]
+
+
+def test_tool_call_event_sequence() -> None:
+    text = call_text("Paris")
+    events = response_events(tool_row(text, RequestStatus.SUCCEEDED))
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed"]
+    added, done = events[2], events[6]
+    assert added["item"] | {"arguments": '{"city": "Paris"}', "status": "completed"} \
+        == done["item"]
+    assert added["item"]["arguments"] == "" and added["item"]["status"] == "in_progress"
+    assert events[5]["arguments"] == '{"city": "Paris"}' and events[5]["name"] == "get_weather"
+    assert {e.get("output_index") for e in events[2:7]} == {0}
+    response = events[-1]["response"]
+    assert response["output"] == [done["item"]]
+    assert response["tools"][0]["name"] == "get_weather" and response["tool_choice"] == "auto"
+    # A call is done as soon as its JSON is whole, before the response ends.
+    running = response_events(tool_row(text[:-len("\n</tool_call>")], RequestStatus.LEASED))
+    assert running[-1]["type"] == "response.output_item.done"
+
+
+def test_a_call_cut_short_is_an_incomplete_item() -> None:
+    cut = ("Hi " + call_text("Paris"))[:60]
+    final = response_events(tool_row(cut, RequestStatus.SUCCEEDED, finish="length"))
+    response = final[-1]["response"]
+    assert (final[-1]["type"], response["status"]) == ("response.incomplete", "incomplete")
+    assert [(i["type"], i["status"]) for i in response["output"]] == [
+        ("message", "incomplete"), ("function_call", "incomplete")]
+    assert "response.function_call_arguments.done" not in [e["type"] for e in final]

@@ -13,8 +13,9 @@ runs.
 
 `trust_line` makes batch lines of the kinds resuming can get wrong: seeded sampling beside
 greedy, stop strings that never match (their prefixes are held back while a request runs),
-stop strings that end choices early, n > 1, logprobs, and multi-byte UTF-8 output split over
-several tokens.
+stop strings that end choices early, n > 1, logprobs, multi-byte UTF-8 output split over
+several tokens, and outputs a grammar constrains (a JSON schema, required tool calls), whose
+grammar state a resumed request rebuilds from its tokens.
 """
 
 from __future__ import annotations
@@ -46,12 +47,19 @@ NEVER = ["<|never|>", "zzzz"]
 # in accented French.
 JAPANESE = "Say hello in Japanese to friend {i}."
 FRENCH = "Écris une phrase en français sur le café numéro {i}."
+# How many kinds of line trust_line makes (line i is of kind i % KINDS).
+KINDS = 8
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                                           "age": {"type": "integer", "minimum": 0}},
+          "required": ["name", "age"], "additionalProperties": False}
+LOOKUP = [{"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}]
 
 
 def trust_line(custom_id: str, i: int, content: str, max_tokens: int) -> str:
-    """Batch line `i`: `content` (or a prompt with UTF-8 output) under one of six mixes of
+    """Batch line `i`: `content` (or a prompt with UTF-8 output) under one of KINDS mixes of
     sampling options, chosen by `i`."""
-    kind = i % 6
+    kind = i % KINDS
     if kind == 0:  # greedy, as the plainest client asks
         return chat_line(custom_id, content, max_tokens)
     if kind == 1:  # seeded sampling, with logprobs and alternatives
@@ -64,8 +72,15 @@ def trust_line(custom_id: str, i: int, content: str, max_tokens: int) -> str:
                          logprobs=True)
     if kind == 4:  # split UTF-8 characters while a stop prefix is held back
         return chat_line(custom_id, JAPANESE.format(i=i), max_tokens, stop=NEVER)
-    return chat_line(custom_id, FRENCH.format(i=i), max_tokens, temperature=0.7, seed=i,
-                     logprobs=True)
+    if kind == 5:
+        return chat_line(custom_id, FRENCH.format(i=i), max_tokens, temperature=0.7, seed=i,
+                         logprobs=True)
+    if kind == 6:  # greedy JSON of a schema
+        return chat_line(custom_id, content, max_tokens, response_format={
+            "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    # sampled tool calls, the grammar's lazy parts included
+    return chat_line(custom_id, content, max_tokens, temperature=1.0, seed=i, tools=LOOKUP,
+                     tool_choice="required")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +154,7 @@ def _difference(got: list[ChoiceProgress], want: list[ChoiceProgress]) -> str | 
     if len(got) != len(want):
         return f"{len(got)} choices, the reference {len(want)}"
     for g, w in zip(got, want, strict=True):
-        for name in ("index", "text", "token_ids", "finish_reason", "logprobs"):
+        for name in ("index", "text", "token_ids", "finish_reason", "logprobs", "tool_format"):
             if getattr(g, name) != getattr(w, name):
                 return (f"choice {w.index} {name}: {getattr(g, name)!r} != the reference's "
                         f"{getattr(w, name)!r}")
@@ -173,6 +188,6 @@ def tokenizer() -> Tokenizer:
     return tokenizer_from_gguf(read_gguf_header(path).metadata, path)
 
 
-def rendered(kind: Kind, choices: list[ChoiceProgress]) -> list[dict[str, Any]]:
+def rendered(kind: Kind, choices: list[ChoiceProgress], request_id: str) -> list[dict[str, Any]]:
     """The choices of the response body a client gets for these results."""
-    return [render_choice(kind, c.model_dump(mode="json")) for c in choices]
+    return [render_choice(kind, c.model_dump(mode="json"), request_id) for c in choices]

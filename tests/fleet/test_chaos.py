@@ -29,6 +29,7 @@ import pytest
 from fleet_checks import accepted_checkpoints, batch_records, resume_points, wait_until
 from proxy import FleetProxy, fleet_proxy
 from resume_reference import (
+    KINDS,
     assert_results_match_reference,
     finished_requests,
     interrupted_and,
@@ -183,7 +184,7 @@ def max_tokens(i: int) -> int:
     """Short requests, but the lines asking for Japanese (trust_line's kind 4) run longer: more
     of them are caught mid-flight by a kill, and more of their checkpoints end inside a
     character, so the chaos reaches that resume point in every run, not in most."""
-    return 32 if i % 6 == 4 else 8 + i % 5
+    return 32 if i % KINDS == 4 else 8 + i % 5
 
 
 def test_chaos_loses_nothing(fleet_home: Path, tmp_path: Path) -> None:
@@ -282,7 +283,8 @@ def test_chaos_loses_nothing(fleet_home: Path, tmp_path: Path) -> None:
         for point in ("mid UTF-8", "held-back stop prefix", "n > 1", "logprobs", "sampled"):
             assert points[point] >= 1, point
         for request_id, reference in compared.reference.items():
-            assert bodies[request_id]["choices"] == rendered(Kind.CHAT, reference), request_id
+            assert bodies[request_id]["choices"] == rendered(Kind.CHAT, reference,
+                                                             request_id), request_id
     finally:
         for worker in workers:
             worker.signal_group(signal.SIGCONT)

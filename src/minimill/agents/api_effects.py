@@ -107,9 +107,13 @@ class ApiEffects:
     async def chat(self, body: dict[str, Any], key: str) -> dict[str, Any]:
         once = {"Idempotency-Key": f"{self.lease.agent_id}/{key}"}
         data = (await self._call("POST", "/chat/completions", json=body, headers=once)).json()
-        return {"text": data["choices"][0]["message"].get("content") or "",
-                "finish_reason": data["choices"][0].get("finish_reason"),
-                "usage": data.get("usage") or {}}
+        message = data["choices"][0]["message"]
+        answer = {"text": message.get("content") or "",
+                  "finish_reason": data["choices"][0].get("finish_reason"),
+                  "usage": data.get("usage") or {}}
+        if message.get("tool_calls"):
+            answer["tool_calls"] = message["tool_calls"]
+        return answer
 
     async def box_create(self) -> str:
         resp = await self._call("POST", "/boxes", json={"image": self.lease.box_image})

@@ -25,6 +25,22 @@ T = TypeVar("T")
 DEFAULT_MAX_TOKENS = 256
 
 
+class Answer(str):
+    """What ctx.chat returns: the message's text (a str, as before tools), with the tool calls
+    it made (OpenAI's chat `tool_calls`: id, type, function {name, arguments}) and why it
+    stopped ("stop", "length" or "tool_calls")."""
+
+    tool_calls: list[dict[str, Any]]
+    finish_reason: str | None
+
+    def __new__(cls, text: str, tool_calls: list[dict[str, Any]] | None = None,
+                finish_reason: str | None = None) -> Answer:
+        answer = super().__new__(cls, text)
+        answer.tool_calls = list(tool_calls or [])
+        answer.finish_reason = finish_reason
+        return answer
+
+
 class BudgetExceeded(RuntimeError):
     """The agent spent its token budget; ctx.chat refuses further calls."""
 
@@ -179,9 +195,14 @@ class Ctx:
 
     async def chat(self, messages: str | list[dict[str, Any]], *, max_tokens: int =
                    DEFAULT_MAX_TOKENS, model: str | None = None, temperature: float = 0.0,
-                   realtime: bool = False, **extra: Any) -> str:
+                   realtime: bool = False, tools: list[dict[str, Any]] | None = None,
+                   tool_choice: str | dict[str, Any] | None = None,
+                   parallel_tool_calls: bool | None = None,
+                   response_format: dict[str, Any] | None = None, **extra: Any) -> Answer:
         """A chat completion through the token factory (background tier unless `realtime`);
-        returns the text. Usage is charged to ctx.budget."""
+        returns the text, carrying the message's `tool_calls` and `finish_reason`. `tools`,
+        `tool_choice`, `parallel_tool_calls` and `response_format` are chat completions'
+        own (enforced by the engine). Usage is charged to ctx.budget."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         budget = self._run.budget
@@ -189,6 +210,11 @@ class Ctx:
             raise BudgetExceeded(f"the agent spent its budget of {budget.limit_tokens} tokens")
         body = {"model": model or self._run.model, "messages": messages,
                 "max_tokens": max_tokens, "temperature": temperature, **extra}
+        for name, value in (("tools", tools), ("tool_choice", tool_choice),
+                            ("parallel_tool_calls", parallel_tool_calls),
+                            ("response_format", response_format)):
+            if value is not None:
+                body[name] = value
         if not realtime:
             body["service_tier"] = "flex"
 
@@ -198,7 +224,9 @@ class Ctx:
             return done
 
         answer = await self.effect("chat", perform)
-        return str(answer.get("text") or "")
+        calls = answer.get("tool_calls")
+        return Answer(str(answer.get("text") or ""),
+                      calls if isinstance(calls, list) else None, answer.get("finish_reason"))
 
     async def map(self, subagent: Callable[[Ctx, Any], Awaitable[T]], items: Sequence[Any],
                   concurrency: int = 8) -> list[T]:

@@ -3,7 +3,7 @@ shapes as the official client parses them."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -17,12 +17,30 @@ class OutputText(BaseModel):
     logprobs: list[Any]
 
 
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
 class OutputMessage(BaseModel):
     id: str
     type: Literal["message"]
     role: Literal["assistant"]
-    status: Literal["in_progress", "completed", "incomplete"]
+    status: ItemStatus
     content: list[OutputText]
+
+
+class FunctionCall(BaseModel):
+    """A call the model made: run the function, then answer with a function_call_output
+    input item carrying its `call_id`."""
+
+    id: str
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str = Field(description="JSON text of the arguments.")
+    status: ItemStatus
+
+
+OutputItem = Annotated[OutputMessage | FunctionCall, Field(discriminator="type")]
 
 
 class InputTokensDetails(BaseModel):
@@ -53,12 +71,27 @@ class IncompleteDetails(BaseModel):
 
 
 class TextFormat(BaseModel):
-    type: Literal["text"]
+    model_config = ConfigDict(extra="allow")  # json_schema's name, schema, strict...
+
+    type: Literal["text", "json_object", "json_schema"]
 
 
 class TextConfig(BaseModel):
     format: TextFormat
     verbosity: str
+
+
+class FunctionTool(BaseModel):
+    type: Literal["function"]
+    name: str
+    description: str | None
+    parameters: dict[str, Any] | None
+    strict: bool
+
+
+class FunctionToolChoice(BaseModel):
+    type: Literal["function"]
+    name: str
 
 
 class ResponseObject(BaseModel):
@@ -73,16 +106,17 @@ class ResponseObject(BaseModel):
     max_output_tokens: int | None
     metadata: dict[str, str]
     model: str
-    output: list[OutputMessage]
+    output: list[OutputItem]
     parallel_tool_calls: bool
     previous_response_id: str | None
     prompt_cache_key: str | None
+    safety_identifier: str | None
     service_tier: str
     store: bool
     temperature: float
     text: TextConfig
-    tool_choice: str
-    tools: list[Any]
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice
+    tools: list[FunctionTool]
     top_p: float
     truncation: str
     usage: ResponseUsage | None
@@ -97,12 +131,24 @@ class InputPart(BaseModel):
     text: str
 
 
-class InputItem(BaseModel):
+class InputMessageItem(BaseModel):
     id: str
     type: Literal["message"]
     role: Literal["user", "assistant", "system", "developer"]
     status: Literal["completed"]
     content: list[InputPart]
+
+
+class FunctionCallOutput(BaseModel):
+    id: str
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputPart]
+    status: Literal["completed"]
+
+
+InputItem = Annotated[InputMessageItem | FunctionCall | FunctionCallOutput,
+                      Field(discriminator="type")]
 
 
 class InputItemList(BaseModel):

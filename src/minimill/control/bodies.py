@@ -269,6 +269,8 @@ def _num_prompts(prompt: str | list[Any]) -> int:
 BODY_MODELS: dict[Kind, type[_Sampling]] = {Kind.CHAT: ChatBody, Kind.COMPLETION: CompletionBody}
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# A parameter's path as validators name it in their messages ("tools[0].type").
+_PARAM_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\[[0-9]+\]|\.[A-Za-z_][A-Za-z0-9_]*)*$")
 # Names pydantic puts in error locations for union members; they are not parameters.
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after"}
 
@@ -296,7 +298,7 @@ def describe_errors(errors: Sequence[Any], skip: int = 0) -> tuple[str, str | No
         return f"Missing required parameter: '{param}'.", param
     # Errors raised in validators name their parameter ("stop: ...").
     head, sep, rest = msg.removeprefix("Value error, ").partition(": ")
-    if sep and _IDENT.match(head):
+    if sep and _PARAM_PATH.match(head):
         return f"Invalid '{head}': {rest}", head if param is None else param
     where = f"'{param}'" if param else "the request body"
     return f"Invalid value for {where}: {msg}", param
@@ -339,11 +341,16 @@ def check_schemas(parsed: ChatBody) -> None:
         if tool.function.parameters is not None:
             checks.append((f"tools[{i}].function.parameters", tool.function.parameters))
     for param, schema in checks:
-        try:
-            check_grammar(GuidedDecoding(json_schema=json.dumps(schema)))
-        except GrammarError as exc:
-            raise InvalidRequestError(f"Invalid schema for '{param}': {exc}",
-                                      param=param, code="invalid_json_schema") from None
+        check_schema(param, schema)
+
+
+def check_schema(param: str, schema: Any) -> None:
+    """A 400 naming `param` unless the grammar engine compiles `schema`."""
+    try:
+        check_grammar(GuidedDecoding(json_schema=json.dumps(schema)))
+    except GrammarError as exc:
+        raise InvalidRequestError(f"Invalid schema for '{param}': {exc}",
+                                  param=param, code="invalid_json_schema") from None
 
 
 def check_max_tokens(parsed: _Sampling, max_tokens: int | None,

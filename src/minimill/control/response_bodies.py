@@ -1,18 +1,20 @@
 """OpenAI Responses request bodies: validation, and the chat a worker runs for one.
 
 A response runs as a chat over its whole conversation: `instructions` as the system message,
-then the conversation of the previous responses (their inputs and outputs; their instructions
-are not carried over, as OpenAI documents), then this input. The request row's body is that chat
-body, plus the Responses parameters under `"response"` (what rendering and `input_items` read),
-so workers need nothing new and a stored response is self-contained: deleting an earlier one
-never breaks a later one.
+then the conversation of the previous responses (their inputs and outputs, function calls
+included; their instructions are not carried over, as OpenAI documents), then this input (its
+items become chat messages: response_items.py). Tools and `text.format` become the chat body's
+`tools`, `tool_choice`, `parallel_tool_calls` and `response_format` (response_tools.py). The
+request row's body is that chat body, plus the Responses parameters under `"response"` (what
+rendering and `input_items` read), so workers need nothing new and a stored response is
+self-contained: deleting an earlier one never breaks a later one.
 
 One definition serves the HTTP route and `/v1/responses` batch lines, as bodies.py does for chat.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -20,33 +22,45 @@ from pydantic import Field, ValidationError, model_validator
 
 from minimill.control.bodies import MAX_INT32, PreparedBody, _Body, describe_errors
 from minimill.control.errors import InvalidRequestError, NotFoundError
-from minimill.control.records import Kind, Tier, new_id
+from minimill.control.records import Kind, Tier
+from minimill.control.response_items import (
+    InputItem,
+    InputMessage,
+    chat_messages,
+    check_calls_answered,
+    refuse_unsupported_items,
+    stored_items,
+)
+from minimill.control.response_tools import (
+    AnyTextFormat,
+    TextFormat,
+    ToolChoice,
+    Tools,
+    chat_fields,
+    check_tool_fields,
+    check_tool_schemas,
+    echoed,
+    refuse_unsupported_tools,
+)
 
 MAX_METADATA_PAIRS = 16
 MAX_ITEMS = 2048
-
-
-class InputPart(_Body):
-    type: Literal["input_text", "output_text"]
-    text: str
-
-
-class InputMessage(_Body):
-    """A message item (OpenAI's EasyInputMessage or input message); other item types (tool
-    calls and their outputs, references) are not supported."""
-
-    type: Literal["message"] = "message"
-    role: Literal["user", "assistant", "system", "developer"]
-    content: list[InputPart] | str
-
-
-class TextFormat(_Body):
-    type: Literal["text"] = Field(description="Only plain text output is supported.")
+# OpenAI Responses parameters that minimill does not honour: refused whenever given a value
+# (null is no value), so that no client believes they worked.
+UNSUPPORTED = ("access_programs", "background_options", "context_management", "image",
+               "max_tool_calls", "moderation", "prompt", "prompt_cache_options",
+               "prompt_cache_retention", "reasoning", "top_logprobs")
 
 
 class TextConfig(_Body):
     format: TextFormat | None = None
-    verbosity: Literal["low", "medium", "high"] | None = None
+    verbosity: Literal["medium"] | None = Field(
+        None, description="Only medium: the models served here take no verbosity hint.")
+
+
+class StreamOptions(_Body):
+    include_obfuscation: Literal[False] | None = Field(
+        None, description="Stream events are not padded (no obfuscation field).")
 
 
 class ResponseBody(_Body):
@@ -54,8 +68,9 @@ class ResponseBody(_Body):
 
     model: str = Field(min_length=1, max_length=200)
     # The list first: an error inside a list of items then names the item at fault.
-    input: list[InputMessage] | str = Field(
-        description="A user message as a string, or a list of message items.")
+    input: list[InputItem] | str = Field(
+        description="A user message as a string, or a list of items: messages, function "
+                    "calls and function call outputs.")
     instructions: str | None = Field(None, description="The system message of this turn.")
     previous_response_id: str | None = Field(None, min_length=1, max_length=100)
     max_output_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
@@ -63,6 +78,7 @@ class ResponseBody(_Body):
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stream: bool | None = None
+    stream_options: StreamOptions | None = None
     background: bool | None = Field(
         None, description="Queue it and answer at once; billed at the background price.")
     store: bool | None = None
@@ -72,28 +88,48 @@ class ResponseBody(_Body):
     prompt_cache_key: str | None = Field(
         None, min_length=1, max_length=200,
         description="Session key (default: the conversation's first response id).")
-    user: str | None = None
-    truncation: Literal["auto", "disabled"] | None = None
+    user: str | None = Field(None, max_length=200)
+    safety_identifier: str | None = Field(None, max_length=200)
+    truncation: Literal["disabled"] | None = Field(
+        None, description="Only disabled: a conversation longer than the context fails.")
+    tools: Tools | None = Field(None, description="Function tools (no hosted tools).")
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    tool_choice: Literal["none", "auto"] | None = None
-    tools: list[dict[str, Any]] | None = Field(None, description="Tools are not supported.")
-    include: list[str] | None = None
+    include: list[str] | None = Field(None, max_length=0, description="Nothing to include.")
     conversation: None = Field(None, description="Not supported: use previous_response_id.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, raw: Any) -> Any:
+        if isinstance(raw, dict):
+            for name in UNSUPPORTED:
+                if raw.get(name) is not None:
+                    raise ValueError(f"{name}: not supported by this server")
+            if raw.get("include"):
+                raise ValueError(f"include: {raw['include']!r}: nothing can be included")
+            refuse_unsupported_tools(raw)
+            refuse_unsupported_items(raw)
+        return raw
 
     @model_validator(mode="after")
     def _check(self) -> ResponseBody:
         if isinstance(self.input, list) and not 1 <= len(self.input) <= MAX_ITEMS:
             raise ValueError(f"input: a list of 1 to {MAX_ITEMS} items")
-        if self.tools:
-            raise ValueError("tools: not supported by this server")
         if self.background and self.store is False:
             raise ValueError("store: a background response must be stored (store: true)")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
         if self.metadata is not None:
             if len(self.metadata) > MAX_METADATA_PAIRS:
                 raise ValueError(f"metadata: at most {MAX_METADATA_PAIRS} pairs")
             if any(len(k) > 64 or len(v) > 512 for k, v in self.metadata.items()):
                 raise ValueError("metadata: keys up to 64 and values up to 512 characters")
+        check_tool_fields(self.tools, self.tool_choice)
         return self
+
+    @property
+    def text_format(self) -> AnyTextFormat | None:
+        return self.text.format if self.text is not None else None
 
 
 def parse_response_body(raw: Any) -> ResponseBody:
@@ -107,27 +143,6 @@ def parse_response_body(raw: Any) -> ResponseBody:
         raise InvalidRequestError(message, param=param) from None
 
 
-def input_items(parsed: ResponseBody) -> list[dict[str, Any]]:
-    """The input as OpenAI's input items (what `input_items` lists), each with an id."""
-    messages = ([InputMessage(role="user", content=parsed.input)]
-                if isinstance(parsed.input, str) else parsed.input)
-    items = []
-    for message in messages:
-        part = "output_text" if message.role == "assistant" else "input_text"
-        content = ([{"type": part, "text": message.content}] if isinstance(message.content, str)
-                   else [p.model_dump() for p in message.content])
-        items.append({"id": new_id("msg_"), "type": "message", "role": message.role,
-                      "status": "completed", "content": content})
-    return items
-
-
-def chat_message(item: dict[str, Any]) -> dict[str, str]:
-    """An input item as a chat message; `developer` speaks as `system`, which every chat
-    template knows."""
-    role = "system" if item["role"] == "developer" else item["role"]
-    return {"role": role, "content": "".join(p.get("text", "") for p in item["content"])}
-
-
 def conversation(body: dict[str, Any]) -> list[dict[str, Any]]:
     """A stored response's conversation: its chat messages without its own instructions."""
     messages = list(body.get("messages") or [])
@@ -139,40 +154,62 @@ class Continuation:
     """What a new response takes from the response it continues."""
 
     conversation: list[dict[str, Any]]  # its chat messages, its instructions left out
-    output_text: str  # its answer, which the conversation continues after
+    # Its answer as an assistant chat message (text, and calls the new input answers).
+    answer: dict[str, Any]
     session_key: str | None
+
+
+def _check_max_output_tokens(parsed: ResponseBody,
+                             context_lengths: Mapping[str, int] | None) -> None:
+    """An answer longer than the model's whole context is refused, as OpenAI does."""
+    context = (context_lengths or {}).get(parsed.model)
+    wanted = parsed.max_output_tokens
+    if wanted is not None and context is not None and wanted > context:
+        raise InvalidRequestError(f"max_output_tokens is too large: {wanted}. This model's "
+                                  f"context holds at most {context} tokens.",
+                                  param="max_output_tokens", code="invalid_value")
 
 
 def prepare_response(parsed: ResponseBody, served_models: Collection[str], *,
                      previous: Continuation | None = None,
-                     session_key: str | None = None) -> PreparedBody:
+                     session_key: str | None = None,
+                     context_lengths: Mapping[str, int] | None = None) -> PreparedBody:
     """The chat body a worker runs for this response, and its row's columns.
 
     `session_key` is the key when the request names none and continues nothing (the new
-    response's own id for a conversation's first response)."""
+    response's own id for a conversation's first response); `context_lengths`: the served
+    models' context lengths where known."""
     if parsed.model not in served_models:
         raise NotFoundError(f"The model '{parsed.model}' does not exist or you do not have "
                             f"access to it. Served: {', '.join(sorted(served_models))}.",
                             param="model", code="model_not_found")
-    items = input_items(parsed)
+    _check_max_output_tokens(parsed, context_lengths)
+    check_tool_schemas(parsed.tools, parsed.text_format)
+    items = stored_items([InputMessage(role="user", content=parsed.input)]
+                         if isinstance(parsed.input, str) else parsed.input)
     history: list[dict[str, Any]] = []
     if previous is not None:
-        history = [*previous.conversation,
-                   {"role": "assistant", "content": previous.output_text}]
+        history = [*previous.conversation, previous.answer]
         session_key = previous.session_key or session_key
     if parsed.prompt_cache_key is not None:
         session_key = parsed.prompt_cache_key
+    turn = chat_messages(items)
+    check_calls_answered([*history, *turn])
     system = [{"role": "system", "content": parsed.instructions}] if parsed.instructions else []
+    tools = echoed(parsed.tools, parsed.tool_choice, parsed.parallel_tool_calls,
+                   parsed.text_format)
     spec = {"input": items, "instructions": parsed.instructions,
             "previous_response_id": parsed.previous_response_id,
             "background": bool(parsed.background), "store": parsed.store is not False,
             "metadata": parsed.metadata or {}, "service_tier": parsed.service_tier,
             "max_output_tokens": parsed.max_output_tokens, "temperature": parsed.temperature,
             "top_p": parsed.top_p, "prompt_cache_key": parsed.prompt_cache_key,
-            "user": parsed.user, "truncation": parsed.truncation,
-            "verbosity": parsed.text.verbosity if parsed.text else None}
-    body: dict[str, Any] = {"model": parsed.model,
-                            "messages": [*system, *history, *map(chat_message, items)],
+            "user": parsed.user, "safety_identifier": parsed.safety_identifier,
+            "truncation": parsed.truncation,
+            "verbosity": parsed.text.verbosity if parsed.text else None, **tools}
+    body: dict[str, Any] = {"model": parsed.model, "messages": [*system, *history, *turn],
+                            **chat_fields(parsed.tools, parsed.tool_choice,
+                                          parsed.parallel_tool_calls, parsed.text_format),
                             "response": spec}
     for name, value in (("max_completion_tokens", parsed.max_output_tokens),
                         ("temperature", parsed.temperature), ("top_p", parsed.top_p),

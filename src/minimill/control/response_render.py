@@ -4,9 +4,10 @@ A stream is a pure function of the row: `response_events(row)` lists every event
 state implies, numbered from 0, and the list for a later state extends the list for an earlier
 one. So any process can stream a response, and a client that reconnects with `starting_after`
 gets exactly the events after that number: no gap, no repeat, nothing kept outside the store.
-That holds because the text only grows (a resumed request continues its checkpoint's text) and
-deltas are cut by a rule of the text alone: a piece is a run of whitespace and up to 32
-non-space characters, sent once the text goes on past it (or the response has ended).
+That holds because the text only grows (a resumed request continues its checkpoint's text), its
+output items (the message and function calls, response_output.py) grow only at the end with it,
+and deltas are cut by a rule of the text alone: a piece is a run of whitespace and up to 32
+non-space characters, sent once the text goes on past it (or the item or response has ended).
 """
 
 from __future__ import annotations
@@ -18,6 +19,15 @@ from typing import Any
 
 from minimill.control.records import RequestRecord, RequestStatus
 from minimill.control.render import request_hex, service_tier
+from minimill.control.response_output import (
+    OutputItem,
+    ParsedOutput,
+    call_item_id,
+    message_id,
+    output_part,
+    parse_output,
+    render_item,
+)
 
 RESPONSE_PREFIX = "resp_"
 _PIECE = re.compile(r"\s*\S{1,32}|\s+")
@@ -37,10 +47,6 @@ def request_id_of(response_id: str) -> str | None:
     return "req_" + response_id.removeprefix(RESPONSE_PREFIX)
 
 
-def message_id(request_id: str) -> str:
-    return "msg_" + request_hex(request_id)
-
-
 def spec(record: RequestRecord) -> dict[str, Any]:
     """The Responses parameters stored with the row (response_bodies.prepare_response)."""
     return dict((record.body or {}).get("response") or {})
@@ -57,9 +63,16 @@ def _choice(record: RequestRecord) -> dict[str, Any]:
     return next((c for c in choices if int(c.get("index", 0)) == 0), {})
 
 
-def output_text(record: RequestRecord) -> str:
-    """The answer so far (all of it once the response has succeeded)."""
-    return str(_choice(record).get("text") or "")
+def output_of(record: RequestRecord) -> ParsedOutput:
+    """The response's output items so far (all of them once it has ended); a response that
+    succeeded without a word or a call still has its (empty) message."""
+    choice = _choice(record)
+    out = parse_output(str(choice.get("text") or ""), choice.get("tool_format"),
+                       final=record.terminal)
+    if not out.items and record.status == RequestStatus.SUCCEEDED:
+        out.items.append(OutputItem("message", 0))
+        out.extend(0, "")
+    return out
 
 
 def status_of(record: RequestRecord) -> str:
@@ -80,19 +93,14 @@ def usage(record: RequestRecord) -> dict[str, Any] | None:
             "cost_usd": record.billed_usd}
 
 
-def _part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def _item(record: RequestRecord, text: str, status: str) -> dict[str, Any]:
-    return {"id": message_id(record.id), "type": "message", "role": "assistant",
-            "status": status, "content": [_part(text)] if status != "in_progress" or text
-            else []}
-
-
-def _item_status(record: RequestRecord) -> str:
+def _item_status(record: RequestRecord, item: OutputItem) -> str:
+    """A call is complete once its JSON is; the message once the response is."""
+    if item.closed:
+        return "completed"
     if not record.terminal:
         return "in_progress"
+    if item.kind == "function_call":
+        return "incomplete"  # cut inside the call
     return "completed" if status_of(record) == "completed" else "incomplete"
 
 
@@ -109,9 +117,8 @@ def render_response(record: RequestRecord, *, status: str | None = None,
     """A `response` object; `status` and `with_output` give the early stream snapshots."""
     s = spec(record)
     status = status or status_of(record)
-    text = output_text(record)
-    output = ([_item(record, text, _item_status(record))]
-              if with_output and (text or record.status == RequestStatus.SUCCEEDED) else [])
+    output = ([render_item(record.id, item, _item_status(record, item))
+               for item in output_of(record).items] if with_output else [])
     final = with_output and record.terminal
     incomplete = {"reason": "max_output_tokens"} if final and status == "incomplete" else None
     return {
@@ -120,12 +127,15 @@ def render_response(record: RequestRecord, *, status: str | None = None,
         "error": _error(record) if final else None, "incomplete_details": incomplete,
         "instructions": s.get("instructions"), "max_output_tokens": s.get("max_output_tokens"),
         "metadata": s.get("metadata") or {}, "model": record.model or "", "output": output,
-        "parallel_tool_calls": True, "previous_response_id": s.get("previous_response_id"),
+        "parallel_tool_calls": s.get("parallel_tool_calls", True),
+        "previous_response_id": s.get("previous_response_id"),
         "prompt_cache_key": s.get("prompt_cache_key"),
+        "safety_identifier": s.get("safety_identifier"),
         "service_tier": service_tier(record.tier), "store": s.get("store", True) is not False,
         "temperature": s.get("temperature") if s.get("temperature") is not None else 1.0,
-        "text": {"format": {"type": "text"}, "verbosity": s.get("verbosity") or "medium"},
-        "tool_choice": "auto", "tools": [],
+        "text": {"format": s.get("text_format") or {"type": "text"},
+                 "verbosity": s.get("verbosity") or "medium"},
+        "tool_choice": s.get("tool_choice") or "auto", "tools": s.get("tools") or [],
         "top_p": s.get("top_p") if s.get("top_p") is not None else 1.0,
         "truncation": s.get("truncation") or "disabled",
         "usage": usage(record) if final else None, "user": s.get("user"),
@@ -142,7 +152,11 @@ def _pieces(text: str, final: bool) -> list[str]:
 
 def response_events(record: RequestRecord, start: int = 0) -> list[dict[str, Any]]:
     """The stream events the row's state implies whose `sequence_number` is `start` or more
-    (numbered from 0); earlier ones are counted, not built, so a long stream stays cheap."""
+    (numbered from 0); earlier ones are counted, not built, so a long stream stays cheap.
+
+    Items are announced in the order the model started them and their text is sent segment
+    by segment (response_output.py); a call is done as soon as its JSON is complete, the
+    message (which may go on after calls) once the response has ended."""
     events: list[dict[str, Any]] = []
     seq = 0
 
@@ -157,23 +171,59 @@ def response_events(record: RequestRecord, start: int = 0) -> list[dict[str, Any
         record, status="queued" if background else "in_progress", with_output=False)})
     emit("response.in_progress", lambda: {"response": render_response(
         record, status="in_progress", with_output=False)})
-    text = output_text(record)
-    where = {"item_id": message_id(record.id), "output_index": 0, "content_index": 0}
-    started = bool(text) or record.status == RequestStatus.SUCCEEDED
-    if started:
-        emit("response.output_item.added",
-             lambda: {"output_index": 0, "item": _item(record, "", "in_progress")})
-        emit("response.content_part.added", lambda: {**where, "part": _part("")})
-        for piece in _pieces(text, record.terminal):
-            emit("response.output_text.delta", functools.partial(
-                dict, where, delta=piece, logprobs=[]))
+    out = output_of(record)
+    rid = record.id
+    added: set[int] = set()
+    done: set[int] = set()
+
+    def message_where(item: OutputItem) -> dict[str, Any]:
+        return {"item_id": message_id(rid), "output_index": item.index, "content_index": 0}
+
+    def call_where(item: OutputItem) -> dict[str, Any]:
+        return {"item_id": call_item_id(rid, item.call), "output_index": item.index}
+
+    def announce(item: OutputItem) -> None:
+        added.add(item.index)
+        emit("response.output_item.added", lambda: {
+            "output_index": item.index,
+            "item": render_item(rid, item, "in_progress", empty=True)})
+        if item.kind == "message":
+            emit("response.content_part.added", lambda: {**message_where(item),
+                                                         "part": output_part("")})
+
+    def finish(item: OutputItem) -> None:
+        done.add(item.index)
+        status = _item_status(record, item)
+        if item.kind == "message":
+            where = message_where(item)
+            emit("response.output_text.done", lambda: {**where, "text": item.text,
+                                                       "logprobs": []})
+            emit("response.content_part.done", lambda: {**where,
+                                                        "part": output_part(item.text)})
+        elif status == "completed":
+            emit("response.function_call_arguments.done", lambda: {
+                **call_where(item), "name": item.name, "arguments": item.text})
+        emit("response.output_item.done", lambda: {
+            "output_index": item.index, "item": render_item(rid, item, status)})
+
+    for n, segment in enumerate(out.segments):
+        item = out.items[segment.item]
+        if item.index not in added:
+            announce(item)
+        # A segment's last piece may still grow until the text has gone on past it.
+        whole = n < len(out.segments) - 1 or record.terminal or item.closed
+        kind, where = (("response.output_text.delta", {**message_where(item), "logprobs": []})
+                       if item.kind == "message"
+                       else ("response.function_call_arguments.delta", call_where(item)))
+        for piece in _pieces(segment.text, whole):
+            emit(kind, functools.partial(dict, where, delta=piece))
+        if item.closed:
+            finish(item)
     if not record.terminal:
         return events
-    if started:
-        emit("response.output_text.done", lambda: {**where, "text": text, "logprobs": []})
-        emit("response.content_part.done", lambda: {**where, "part": _part(text)})
-        emit("response.output_item.done", lambda: {
-            "output_index": 0, "item": _item(record, text, _item_status(record))})
+    for item in out.items:
+        if item.index not in done:
+            finish(item)
     final = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
         status_of(record), "response.failed")  # no stream event says "cancelled": its status does
     emit(final, lambda: {"response": render_response(record)})

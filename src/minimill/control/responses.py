@@ -22,8 +22,9 @@ from minimill.control.response_bodies import (
     conversation,
     prepare_response,
 )
+from minimill.control.response_output import answer_message
 from minimill.control.response_render import (
-    output_text,
+    output_of,
     render_input_items,
     request_id_of,
     response_id,
@@ -62,7 +63,8 @@ def _continuation(conn: Connection, tenant_id: str, previous_id: str) -> Continu
             "completed (or incomplete) response can be continued.",
             param="previous_response_id")
     return Continuation(conversation=conversation(previous.body or {}),
-                        output_text=output_text(previous), session_key=previous.session_key)
+                        answer=answer_message(previous.id, output_of(previous)),
+                        session_key=previous.session_key)
 
 
 def create_response(store: Store, tenant_id: str, parsed: ResponseBody, config: ControlConfig,
@@ -74,7 +76,8 @@ def create_response(store: Store, tenant_id: str, parsed: ResponseBody, config: 
         previous = (_continuation(conn, tenant_id, parsed.previous_response_id)
                     if parsed.previous_response_id is not None else None)
         prepared = prepare_response(parsed, config.served_models, previous=previous,
-                                    session_key=response_id(request_id))
+                                    session_key=response_id(request_id),
+                                    context_lengths=config.context_length_of)
         window = config.background_response_window_s if background \
             else config.realtime_timeout_s
         conn.execute(insert(requests).values(**row_values(

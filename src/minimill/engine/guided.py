@@ -77,6 +77,10 @@ class Guides:
         self._lock = threading.Lock()
         self.compiles = 0  # grammars compiled (not found in the cache), since start
 
+    def prepare(self) -> None:
+        """Build the grammar engine's view of the tokenizer now (else on first use)."""
+        self._llg_tokenizer()
+
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         if self._lltok is None:
             self._lltok = llguidance.LLTokenizer(self._tokenizer.backend.to_str(),
