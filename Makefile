@@ -24,7 +24,7 @@ install: $(VENV)/.installed
 
 install-test: $(VENV)/.installed-test
 
-serve: install
+serve: install bwrap-bin
 	$(BIN)/minimill pull $(MODEL)
 	$(BIN)/minimill serve --model $(MODEL)
 
@@ -36,12 +36,19 @@ postgres-bin:
 	  $$SUDO apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq postgresql >/dev/null; }
 
-# bubblewrap isolates boxes (sandboxes); prlimit (util-linux) sets their limits.
+# Boxes' sandbox: bubblewrap isolates them, libseccomp builds their seccomp filter, prlimit and
+# setpriv (util-linux) set their limits and uid, pasta (passt) and ip (iproute2) give a box
+# with network its own user-mode network. pasta opens /dev/net/tun as the box's uid: it must
+# be usable by everyone, as distributions ship it (some minimal machines have it 0600).
 bwrap-bin:
-	@command -v bwrap >/dev/null 2>&1 || { \
+	@{ command -v bwrap && command -v pasta && command -v ip && command -v setpriv && \
+	   ls /usr/lib/*/libseccomp.so.2 /lib/*/libseccomp.so.2; } >/dev/null 2>&1 || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq bubblewrap >/dev/null; }
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq bubblewrap passt \
+	    iproute2 libseccomp2 util-linux >/dev/null; }
+	@[ ! -c /dev/net/tun ] || [ "$$(stat -c %a /dev/net/tun)" = 666 ] || \
+	  $$( [ "$$(id -u)" = 0 ] || echo sudo ) chmod 0666 /dev/net/tun
 
 # Debian's chromium, for the dashboard's headless-browser test (driven through Playwright).
 chromium:

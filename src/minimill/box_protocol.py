@@ -45,6 +45,16 @@ class BoxLimits(BaseModel):
                              description="Default wall clock per exec, seconds.")
 
 
+# The operator's caps on every box limit unless set (`minimill serve|worker --box-max-*`, env
+# MINIMILL_BOX_MAX_*): a tenant asking for more gets a 400 naming the limit, and a host runs
+# no box past its own caps.
+DEFAULT_BOX_CAPS = BoxLimits(cpu_s=3600, memory_mb=8192, max_processes=512, disk_mb=16384,
+                             timeout_s=24 * 3600.0)
+# Each limit's option (without `--box-max-`) and settings name.
+CAP_NAMES = {"memory_mb": "memory-mb", "max_processes": "processes", "cpu_s": "cpu-s",
+             "timeout_s": "exec-s", "disk_mb": "disk-mb"}
+
+
 class HeldBox(BaseModel):
     box_id: str
     epoch: Epoch
@@ -153,3 +163,10 @@ class SnapshotStored(BaseModel):
 # An incremental snapshot's upload names (in its archive's header) a parent the control plane
 # does not have for that box: a 409 with this code; the host sends a full archive instead.
 SNAPSHOT_PARENT_NOT_FOUND = "snapshot_parent_not_found"
+
+# Snapshots travel in parts of at most this many bytes (PUT .../snapshots/uploads/{upload}/
+# parts/{seq}), then a commit (POST .../snapshots?upload=...&parts=N): no call carries more, so
+# a snapshot's size is bounded by the control plane's file limit, not by one body's.
+SNAPSHOT_PART_BYTES = 8 * 1024 * 1024
+# An upload's id: chosen by the host, the snapshot's id once committed.
+SNAPSHOT_UPLOAD_ID = r"^snap_[0-9a-f]{24}$"

@@ -6,6 +6,7 @@ Imports are inside the commands so that `minimill --help` stays fast (no torch i
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,10 +20,16 @@ from minimill.box_cli import box_app
 from minimill.cli_options import (
     DEFAULT_MODEL,
     DTYPE_HELP,
+    BoxMaxCpuOption,
+    BoxMaxDiskOption,
+    BoxMaxExecOption,
+    BoxMaxMemoryOption,
+    BoxMaxProcessesOption,
     DbOption,
     JsonOption,
     KvDtypeOption,
     ModelOption,
+    box_caps,
     print_table,
 )
 from minimill.sites_cli import sites_app
@@ -129,6 +136,11 @@ def serve(
     agents: int = typer.Option(8, min=0, envvar="MINIMILL_LOCAL_AGENTS",
                                help="Durable agents (harnesses) the local worker runs at "
                                "once; none where harnesses cannot be sandboxed."),
+    box_max_memory_mb: int | None = BoxMaxMemoryOption,
+    box_max_processes: int | None = BoxMaxProcessesOption,
+    box_max_cpu_s: int | None = BoxMaxCpuOption,
+    box_max_exec_s: int | None = BoxMaxExecOption,
+    box_max_disk_mb: int | None = BoxMaxDiskOption,
     kv_cache_gb: float | None = KvCacheGbOption,
     kv_host_gb: float = KvHostGbOption,
     kv_flash_dir: str | None = KvFlashDirOption,
@@ -144,6 +156,9 @@ def serve(
 
     kv = _kv_options(kv_cache_gb, kv_host_gb, kv_flash_dir, kv_flash_gb, prefix_caching,
                      kv_dtype, kv_prefault)
+    # The control plane's settings and the local worker both read the caps from here.
+    os.environ.update(box_caps(box_max_memory_mb, box_max_processes, box_max_cpu_s,
+                               box_max_exec_s, box_max_disk_mb))
     run_serve(host=host, port=port, db=db, model=model, dtype=dtype, local_worker=local_worker,
               price_per_hour=price_per_hour, kv=kv, boxes=boxes,
               insecure_no_sandbox=insecure_no_sandbox, agents=agents,
@@ -259,6 +274,11 @@ def worker(
         "bubblewrap isolation where it is unavailable (they then see this host's files)."),
     agents: int = typer.Option(0, min=0, help="Durable agents (harnesses) this site runs at "
                                "once, each in a sandboxed process."),
+    box_max_memory_mb: int | None = BoxMaxMemoryOption,
+    box_max_processes: int | None = BoxMaxProcessesOption,
+    box_max_cpu_s: int | None = BoxMaxCpuOption,
+    box_max_exec_s: int | None = BoxMaxExecOption,
+    box_max_disk_mb: int | None = BoxMaxDiskOption,
     kv_cache_gb: float | None = KvCacheGbOption,
     kv_host_gb: float = KvHostGbOption,
     kv_flash_dir: str | None = KvFlashDirOption,
@@ -267,6 +287,7 @@ def worker(
     kv_prefault: bool = KvPrefaultOption,
 ) -> None:
     """Join a fleet: pull work from the control plane under leases and run it."""
+    from minimill.box_protocol import DEFAULT_BOX_CAPS, BoxLimits
     from minimill.boxes.host_setup import BoxOptions
     from minimill.fleet.worker import run_worker
 
@@ -276,7 +297,14 @@ def worker(
                engine=engine, model=model, dtype=dtype, capacity=capacity, kv=kv,
                boxes=BoxOptions(slots=boxes, box_dir=box_dir,
                                 insecure_no_sandbox=insecure_no_sandbox,
-                                snapshot_interval_s=box_snapshot_interval_s),
+                                snapshot_interval_s=box_snapshot_interval_s,
+                                caps=BoxLimits.model_construct(
+                                    memory_mb=box_max_memory_mb or DEFAULT_BOX_CAPS.memory_mb,
+                                    max_processes=(box_max_processes
+                                                   or DEFAULT_BOX_CAPS.max_processes),
+                                    cpu_s=box_max_cpu_s or DEFAULT_BOX_CAPS.cpu_s,
+                                    timeout_s=float(box_max_exec_s or DEFAULT_BOX_CAPS.timeout_s),
+                                    disk_mb=box_max_disk_mb or DEFAULT_BOX_CAPS.disk_mb)),
                agents=agents)
 
 

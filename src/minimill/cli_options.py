@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -83,3 +83,26 @@ def print_table(title: str, columns: tuple[str, ...], rows: Sequence[Sequence[st
     Console(width=None if sys.stdout.isatty() else 300).print(table)
 
 KvDtypeOption = typer.Option("auto", help=KV_DTYPE_HELP, callback=check_kv_dtype)
+
+
+def _cap_option(name: str, unit: str) -> Any:
+    env = "MINIMILL_BOX_MAX_" + name.upper().replace("-", "_")
+    return typer.Option(None, f"--box-max-{name}", envvar=env, min=1,
+                        help=f"The most {unit} a tenant may ask for a box (a 400 past it); "
+                        "default: minimill's own cap.")
+
+
+BoxMaxMemoryOption = _cap_option("memory-mb", "memory (MiB per process)")
+BoxMaxProcessesOption = _cap_option("processes", "processes at once")
+BoxMaxCpuOption = _cap_option("cpu-s", "CPU seconds per exec")
+BoxMaxExecOption = _cap_option("exec-s", "wall-clock seconds per exec")
+BoxMaxDiskOption = _cap_option("disk-mb", "workspace disk (MiB)")
+
+
+def box_caps(memory_mb: int | None, processes: int | None, cpu_s: int | None,
+             exec_s: int | None, disk_mb: int | None) -> dict[str, str]:
+    """The caps given, as the MINIMILL_BOX_MAX_* variables that the control plane's settings
+    and a local worker both read."""
+    given = {"MEMORY_MB": memory_mb, "PROCESSES": processes, "CPU_S": cpu_s,
+             "EXEC_S": exec_s, "DISK_MB": disk_mb}
+    return {f"MINIMILL_BOX_MAX_{k}": str(v) for k, v in given.items() if v is not None}

@@ -68,6 +68,7 @@ ROUTES = {
     ("POST", "/v1/fleet/boxes/output"): "site",
     ("POST", "/v1/fleet/boxes/release"): "site",
     ("POST", "/v1/fleet/boxes/{box_id}/snapshots"): "site",
+    ("PUT", "/v1/fleet/boxes/{box_id}/snapshots/uploads/{upload_id}/parts/{seq}"): "site",
     ("GET", "/v1/fleet/boxes/{box_id}/snapshots/{snapshot_id}"): "site",
     ("POST", "/v1/fleet/lease"): "site",
     ("POST", "/v1/fleet/heartbeat"): "site",

@@ -179,12 +179,12 @@ def test_the_host_takes_deltas_where_they_pay_and_bounds_chains(tmp_path: Path) 
     chain: list[tuple[str, bytes]] = []
     for i in range(snapshots.FULL_EVERY + 2):
         (ws / f"note-{i}.txt").write_text(f"note {i}")
-        taken = take(ws, base)
+        taken = take(ws, base, tmp_path / f"out{i}")
         snapshot_id = f"snap_{i}"
         depths.append(taken.depth)
         if taken.depth == 0:
             chain = []
-        chain.append((snapshot_id, taken.blob))
+        chain.append((snapshot_id, taken.path.read_bytes()))
         base = Taken(manifest=taken.manifest, depth=taken.depth, snapshot_id=snapshot_id)
         assert restored(chain, tmp_path / f"r{i}") == tree(ws)
     # Every FULL_EVERY-th snapshot is full: no chain is longer than FULL_EVERY archives.
@@ -193,9 +193,9 @@ def test_the_host_takes_deltas_where_they_pay_and_bounds_chains(tmp_path: Path) 
     # Most of the files changed: a full snapshot, not a delta carrying them all.
     assert base is not None
     big.write_bytes(os.urandom(256 * 1024))
-    assert take(ws, base).depth == 0
+    assert take(ws, base, tmp_path / "full").depth == 0
     # Without a scan of an earlier snapshot (a host that just restored the box): full.
-    assert take(ws, None).depth == 0
+    assert take(ws, None, tmp_path / "none").depth == 0
 
 
 def test_symlinks_that_point_out_of_the_workspace_are_kept_and_never_written_through(

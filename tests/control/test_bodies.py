@@ -66,13 +66,27 @@ def test_chat_normalization() -> None:
     parsed = parse_body(Kind.CHAT, chat(
         messages=[{"role": "system", "content": [{"type": "text", "text": "a"},
                                                  {"type": "text", "text": "b"}]},
-                  {"role": "user", "content": "q", "unknown_field": 1}],
+                  {"role": "user", "content": "q"}],
         max_completion_tokens=7, max_tokens=9, service_tier="flex", seed=3, user="u"))
     prepared = prepare_body(Kind.CHAT, parsed, [MODEL])
     assert prepared.body["messages"] == [{"role": "system", "content": "ab"},
                                          {"role": "user", "content": "q"}]
     assert prepared.max_tokens == 7 and prepared.seed == 3
     assert prepared.tier == Tier.BACKGROUND and not prepared.stream
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    (chat(reasoning_effort="high"), "reasoning_effort"),
+    (chat(messages=[{"role": "user", "content": "q", "unknown_field": 1}]),
+     "messages[0].unknown_field"),
+    (chat(functions=[{"name": "f"}]), "functions"),
+])
+def test_a_parameter_minimill_does_not_know_is_refused_by_name(body: dict[str, Any],
+                                                               param: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_body(Kind.CHAT, body)
+    assert info.value.param == param
+    assert "Unrecognized request argument" in info.value.message
 
 
 def test_completion_default_max_tokens_and_prompt_forms() -> None:

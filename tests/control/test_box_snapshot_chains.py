@@ -17,7 +17,7 @@ from minimill.box_protocol import (
     BoxReleaseRequest,
     HeldBox,
 )
-from minimill.control import box_hosts, boxes
+from minimill.control import box_hosts, box_uploads, boxes
 from minimill.control.box_records import SnapshotKind
 from minimill.control.errors import ConflictError, NotFoundError
 from minimill.control.records import Site
@@ -36,7 +36,7 @@ def lease_of(store: Store, host: Site, box_id: str) -> BoxLease:
 
 def snap(store: Store, host: Site, lease: BoxLease, kind: SnapshotKind,
          parent: str | None = None) -> str:
-    stored = box_hosts.store_snapshot(store, host, lease.box_id, lease.epoch, kind,
+    stored = box_uploads.store_snapshot(store, host, lease.box_id, lease.epoch, kind,
                                       [f"archive of {parent}".encode()], 10_000, parent)
     assert stored.incremental == (parent is not None)
     return stored.snapshot_id

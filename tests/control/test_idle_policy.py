@@ -12,7 +12,7 @@ from control_factory import CONFIG, site, tenant
 from sqlalchemy import select
 
 from minimill.box_protocol import BoxOpResult, BoxPollRequest, BoxResultsRequest, HeldBox
-from minimill.control import box_hosts, box_idle, boxes
+from minimill.control import box_hosts, box_idle, box_uploads, boxes
 from minimill.control.box_records import BoxRecord, SnapshotKind
 from minimill.control.errors import ConflictError
 from minimill.control.janitor import tick
@@ -50,7 +50,7 @@ def finish(store: Store, host: Site, box_id: str, epoch: int, now: float) -> Non
     for op in ops:
         result: dict[str, object] = {"exit_code": 0}
         if op.kind == "pause":
-            stored = box_hosts.store_snapshot(store, host, box_id, epoch, SnapshotKind.AUTO,
+            stored = box_uploads.store_snapshot(store, host, box_id, epoch, SnapshotKind.AUTO,
                                                [b"tar"], 100)
             result = {"snapshot_id": stored.snapshot_id}
         box_hosts.complete_ops(store, host, BoxResultsRequest(results=[BoxOpResult(

@@ -41,7 +41,8 @@ log = logging.getLogger("minimill.api")
 PLACEMENT_GRACE_S = 120.0
 # Errors a host reports that are the caller's doing (400), not the service's.
 CALLER_ERRORS = {"invalid_path", "path_escape", "symlink", "not_found", "file_too_large",
-                 "invalid_archive", "disk_quota_exceeded"}
+                 "invalid_archive", "archive_too_large", "disk_quota_exceeded", "not_a_file",
+                 "snapshot_refused"}
 # A stream that sent nothing for this long sends an SSE comment, so that proxies and clients
 # with a read timeout do not take a quiet command for a dead connection.
 KEEPALIVE_S = 15.0

@@ -129,7 +129,8 @@ class ExecResult(BaseModel):
     stderr: str
     duration_s: float
     timed_out: bool
-    # "timeout" | "disk_quota_exceeded" when a limit ended or spoiled the exec.
+    # "timeout" | "disk_quota_exceeded" when a limit ended or spoiled the exec; "cpu_limit" |
+    # "memory_limit" where the host holds the exec in a cgroup.
     error: str | None = None
     output_truncated: bool = False
 

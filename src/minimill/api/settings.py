@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from minimill.box_protocol import DEFAULT_BOX_CAPS, BoxLimits
 from minimill.control.config import DEFAULT_MODEL, ControlConfig
 from minimill.models.info import context_length
 
@@ -60,9 +61,22 @@ class Settings(BaseSettings):
     # Boxes created without `idle_timeout_s` are paused after this long without an operation;
     # 0: they never are.
     box_idle_timeout_s: float = Field(default=0.0, ge=0)
+    # The operator's caps on box limits (`minimill serve --box-max-*`): a tenant asking for
+    # more gets a 400 naming the limit.
+    box_max_memory_mb: int = Field(default=DEFAULT_BOX_CAPS.memory_mb, ge=16)
+    box_max_processes: int = Field(default=DEFAULT_BOX_CAPS.max_processes, ge=1)
+    box_max_cpu_s: int = Field(default=DEFAULT_BOX_CAPS.cpu_s, ge=1)
+    box_max_exec_s: float = Field(default=DEFAULT_BOX_CAPS.timeout_s, gt=0)
+    box_max_disk_mb: int = Field(default=DEFAULT_BOX_CAPS.disk_mb, ge=1)
     # Seconds before an announced outage that a site gives back what it would not finish;
     # unset: the placement policy's 5 s.
     handback_lead_s: float | None = Field(default=None, gt=0)
+
+    def box_caps(self) -> BoxLimits:
+        return BoxLimits.model_construct(
+            memory_mb=self.box_max_memory_mb, max_processes=self.box_max_processes,
+            cpu_s=self.box_max_cpu_s, timeout_s=self.box_max_exec_s,
+            disk_mb=self.box_max_disk_mb)
 
     def control_config(self) -> ControlConfig:
         return ControlConfig(
@@ -85,4 +99,5 @@ class Settings(BaseSettings):
             webhook_max_age_s=self.webhook_max_age_s,
             webhook_allow_private=self.webhook_allow_private,
             box_idle_timeout_s=self.box_idle_timeout_s or None,
+            box_caps=self.box_caps(),
             handback_lead_s=self.handback_lead_s)

@@ -24,15 +24,20 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
+import secrets
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import anyio
 
 from minimill.box_protocol import (
     BoxLease,
+    BoxLimits,
     BoxOp,
     BoxOpError,
     BoxOpResult,
@@ -42,18 +47,27 @@ from minimill.box_protocol import (
     HeldBox,
     SnapshotStored,
 )
-from minimill.boxes import sandbox, snapshots, workspace
+from minimill.boxes import snapshots
+from minimill.boxes.archive import ArchiveBounds
 from minimill.boxes.exec_output import ExecOutput
-from minimill.boxes.host_client import BoxHostClient, NotHeld, ParentMissing
+from minimill.boxes.host_client import BoxHostClient, NotHeld, ParentMissing, Refused
+from minimill.boxes.host_snapshots import Taken, download_chain, take, upload
 from minimill.boxes.ops import MUTATING, OpError, Workspace, run_op
+from minimill.boxes.uids import UidPool
+from minimill.boxes.workspace import PathError, usage_bytes
 from minimill.fleet.client import Backoff, ControlPlaneUnavailable, retrying, sleep_backoff
 
 log = logging.getLogger("minimill.boxes")
+T = TypeVar("T")
 POLL_WAIT_S = 2.0
-# Execs and file operations of one box run side by side (a harness's subagents share a box);
-# snapshots and pauses wait for them and run alone.
-CONCURRENT_OPS_PER_BOX = 16
+# Execs and file operations of one box run side by side (a harness's subagents share a box),
+# up to this many; the rest wait in the box's queue. Each box has its own threads (this many,
+# plus one for its builds and snapshots), so one tenant's slow operations never hold another
+# box's.
+CONCURRENT_OPS_PER_BOX = 4
 EXCLUSIVE_OPS = frozenset({"snapshot", "pause"})
+# Where archives on their way in and out are kept (under the host's root, never a workspace).
+ARCHIVES_DIR = ".archives"
 
 
 @dataclass
@@ -65,6 +79,8 @@ class HostedBox:
     dirty: bool = False
     in_flight: int = 0  # operations running now
     ops: set[asyncio.Task[None]] = field(default_factory=set)
+    threads: anyio.CapacityLimiter = field(
+        default_factory=lambda: anyio.CapacityLimiter(CONCURRENT_OPS_PER_BOX + 1))
     last_snapshot_at: float = field(default_factory=time.monotonic)
     # The last snapshot this host took of the box, and the scan it was taken from: the next
     # one may be a delta of it. None: the next one is full.
@@ -86,8 +102,13 @@ class HostedBox:
 class BoxHost:
     def __init__(self, client: BoxHostClient, root: Path, slots: int, *,
                  insecure: bool = False, snapshot_interval_s: float = 30.0,
-                 drain_timeout_s: float = 10.0) -> None:
+                 drain_timeout_s: float = 10.0, uids: UidPool | None = None,
+                 caps: BoxLimits | None = None) -> None:
         self.client = client
+        # A root host's uid per box (uids.py); None: boxes run as this host's own uid.
+        self.uids = uids
+        # The operator's caps on every box limit: a lease asking for more runs within them.
+        self.caps = caps
         self.root = root
         self.slots = slots
         self.insecure = insecure
@@ -108,7 +129,7 @@ class BoxHost:
                 wait_s=POLL_WAIT_S)
             try:
                 answer = await self.client.poll(ask)
-            except ControlPlaneUnavailable as exc:
+            except (ControlPlaneUnavailable, Refused) as exc:
                 await sleep_backoff(backoff, "box poll", exc)
                 continue
             backoff.reset()
@@ -129,8 +150,9 @@ class BoxHost:
         old = self.boxes.get(lease.box_id)
         if old is not None:
             self._drop(lease.box_id, "re-leased at a newer epoch")
-        ws = Workspace(path=self.root / lease.box_id, limits=lease.limits,
-                       network=lease.network, insecure=self.insecure)
+        ws = Workspace(path=self.root / lease.box_id, limits=self._capped(lease),
+                       network=lease.network, insecure=self.insecure,
+                       owner=self.uids.take(lease.box_id) if self.uids is not None else None)
         box = HostedBox(lease=lease, ws=ws)
         self.boxes[lease.box_id] = box
         self.stats["boxes"] += 1
@@ -147,7 +169,25 @@ class BoxHost:
         box.ws.cancel.set()
         if box.task is not None:
             box.task.cancel()
-        asyncio.get_running_loop().run_in_executor(None, _remove, box.ws.path)
+        asyncio.get_running_loop().run_in_executor(None, self._forget, box)
+
+    def _forget(self, box: HostedBox) -> None:
+        _remove(box.ws.path)
+        _remove(self._archives(box))
+        if self.uids is not None:
+            self.uids.give_back(box.box_id)
+
+    def _capped(self, lease: BoxLease) -> BoxLimits:
+        """The lease's limits, each at most the operator's cap (the control plane refuses a
+        box over its own caps; a host whose operator set lower ones holds to them)."""
+        if self.caps is None:
+            return lease.limits
+        asked, caps = lease.limits.model_dump(), self.caps.model_dump()
+        capped = {name: min(value, caps[name]) for name, value in asked.items()}
+        if capped != asked:
+            log.warning("box %s asks for limits over this host's caps %s; it runs within them",
+                        lease.box_id, {k: v for k, v in caps.items() if asked[k] > v})
+        return BoxLimits.model_validate(capped)
 
     # ---- one box ----------------------------------------------------------------------------
     async def _box_main(self, box: HostedBox) -> None:
@@ -155,7 +195,11 @@ class BoxHost:
             await self._build(box)
         except (NotHeld, asyncio.CancelledError):
             return
-        except Exception as exc:  # a broken archive: the box cannot run here or anywhere
+        except PathError as exc:  # a refused archive: the box cannot run here or anywhere
+            log.warning("box %s: cannot build its workspace: %s", box.box_id, exc)
+            await self._fail_queued(box, exc.code, f"cannot build the workspace: {exc}")
+            return
+        except Exception as exc:
             log.exception("box %s: cannot build its workspace", box.box_id)
             await self._fail_queued(box, "invalid_archive", f"cannot build the workspace: {exc}")
             return
@@ -168,7 +212,7 @@ class BoxHost:
                     op = await asyncio.wait_for(box.queue.get(), timeout)
                 except TimeoutError:
                     if box.dirty and not box.busy:
-                        await self._snapshot(box, "auto")  # idle with changes
+                        await self._auto_snapshot(box)  # idle with changes
                     continue
                 if op.kind in EXCLUSIVE_OPS:
                     await self._settle(box)
@@ -184,7 +228,7 @@ class BoxHost:
                 due = time.monotonic() - box.last_snapshot_at >= self.snapshot_interval_s
                 if box.dirty and due:
                     await self._settle(box)
-                    await self._snapshot(box, "auto")
+                    await self._auto_snapshot(box)
         finally:
             for task in list(box.ops):
                 task.cancel()
@@ -194,26 +238,39 @@ class BoxHost:
         if box.ops:
             await asyncio.gather(*list(box.ops), return_exceptions=True)
 
+    def _archives(self, box: HostedBox) -> Path:
+        return self.root / ARCHIVES_DIR / box.box_id
+
     async def _build(self, box: HostedBox) -> None:
         path = box.ws.path
-        await anyio.to_thread.run_sync(_remove, path)
+        archives = self._archives(box)
+        await self._in_thread(box, _remove, path)
+        await self._in_thread(box, _remove, archives)
+        archives.mkdir(parents=True)
         lease = box.lease
         ids = lease.chain or ([lease.snapshot_id] if lease.snapshot_id else [])
-        chain: list[tuple[str, bytes]] = []
-        for snapshot_id in ids:
-            download = functools.partial(self.client.download_snapshot, box.box_id, snapshot_id)
-            chain.append((snapshot_id, await retrying(download, "snapshot download")))
-        owner = sandbox.box_uid() if sandbox._runs_as_root() else None
+        chain = await download_chain(self.client, box.box_id, ids, archives)
+        owner = box.ws.owner
+        # An archive may hold what the box's quota allows, no more (archive.py checks each
+        # before writing anything of it).
+        bounds = ArchiveBounds(max_bytes=box.ws.quota_bytes)
 
         def build() -> None:
             path.mkdir(parents=True, exist_ok=True)
             path.chmod(0o700)
-            if any(blob for _, blob in chain):  # an empty image is an empty workspace
-                snapshots.restore(chain, path, owner)
-            elif owner is not None:
-                workspace.chown_tree(path, owner)
+            if owner is not None:
+                os.chown(path, owner, owner)
+            if any(p.stat().st_size for _, p in chain if isinstance(p, Path)):
+                snapshots.restore(chain, path, owner, bounds)
 
-        await anyio.to_thread.run_sync(build)
+        try:
+            await self._in_thread(box, build)
+        finally:
+            await self._in_thread(box, _remove, archives)
+
+    async def _in_thread(self, box: HostedBox, func: Callable[..., T], *args: Any) -> T:
+        """`func(*args)` in one of the box's own threads."""
+        return await anyio.to_thread.run_sync(func, *args, limiter=box.threads)
 
     async def _run(self, box: HostedBox, op: BoxOp) -> None:
         """Run one operation; the caller counted it in `box.in_flight` already."""
@@ -227,7 +284,7 @@ class BoxHost:
                 if op.kind == "exec":
                     result = await self._exec(box, op)
                 else:
-                    result = await anyio.to_thread.run_sync(run_op, box.ws, op.kind, op.args)
+                    result = await self._in_thread(box, run_op, box.ws, op.kind, op.args)
                 box.dirty = box.dirty or op.kind in MUTATING
         except OpError as exc:
             error = BoxOpError(code=exc.code, message=exc.message)
@@ -243,8 +300,8 @@ class BoxHost:
     async def _exec(self, box: HostedBox, op: BoxOp) -> dict[str, object]:
         output = ExecOutput(self.client, op)
         try:
-            result = await anyio.to_thread.run_sync(run_op, box.ws, op.kind, op.args,
-                                                    output.write)
+            result = await self._in_thread(box, run_op, box.ws, op.kind, op.args,
+                                           output.write)
         except BaseException:
             output.abandon()  # a failed exec's output goes with it: its error is what counts
             raise
@@ -253,14 +310,28 @@ class BoxHost:
         return result
 
     async def _snapshot(self, box: HostedBox, kind: str) -> str:
-        taken = await anyio.to_thread.run_sync(take, box.ws.path, box.base)
+        """Take and store a snapshot; raises OpError when it cannot be (the workspace is over
+        its quota, or the control plane refuses the archive for good)."""
+        used = await self._in_thread(box, usage_bytes, box.ws.path)
+        if used > box.ws.quota_bytes:
+            raise OpError("disk_quota_exceeded",
+                          f"the workspace holds {used} bytes, more than its quota of "
+                          f"{box.ws.limits.disk_mb} MiB: free space before it is snapshotted")
+        out = self._archives(box) / f"out-{secrets.token_hex(4)}"
         try:
-            stored = await self._upload(box, kind, taken)
-        except ParentMissing:
-            log.info("box %s: the parent of its incremental snapshot is gone; sending a full "
-                     "one", box.box_id)
-            taken = await anyio.to_thread.run_sync(take, box.ws.path, None)
-            stored = await self._upload(box, kind, taken)
+            taken = await self._in_thread(box, take, box.ws.path, box.base, out)
+            try:
+                stored = await self._upload(box, kind, taken)
+            except ParentMissing:
+                log.info("box %s: the parent of its incremental snapshot is gone; sending a "
+                         "full one", box.box_id)
+                taken = await self._in_thread(box, take, box.ws.path, None, out)
+                stored = await self._upload(box, kind, taken)
+        except Refused as exc:
+            raise OpError("snapshot_refused", f"the control plane refused the snapshot: "
+                          f"{exc}") from None
+        finally:
+            await self._in_thread(box, _remove, out)
         box.base = Taken(manifest=taken.manifest, depth=taken.depth,
                          snapshot_id=stored.snapshot_id)
         log.debug("box %s: %s snapshot %s (%d bytes)", box.box_id,
@@ -270,13 +341,32 @@ class BoxHost:
         self.stats["snapshots"] += 1
         return stored.snapshot_id
 
+    async def _auto_snapshot(self, box: HostedBox) -> None:
+        """A snapshot the host takes on its own: one that cannot be taken is tried again
+        after the next interval, and the box goes on meanwhile."""
+        try:
+            await self._snapshot(box, "auto")
+        except OpError as exc:
+            log.warning("box %s: no automatic snapshot (%s)", box.box_id, exc.message)
+            box.last_snapshot_at = time.monotonic()
+
     async def _upload(self, box: HostedBox, kind: str, taken: Taken) -> SnapshotStored:
-        return await retrying(lambda: self.client.upload_snapshot(
-            box.box_id, box.epoch, kind, taken.blob), "snapshot upload")
+        return await upload(self.client, box.box_id, box.epoch, kind, taken.path,
+                            functools.partial(self._in_thread, box))
 
     async def _post(self, item: BoxOpResult) -> None:
-        answer = await retrying(lambda: self.client.results(
-            BoxResultsRequest(results=[item])), "box result")
+        try:
+            answer = await retrying(lambda: self.client.results(
+                BoxResultsRequest(results=[item])), "box result")
+        except Refused as exc:
+            if item.error is not None:
+                log.error("the error result of %s was refused: %s", item.op_id, exc)
+                return
+            # A result the control plane cannot take (too large, malformed): the operation
+            # fails with the reason, rather than waiting forever.
+            await self._post(item.model_copy(update={"result": None, "error": BoxOpError(
+                code="result_refused", message=f"the result was refused: {exc}")}))
+            return
         if answer.rejected:
             log.info("result of %s on box %s rejected: the box is not this host's any more",
                      item.op_id, item.box_id)
@@ -313,35 +403,9 @@ class BoxHost:
                     boxes=[HeldBox(box_id=b.box_id, epoch=b.epoch) for b in boxes]))
             log.info("released %d boxes", len(boxes))
         for box in boxes:
-            await anyio.to_thread.run_sync(_remove, box.ws.path)
+            await anyio.to_thread.run_sync(self._forget, box)
         self.boxes.clear()
 
 
 def _remove(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
-
-
-@dataclass(frozen=True, slots=True)
-class Taken:
-    """A snapshot of a box's workspace: its archive and the scan it was taken from."""
-
-    manifest: snapshots.Manifest
-    depth: int  # deltas since the last full snapshot (0: this one is full)
-    snapshot_id: str = ""  # the control plane's id, once stored
-    blob: bytes = b""
-
-
-def take(root: Path, base: Taken | None) -> Taken:
-    """A delta of `base` where the rules say it pays (snapshots.worth_a_delta), else a full
-    archive. The scan comes first: whatever changes after it differs from it next time."""
-    now = snapshots.scan(root)
-    if base is not None and base.snapshot_id:
-        delta = snapshots.diff(base.manifest, now)
-        if snapshots.worth_a_delta(base.depth, delta, now):
-            try:
-                blob = snapshots.pack_delta(root, base.snapshot_id, delta, now)
-            except OSError:
-                pass  # an entry went between the scan and the archive: a full one instead
-            else:
-                return Taken(manifest=now, depth=base.depth + 1, blob=blob)
-    return Taken(manifest=now, depth=0, blob=snapshots.pack_full(root))

@@ -4,11 +4,16 @@ Network trouble raises ControlPlaneUnavailable (the caller retries with backoff:
 `fleet.client.retrying`);
 a 401/403 raises SiteAuthError; a 404/409 (a snapshot upload, streamed output) means the box
 or the operation is no longer this host's, except an incremental snapshot's 409 saying that
-its parent is gone (ParentMissing).
+its parent is gone (ParentMissing); a 400/413/422 is a refusal for good (Refused), which
+fails the operation rather than being tried forever.
+
+Snapshots travel in parts of SNAPSHOT_PART_BYTES (each its own call, sent again on its own
+after a lost answer), then a commit: no body is ever larger than a part.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TypeVar
 
 import httpx
@@ -39,6 +44,11 @@ class NotHeld(RuntimeError):
     """The control plane says the box is not this host's at that epoch any more."""
 
 
+class Refused(RuntimeError):
+    """The control plane refuses the call for good (400, 413, 422): sending it again cannot
+    help, so the operation it belongs to fails with this message."""
+
+
 class ParentMissing(RuntimeError):
     """An incremental snapshot's parent is not the control plane's (any more): send a full
     one instead."""
@@ -53,6 +63,15 @@ def _error_code(resp: httpx.Response) -> str | None:
     return str(code) if code is not None else None
 
 
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        error = resp.json().get("error") or {}
+        message = error.get("message") if isinstance(error, dict) else None
+    except (ValueError, AttributeError):
+        message = None
+    return str(message or resp.text[:300] or f"HTTP {resp.status_code}")
+
+
 class BoxHostClient:
     def __init__(self, server: str, token: str, timeout_s: float = 60.0) -> None:
         self._client = httpx.AsyncClient(
@@ -65,6 +84,11 @@ class BoxHostClient:
             resp = await self._client.request(method, path, **kwargs)  # type: ignore[arg-type]
         except httpx.HTTPError as exc:
             raise ControlPlaneUnavailable(f"{path}: {type(exc).__name__}: {exc}") from exc
+        self._check(path, resp)
+        return resp
+
+    @staticmethod
+    def _check(path: str, resp: httpx.Response) -> None:
         if resp.status_code in (401, 403):
             raise SiteAuthError(f"the control plane rejected this site's token "
                                 f"(HTTP {resp.status_code}): {resp.text[:300]}")
@@ -72,9 +96,10 @@ class BoxHostClient:
             raise ParentMissing(f"{path}: {resp.text[:300]}")
         if resp.status_code in (404, 409):
             raise NotHeld(f"{path}: {resp.text[:300]}")
+        if resp.status_code in (400, 413, 422):
+            raise Refused(_error_message(resp))
         if resp.status_code >= 400:
             raise ControlPlaneUnavailable(f"{path}: HTTP {resp.status_code}: {resp.text[:300]}")
-        return resp
 
     async def _post(self, path: str, message: BaseModel, answer: type[R]) -> R:
         resp = await self._send("POST", path, content=message.model_dump_json(),
@@ -96,16 +121,35 @@ class BoxHostClient:
     async def release(self, ask: BoxReleaseRequest) -> BoxReleaseResponse:
         return await self._post("/release", ask, BoxReleaseResponse)
 
-    async def upload_snapshot(self, box_id: str, epoch: int, kind: str,
-                              archive: bytes) -> SnapshotStored:
+    async def put_snapshot_part(self, box_id: str, epoch: int, upload_id: str, seq: int,
+                                data: bytes) -> None:
+        """One part of a snapshot on its way (SNAPSHOT_PART_BYTES at most); sending a part
+        again replaces it."""
+        await self._send("PUT", f"/{box_id}/snapshots/uploads/{upload_id}/parts/{seq}",
+                         params={"epoch": epoch}, content=data,
+                         headers={"Content-Type": "application/octet-stream"})
+
+    async def commit_snapshot(self, box_id: str, epoch: int, kind: str, upload_id: str,
+                              parts: int) -> SnapshotStored:
+        """The upload's parts, 0 to parts - 1, become the box's latest snapshot."""
         resp = await self._send("POST", f"/{box_id}/snapshots",
-                                params={"epoch": epoch, "kind": kind}, content=archive,
-                                headers={"Content-Type": "application/octet-stream"})
+                                params={"epoch": epoch, "kind": kind, "upload": upload_id,
+                                        "parts": parts})
         return SnapshotStored.model_validate_json(resp.content)
 
-    async def download_snapshot(self, box_id: str, snapshot_id: str) -> bytes:
-        resp = await self._send("GET", f"/{box_id}/snapshots/{snapshot_id}")
-        return resp.content
+    async def download_snapshot(self, box_id: str, snapshot_id: str, dest: Path) -> None:
+        """Stream an archive into the file `dest`."""
+        path = f"/{box_id}/snapshots/{snapshot_id}"
+        try:
+            async with self._client.stream("GET", path) as resp:
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    self._check(path, resp)
+                with open(dest, "wb") as out:
+                    async for chunk in resp.aiter_bytes():
+                        out.write(chunk)
+        except httpx.HTTPError as exc:
+            raise ControlPlaneUnavailable(f"{path}: {type(exc).__name__}: {exc}") from exc
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -2,8 +2,9 @@
 
 Boxes run only under bubblewrap unless the operator opts out (`--insecure-no-sandbox`); a host
 that cannot isolate them refuses to offer them, with a message that says what to install or
-enable. A host running as root runs boxes as an unprivileged uid, which must be able to reach
-its workspace: every directory above it must let others through (o+x).
+enable. A host running as root runs each box as an unprivileged uid of its own (uids.py),
+which must be able to reach its workspace: every directory above it must let others through
+(o+x).
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from minimill.box_protocol import BoxLimits
 from minimill.boxes import sandbox
 from minimill.boxes.host import BoxHost
 from minimill.boxes.host_client import BoxHostClient
+from minimill.boxes.uids import UidPool
 
 log = logging.getLogger("minimill.boxes")
 
@@ -35,6 +38,8 @@ class BoxOptions:
     box_dir: Path | None = None
     insecure_no_sandbox: bool = False
     snapshot_interval_s: float = 30.0
+    # The operator's caps on every box limit (None: the protocol's own bounds).
+    caps: BoxLimits | None = None
 
 
 def default_box_dir(site: str) -> Path:
@@ -66,14 +71,14 @@ def remove_stale(root: Path, default: bool) -> None:
 
 
 def _check_reachable(path: Path) -> None:
-    """A root host's boxes run as another uid: it must be able to traverse to `path`."""
+    """A root host's boxes run as other uids: they must be able to traverse to `path`."""
     for parent in [path, *path.parents]:
         if not parent.exists():
             continue
         mode = parent.stat().st_mode
         if not mode & stat.S_IXOTH:
             raise BoxHostStartError(
-                f"boxes run as uid {sandbox.box_uid()}, which cannot reach {path}: {parent} "
+                f"boxes run as uids of their own, which cannot reach {path}: {parent} "
                 "is not searchable by others (chmod o+x, or pick --box-dir elsewhere)")
 
 
@@ -95,5 +100,8 @@ def open_box_host(server: str, token: str, site: str, options: BoxOptions) -> Bo
     client = BoxHostClient(server, token)
     log.info("offering %d boxes (workspaces in %s, %s)", options.slots, root,
              "no isolation" if options.insecure_no_sandbox else "bubblewrap")
+    # Machine-wide, so that hosts sharing the machine never share a uid.
+    uids = UidPool(default_box_dir(site).parent / "uids.json") if os.geteuid() == 0 else None
     return BoxHost(client, root, options.slots, insecure=options.insecure_no_sandbox,
-                   snapshot_interval_s=options.snapshot_interval_s)
+                   snapshot_interval_s=options.snapshot_interval_s, uids=uids,
+                   caps=options.caps)

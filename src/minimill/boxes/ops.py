@@ -16,6 +16,7 @@ from typing import Any
 
 from minimill.box_protocol import BoxLimits
 from minimill.boxes import sandbox, workspace
+from minimill.boxes.layers import network_problem
 
 MAX_READ_BYTES = 16 * 1024 * 1024
 # The quota check walks the workspace: not more often than this while an exec runs.
@@ -37,6 +38,8 @@ class Workspace:
     limits: BoxLimits
     network: bool
     insecure: bool
+    # The host uid its files and processes belong to (None: the host's own, not root).
+    owner: int | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -59,16 +62,16 @@ class Workspace:
         return over
 
 
-def _owner() -> int | None:
-    return sandbox.box_uid() if sandbox._runs_as_root() else None
-
-
 def run_exec(ws: Workspace, args: dict[str, Any],
              on_output: sandbox.OnOutput | None = None) -> dict[str, Any]:
     command = [str(a) for a in args.get("command") or []]
     if not command:
         raise OpError("invalid_command", "command must not be empty")
     env = {str(k): str(v) for k, v in (args.get("env") or {}).items()}
+    problem = network_problem() if ws.network and not ws.insecure else None
+    if problem is not None:
+        raise OpError("network_unavailable", f"this box has network, and its host cannot "
+                      f"give it: {problem}")
     limits = sandbox.Limits(cpu_s=ws.limits.cpu_s, memory_mb=ws.limits.memory_mb,
                             max_processes=ws.limits.max_processes, disk_mb=ws.limits.disk_mb,
                             timeout_s=float(args.get("timeout_s") or ws.limits.timeout_s))
@@ -77,7 +80,7 @@ def run_exec(ws: Workspace, args: dict[str, Any],
                               env=env, limits=limits, network=ws.network, insecure=ws.insecure,
                               disk_free_bytes=ws.quota_bytes - used,
                               over_quota=ws.over_quota_checker(used),
-                              cancel=ws.cancel, on_output=on_output)
+                              cancel=ws.cancel, on_output=on_output, uid=ws.owner)
     if result.error == "cancelled":
         raise OpError("box_host_lost", "the box's host stopped it while this ran")
     error = result.error
@@ -96,7 +99,7 @@ def write(ws: Workspace, args: dict[str, Any]) -> dict[str, Any]:
         raise OpError("disk_quota_exceeded",
                       f"writing {len(data)} bytes would exceed the box's disk quota of "
                       f"{ws.limits.disk_mb} MiB ({used} bytes used)")
-    size = workspace.write_file(ws.path, str(args.get("path") or ""), data, owner=_owner())
+    size = workspace.write_file(ws.path, str(args.get("path") or ""), data, owner=ws.owner)
     return {"bytes": size}
 
 

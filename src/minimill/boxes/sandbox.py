@@ -1,15 +1,23 @@
-"""One exec in a box: bubblewrap isolation plus per-exec limits.
+"""One exec in a box: layers of isolation, each assumed to fail, plus per-exec limits.
 
-The box sees a read-only system (/usr and the few /etc files programs need), its workspace at
-/workspace (writable), a small private /tmp, a fresh /proc of its own PID namespace, and no
-network unless the box asked for it. Nothing else of the host is mounted: not the store, not
-MINIMILL_HOME, not the worker's environment (the sandbox starts from an empty one).
-
-Limits per exec: CPU seconds, address space, process count (RLIMIT_NPROC; counted per user
-namespace, so per exec), the largest file it may write (what is left of the disk quota), and
-a wall clock after which the whole process tree dies with bubblewrap's PID namespace. A host
-running as root runs boxes as an unprivileged uid: the kernel does not count processes of
-root against RLIMIT_NPROC, and a box must own nothing of the host's.
+- bubblewrap: the box sees a read-only system (/usr and the few /etc files programs need),
+  its workspace at /workspace (writable), a small private /tmp, a fresh /proc of its own PID
+  namespace, and minimal /etc/passwd and /etc/group of its own (root, the box user, nobody):
+  no account of the host. Nothing else of the host is mounted: not the store, not
+  MINIMILL_HOME, not the worker's environment (the sandbox starts from an empty one).
+- seccomp (seccomp.py, libseccomp): no new user namespaces, no keyring, no ptrace, no bpf,
+  no mounts, no kernel modules, and the rest container runtimes refuse.
+- A host uid per box (uids.py) on root hosts: a box owns nothing of the host's or of another
+  box's, and its processes count against its own process limit only.
+- Limits: CPU seconds, address space, process count and the largest file it may write (what
+  is left of the disk quota) as rlimits, always; where the host has a delegated cgroup v2
+  (cgroups.py), memory, processes and CPU seconds of the exec as a whole too. A wall clock
+  after which the whole process tree dies with bubblewrap's PID namespace.
+- Network: none (only its own loopback) unless the box asked for it; then a user-mode network
+  stack (pasta, Debian's `passt`) in a network namespace of its own, whose routes make the
+  private, link-local and carrier ranges unreachable, with no route to the host's loopback
+  (NET_SETUP): the box reaches the internet where the host can, never the control plane, the
+  store or a metadata service. DNS goes to the host's resolver through pasta.
 """
 
 from __future__ import annotations
@@ -27,11 +35,22 @@ from pathlib import Path
 from typing import Any
 
 from minimill.box_protocol import MAX_EXEC_OUTPUT_BYTES
+from minimill.boxes import seccomp
+from minimill.boxes.layers import (
+    IsolationUnavailable,
+    box_files,
+    exec_group,
+    in_group,
+    net_prefix,
+)
 
-# What a box sees of the host's /etc: enough for the dynamic linker, users and certificates.
-_ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "passwd", "group", "nsswitch.conf",
-              "hosts", "resolv.conf", "ssl", "ca-certificates", "alternatives", "localtime")
-# The uid a root host runs boxes as (nobody); the box sees itself as SANDBOX_UID inside.
+# What a box sees of the host's /etc: enough for the dynamic linker and certificates. Its users
+# and groups are its own (BOX_PASSWD, BOX_GROUP), never the host's accounts; so is its
+# resolv.conf, with network (BOX_DNS).
+_ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "hosts", "ssl",
+              "ca-certificates", "alternatives", "localtime")
+# The uid a root host runs an exec as where no box's uid is given (its isolation probe; boxes
+# have uids of their own: uids.py); every box sees itself as SANDBOX_UID inside.
 UNPRIVILEGED_UID = 65534
 SANDBOX_UID = 1000
 WORKSPACE_MOUNT = "/workspace"
@@ -45,10 +64,6 @@ _BWRAP_PREFIX = b"bwrap: "
 log = logging.getLogger("minimill.boxes")
 # Called with ("stdout" | "stderr", bytes) as output comes, from the threads reading the pipes.
 OnOutput = Callable[[str, bytes], None]
-
-
-class IsolationUnavailable(RuntimeError):
-    """bubblewrap is missing or cannot create namespaces here; the message says what to do."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +84,8 @@ class ExecResult:
     stderr: bytes
     duration_s: float
     timed_out: bool = False
-    # Set when a limit ended or spoiled the exec: "timeout" | "disk_quota_exceeded"; or
+    # Set when a limit ended or spoiled the exec: "timeout" | "disk_quota_exceeded" |
+    # "cpu_limit" | "memory_limit" (the last two where a cgroup holds the exec); or
     # "cancelled" when its host stopped it.
     error: str | None = None
     output_truncated: bool = False
@@ -105,7 +121,7 @@ def bwrap_args(workspace: Path | None, network: bool,
         args += ["--chdir", "/tmp"]
     args += extra
     if network:
-        args.append("--share-net")
+        args.append("--share-net")  # pasta's namespace (never the host's: see _net_prefix)
     # Merged-/usr systems have /bin -> usr/bin; others have real directories.
     for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         path = Path("/") / top
@@ -137,6 +153,10 @@ def check_isolation() -> None:
             "bubblewrap (bwrap) is not installed: install the Debian package 'bubblewrap' "
             "(apt-get install bubblewrap), or pass --insecure-no-sandbox to run boxes "
             "without isolation")
+    if not seccomp.available():
+        raise IsolationUnavailable(
+            "libseccomp is not installed: install the Debian package 'libseccomp2', or pass "
+            "--insecure-no-sandbox to run boxes without isolation")
     probe = Path(os.environ.get("TMPDIR", "/tmp")) / f"minimill-box-probe-{os.getpid()}"
     probe.mkdir(exist_ok=True)
     try:
@@ -276,32 +296,48 @@ def _run_exec_once(workspace: Path, command: list[str], *, stdin: bytes = b"",
              network: bool = False, insecure: bool = False, disk_free_bytes: int | None = None,
              over_quota: Callable[[], bool] | None = None,
              cancel: threading.Event | None = None,
-             on_output: OnOutput | None = None) -> ExecResult:
+             on_output: OnOutput | None = None, uid: int | None = None) -> ExecResult:
     """Run `command` in the box whose workspace is `workspace` and wait for it.
 
     `disk_free_bytes` caps the size of any file the exec writes; `over_quota`, polled while
     it runs, kills it once the workspace holds more than its quota; setting `cancel` kills it
     (its host lost the box). `insecure` runs it without
     bubblewrap (namespaces), with the same limits: only where the operator opted out.
+    `uid` is the host uid it runs as (a root host's uid of the box; default: box_uid()).
     """
     fsize = disk_free_bytes if disk_free_bytes is not None else limits.disk_mb * 1024 * 1024
     box_env = {"PATH": DEFAULT_PATH, "HOME": WORKSPACE_MOUNT, "LANG": "C.UTF-8",
                **(env or {})}
+    fds: list[int] = []
     if insecure:
         box_env["HOME"] = str(workspace)
         argv = [*_prlimit_args(limits, fsize), *command]
     else:
         env_args = [a for k, v in box_env.items() for a in ("--setenv", k, v)]
-        bwrap = bwrap_args(workspace, network)
-        argv = [*_prlimit_args(limits, fsize), *bwrap[:-1], *env_args, "--", *command]
+        files, fds = box_files(network)
+        bwrap = bwrap_args(workspace, network, extra=files)
+        argv = [*_prlimit_args(limits, fsize), *net_prefix(network), *bwrap[:-1], *env_args,
+                "--", *command]
     root = _runs_as_root()
+    run_as = (uid if uid is not None else box_uid()) if root else None
+    group = exec_group(limits.memory_mb, limits.max_processes) if not insecure else None
+    if group is not None:
+        argv = in_group(group, argv, run_as)
+        run_as = None  # the wrapper drops to the box's uid once it is in the group
     started = time.monotonic()
-    proc = subprocess.Popen(
-        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        cwd=workspace, env=box_env if insecure else {"PATH": DEFAULT_PATH},
-        start_new_session=True, close_fds=True,
-        user=box_uid() if root else None, group=box_uid() if root else None,
-        extra_groups=[] if root else None)
+    try:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            cwd=workspace, env=box_env if insecure else {"PATH": DEFAULT_PATH},
+            start_new_session=True, close_fds=True, pass_fds=fds,
+            user=run_as, group=run_as, extra_groups=[] if run_as is not None else None)
+    except BaseException:
+        if group is not None:
+            group.close()
+        raise
+    finally:
+        for fd in fds:
+            os.close(fd)
     out = _Capped(proc.stdout, "stdout", on_output)
     err = _Capped(proc.stderr, "stderr", on_output)
     threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True).start()
@@ -314,6 +350,8 @@ def _run_exec_once(workspace: Path, command: list[str], *, stdin: bytes = b"",
             error = "timeout"
         elif over_quota is not None and over_quota():
             error = "disk_quota_exceeded"
+        elif group is not None and group.cpu_seconds() > limits.cpu_s:
+            error = "cpu_limit"  # all of its processes together
         if error is not None:
             _kill_tree(proc)
             break
@@ -323,6 +361,10 @@ def _run_exec_once(workspace: Path, command: list[str], *, stdin: bytes = b"",
             pass
     code = proc.wait()
     _kill_tree(proc)  # anything it left behind in its session
+    if group is not None:
+        if error is None and group.oom_killed():
+            error = "memory_limit"
+        group.close()  # and anything that left the session
     stdout, stderr = out.join(5.0), err.join(5.0)
     return ExecResult(exit_code=128 - code if code < 0 else code, stdout=stdout, stderr=stderr,
                       duration_s=time.monotonic() - started, timed_out=error == "timeout",

@@ -1,64 +1,101 @@
-"""A seccomp filter that forbids starting processes (threads stay allowed), for bubblewrap's
-`--seccomp FD`.
+"""Seccomp filters for bubblewrap's `--seccomp FD`, built with libseccomp (pyseccomp).
 
-A harness (agents/harness_process.py) runs Python that has no business starting programs: its
-commands run in its box. Without new processes a fork bomb is impossible, even for a runner
-running as root, whose processes RLIMIT_NPROC does not count. The program is classic BPF over
-`struct seccomp_data` (nr at offset 0, arch at 4, args[0] at 16), built here because the
-filter is small and fixed; only x86-64 is described, elsewhere `no_fork_filter` returns None.
+`box_filter()`, on every box exec, refuses (EPERM) what container runtimes' default profiles
+refuse and what matters here: new user namespaces (unshare or clone with CLONE_NEWUSER, and
+clone3, whose flags a filter cannot read: ENOSYS makes the C library fall back to clone), the
+kernel keyring, ptrace and reading or writing other processes' memory, bpf, perf events,
+mounts, kexec, kernel modules, swap, reboot, clock and system settings, userfaultfd and
+handle-based opens. Everything else is allowed. System calls of another architecture (x32,
+or i386 through int 0x80) kill the process: libseccomp's filter holds the native one only.
+
+`no_fork_filter()`, for an agent's harness (agents/harness_process.py), adds that starting a
+process fails (fork, vfork, a clone without CLONE_THREAD): a harness runs its commands in its
+box, and without new processes a fork bomb is impossible even for a runner running as root.
+
+Both are exported as the classic BPF program bubblewrap loads; None where libseccomp is not
+installed (Debian's libseccomp2): a box host then refuses to offer boxes unless its operator
+opts out of isolation.
 """
 
 from __future__ import annotations
 
 import errno
-import platform
-import struct
+import functools
+import logging
+import tempfile
+from typing import Any
 
-_AUDIT_ARCH_X86_64 = 0xC000003E
-_X32_SYSCALL_BIT = 0x40000000
-_NR_CLONE, _NR_FORK, _NR_VFORK, _NR_CLONE3 = 56, 57, 58, 435
-_CLONE_THREAD = 0x00010000
+log = logging.getLogger("minimill.boxes")
 
-_LD_W_ABS = 0x20  # BPF_LD | BPF_W | BPF_ABS
-_JEQ_K = 0x15  # BPF_JMP | BPF_JEQ | BPF_K
-_JGE_K = 0x35  # BPF_JMP | BPF_JGE | BPF_K
-_JSET_K = 0x45  # BPF_JMP | BPF_JSET | BPF_K
-_RET_K = 0x06  # BPF_RET | BPF_K
-_ALLOW = 0x7FFF0000
-_KILL_PROCESS = 0x80000000
-
-
-def _errno(code: int) -> int:
-    return 0x00050000 | code  # SECCOMP_RET_ERRNO
-
-
-def _op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
-    return struct.pack("<HBBI", code, jt, jf, k)
+# Refused outright (EPERM), as Docker's and Podman's default profiles refuse them.
+REFUSED = (
+    "add_key", "keyctl", "request_key",
+    "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",
+    "bpf", "perf_event_open", "userfaultfd",
+    "mount", "umount2", "pivot_root", "move_mount", "open_tree", "fsopen", "fsmount",
+    "fsconfig", "fspick", "mount_setattr", "setns",
+    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
+    "swapon", "swapoff", "reboot", "acct", "quotactl", "syslog",
+    "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
+    "open_by_handle_at", "name_to_handle_at", "lookup_dcookie",
+    "iopl", "ioperm", "uselib", "ustat", "sysfs", "_sysctl", "nfsservctl",
+    "vm86", "vm86old", "create_module", "get_kernel_syms", "query_module",
+)
+CLONE_NEWUSER = 0x10000000
+CLONE_THREAD = 0x00010000
 
 
-def no_fork_filter() -> bytes | None:
-    """fork, vfork and a clone without CLONE_THREAD fail with EPERM; clone3 with ENOSYS (so
-    that the C library falls back to clone, whose flags a filter can read); any other
-    architecture's or x32's system calls kill the process. None where the machine is not
-    x86-64."""
-    if platform.machine() not in ("x86_64", "AMD64"):
+def _seccomp() -> Any:
+    try:
+        import pyseccomp
+    except (ImportError, RuntimeError, OSError):  # RuntimeError: no libseccomp on the host
         return None
-    program = [
-        _op(_LD_W_ABS, 4),  # 0: arch
-        _op(_JEQ_K, _AUDIT_ARCH_X86_64, jt=1),  # 1: x86-64 -> 3
-        _op(_RET_K, _KILL_PROCESS),  # 2
-        _op(_LD_W_ABS, 0),  # 3: nr
-        _op(_JGE_K, _X32_SYSCALL_BIT, jt=10),  # 4: x32 -> 15
-        _op(_JEQ_K, _NR_FORK, jt=8),  # 5: -> 14
-        _op(_JEQ_K, _NR_VFORK, jt=7),  # 6: -> 14
-        _op(_JEQ_K, _NR_CLONE3, jt=5),  # 7: -> 13
-        _op(_JEQ_K, _NR_CLONE, jt=1),  # 8: -> 10
-        _op(_RET_K, _ALLOW),  # 9
-        _op(_LD_W_ABS, 16),  # 10: clone's flags (low word)
-        _op(_JSET_K, _CLONE_THREAD, jf=2),  # 11: a thread -> 12, else -> 14
-        _op(_RET_K, _ALLOW),  # 12
-        _op(_RET_K, _errno(errno.ENOSYS)),  # 13
-        _op(_RET_K, _errno(errno.EPERM)),  # 14
-        _op(_RET_K, _KILL_PROCESS),  # 15
-    ]
-    return b"".join(program)
+    return pyseccomp
+
+
+def available() -> bool:
+    return _seccomp() is not None
+
+
+def _add(sc: Any, flt: Any, action: int, name: str, *args: Any) -> None:
+    try:
+        flt.add_rule(action, name, *args)
+    except (OSError, ValueError):
+        # Not a system call of this architecture, or unknown to this libseccomp: nothing
+        # can call it here.
+        log.debug("seccomp: no %s on this architecture", name)
+
+
+def _build(no_fork: bool) -> bytes | None:
+    sc = _seccomp()
+    if sc is None:
+        return None
+    flt = sc.SyscallFilter(sc.ALLOW)
+    deny = sc.ERRNO(errno.EPERM)
+    for name in REFUSED:
+        _add(sc, flt, deny, name)
+    new_user = sc.Arg(0, sc.MASKED_EQ, CLONE_NEWUSER, CLONE_NEWUSER)
+    _add(sc, flt, deny, "unshare", new_user)
+    _add(sc, flt, deny, "clone", new_user)
+    _add(sc, flt, sc.ERRNO(errno.ENOSYS), "clone3")
+    if no_fork:
+        _add(sc, flt, deny, "fork")
+        _add(sc, flt, deny, "vfork")
+        _add(sc, flt, deny, "clone", sc.Arg(0, sc.MASKED_EQ, CLONE_THREAD, 0))
+    with tempfile.TemporaryFile() as out:
+        flt.export_bpf(out)
+        out.seek(0)
+        return out.read()
+
+
+@functools.cache
+def box_filter() -> bytes | None:
+    """The filter of every box exec; None without libseccomp."""
+    return _build(no_fork=False)
+
+
+@functools.cache
+def no_fork_filter() -> bytes | None:
+    """The filter of a harness: the box filter, and no new processes (threads stay allowed).
+    None without libseccomp."""
+    return _build(no_fork=True)

@@ -29,10 +29,13 @@ import stat
 import struct
 import tarfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
-from minimill.boxes.workspace import PathError, chown_tree, member_filter, parts_of, unpack
+from minimill.boxes.archive import ArchiveBounds, ArchiveError, extract
+from minimill.boxes.workspace import PathError, parts_of
 
 DELTA_MAGIC = b"MMSNAPDELTA1\n"
 _HEADER_LEN = struct.Struct(">I")
@@ -47,8 +50,8 @@ FULL_RATIO = 0.5
 class SnapshotError(PathError):
     """A snapshot (chain) that cannot be restored as it was taken."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message, code="invalid_archive")
+    def __init__(self, message: str, code: str = "invalid_archive") -> None:
+        super().__init__(message, code=code)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,13 +149,19 @@ def worth_a_delta(base_depth: int, delta: Delta, now: Manifest) -> bool:
     return delta.changed_bytes <= FULL_RATIO * now.file_bytes
 
 
-def pack_full(root: Path) -> bytes:
-    """The workspace as a gzipped tar (symlinks kept as links, never followed; sockets, pipes
-    and devices left out, as a restore would refuse them)."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=3) as tar:
+def write_full(root: Path, out: IO[bytes]) -> None:
+    """The workspace as a gzipped tar, streamed to `out` (a file: a workspace of any size is
+    never held in memory). Symlinks are kept as links, never followed; sockets, pipes and
+    devices are left out, as a restore would refuse them."""
+    with tarfile.open(fileobj=out, mode="w:gz", compresslevel=3) as tar:
         for name in sorted(os.listdir(root)):
             tar.add(root / name, arcname=name, recursive=True, filter=_keepable)
+
+
+def pack_full(root: Path) -> bytes:
+    """`write_full` into memory (small workspaces, tests)."""
+    buf = io.BytesIO()
+    write_full(root, buf)
     return buf.getvalue()
 
 
@@ -160,16 +169,23 @@ def _keepable(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
     return info if info.isreg() or info.isdir() or info.issym() or info.islnk() else None
 
 
-def pack_delta(root: Path, parent_id: str, delta: Delta, now: Manifest) -> bytes:
+def write_delta(root: Path, parent_id: str, delta: Delta, now: Manifest,
+                out: IO[bytes]) -> None:
+    """A delta of the workspace, streamed to `out`."""
     header = json.dumps({"parent": parent_id, "deleted": delta.deleted,
                          "entries": len(now.items), "file_bytes": now.file_bytes}).encode()
-    buf = io.BytesIO()
-    buf.write(DELTA_MAGIC)
-    buf.write(_HEADER_LEN.pack(len(header)))
-    buf.write(header)
-    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=3) as tar:
+    out.write(DELTA_MAGIC)
+    out.write(_HEADER_LEN.pack(len(header)))
+    out.write(header)
+    with tarfile.open(fileobj=out, mode="w:gz", compresslevel=3) as tar:
         for path in delta.changed:
             tar.add(root / path, arcname=path, recursive=False, filter=_keepable)
+
+
+def pack_delta(root: Path, parent_id: str, delta: Delta, now: Manifest) -> bytes:
+    """`write_delta` into memory (small workspaces, tests)."""
+    buf = io.BytesIO()
+    write_delta(root, parent_id, delta, now, buf)
     return buf.getvalue()
 
 
@@ -181,25 +197,62 @@ class DeltaHeader:
     file_bytes: int
 
 
-def read_delta(blob: bytes) -> tuple[DeltaHeader, bytes] | None:
-    """A delta's header and its tar; None for a full archive."""
+# The longest delta header read (the paths it deletes are in it).
+MAX_DELTA_HEADER_BYTES = 64 * 1024 * 1024
+
+
+def read_delta(blob: bytes | Path) -> tuple[DeltaHeader, bytes | tuple[Path, int]] | None:
+    """A delta's header and its tar (bytes, or the file and the offset it starts at); None
+    for a full archive."""
+    if isinstance(blob, Path):
+        with open(blob, "rb") as f:
+            head = f.read(len(DELTA_MAGIC) + 4)
+            if not head.startswith(DELTA_MAGIC):
+                return None
+            header = _parse_header(head, lambda n: f.read(n))
+            return header, (blob, f.tell())
     if not blob.startswith(DELTA_MAGIC):
         return None
+    offset = len(DELTA_MAGIC) + 4
+    view = io.BytesIO(blob)
+    view.seek(offset)
+    header = _parse_header(blob[:offset], view.read)
+    return header, blob[view.tell():]
+
+
+def delta_header(first: bytes, more: Callable[[int], bytes]) -> DeltaHeader | None:
+    """The header of an archive whose first bytes are `first` (`more(n)` reads the next n);
+    None for a full archive."""
+    if not first.startswith(DELTA_MAGIC):
+        return None
+    return _parse_header(first, more)
+
+
+def _parse_header(head: bytes, more: Callable[[int], bytes]) -> DeltaHeader:
     start = len(DELTA_MAGIC)
     try:
-        (length,) = _HEADER_LEN.unpack_from(blob, start)
-        raw = json.loads(blob[start + 4:start + 4 + length])
-        header = DeltaHeader(parent=str(raw["parent"]), deleted=[str(p) for p in
-                                                                   raw["deleted"]],
-                             entries=int(raw["entries"]), file_bytes=int(raw["file_bytes"]))
+        (length,) = _HEADER_LEN.unpack_from(head, start)
+        if length > MAX_DELTA_HEADER_BYTES:
+            raise ValueError(f"a header of {length} bytes")
+        text = head[start + 4:start + 4 + length]
+        text += more(length - len(text)) if len(text) < length else b""
+        raw = json.loads(text)
+        return DeltaHeader(parent=str(raw["parent"]),
+                           deleted=[str(p) for p in raw["deleted"]],
+                           entries=int(raw["entries"]), file_bytes=int(raw["file_bytes"]))
     except (struct.error, ValueError, KeyError, TypeError) as exc:
         raise SnapshotError(f"an incremental snapshot's header is unreadable: {exc}") from None
-    return header, blob[start + 4 + length:]
 
 
-def restore(chain: list[tuple[str, bytes]], root: Path, owner: int | None = None) -> None:
-    """Build the workspace at `root` (empty) from a chain of (snapshot id, blob): a full
-    archive, then each delta on the one before it."""
+# What a restore refuses past, where its caller names no bound (the box's quota).
+DEFAULT_BOUNDS = ArchiveBounds(max_bytes=1024 * 1024 * 1024)
+
+
+def restore(chain: Sequence[tuple[str, bytes | Path]], root: Path, owner: int | None = None,
+            bounds: ArchiveBounds = DEFAULT_BOUNDS) -> None:
+    """Build the workspace at `root` (empty) from a chain of (snapshot id, archive): a full
+    archive, then each delta on the one before it. Each archive is checked whole against
+    `bounds` before anything of it is written (archive.py); files belong to `owner`."""
     if not chain:
         return
     last: DeltaHeader | None = None
@@ -209,7 +262,7 @@ def restore(chain: list[tuple[str, bytes]], root: Path, owner: int | None = None
             if delta is not None:
                 raise SnapshotError(f"snapshot {snapshot_id} is incremental (of "
                                     f"{delta[0].parent}), but its chain starts with it")
-            unpack(blob, root)
+            _unpack(blob, root, owner, bounds, snapshot_id, replace=False)
             continue
         if delta is None:
             raise SnapshotError(f"snapshot {snapshot_id} is a full archive in the middle of a "
@@ -220,7 +273,7 @@ def restore(chain: list[tuple[str, bytes]], root: Path, owner: int | None = None
                                 f"{chain[i - 1][0]}")
         for path in header.deleted:
             _remove(root, path)
-        _apply(archive, root, snapshot_id)
+        _unpack(archive, root, owner, bounds, snapshot_id, replace=True)
         last = header
     if last is not None:
         now = scan(root)
@@ -229,24 +282,18 @@ def restore(chain: list[tuple[str, bytes]], root: Path, owner: int | None = None
                 f"restoring snapshot {chain[-1][0]} gave {len(now.items)} entries and "
                 f"{now.file_bytes} bytes of files, where it had {last.entries} and "
                 f"{last.file_bytes}: its chain does not add up")
-    if owner is not None:
-        chown_tree(root, owner)
 
 
-def _apply(archive: bytes, root: Path, snapshot_id: str) -> None:
-    """Extract a delta's entries. What they replace is removed first: writing into an
-    existing file would write through a hard link it shares (whose other names the delta
-    carries too, their inode having changed) and into the wrong file."""
+def _unpack(archive: bytes | Path | tuple[Path, int], root: Path, owner: int | None,
+            bounds: ArchiveBounds, snapshot_id: str, replace: bool) -> None:
+    """Extract one archive of the chain. A delta's entries replace what is there (removed
+    first: writing into an existing file would write through a hard link it shares)."""
     try:
-        with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
-            members = tar.getmembers()
-            for member in members:
-                if not member.isdir():
-                    _remove(root, member.name)
-            tar.extractall(root, filter=member_filter)
-    except (tarfile.TarError, OSError, EOFError) as exc:
-        raise SnapshotError(f"incremental snapshot {snapshot_id} cannot be applied: {exc}") \
-            from None
+        extract(archive, root, bounds, owner=owner, replace=replace)
+    except ArchiveError as exc:
+        what = "incremental snapshot" if replace else "snapshot or image"
+        raise SnapshotError(f"{what} {snapshot_id} cannot be unpacked: {exc}",
+                            code=exc.code) from None
 
 
 def _remove(root: Path, path: str) -> None:

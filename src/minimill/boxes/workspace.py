@@ -1,5 +1,5 @@
-"""A box's files on its host: file operations that cannot leave the workspace, disk usage
-against the quota, and the extraction of archives (snapshots.py makes and restores snapshots).
+"""A box's files on its host: file operations that cannot leave the workspace, and disk usage
+against the quota (archive.py unpacks archives; snapshots.py makes and restores snapshots).
 
 The host process is not sandboxed, and a box's own commands can plant symlinks in its
 workspace (`ln -s /etc/shadow x`). So every file operation walks the path one component at a
@@ -9,11 +9,9 @@ or a `..`, is refused with `PathError` rather than followed.
 
 from __future__ import annotations
 
-import copy
-import io
+import errno
 import os
 import stat
-import tarfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -94,9 +92,11 @@ def _is_symlink(dir_fd: int, name: str) -> bool:
 
 
 def _file_flags(write: bool) -> int:
+    # O_NONBLOCK: opening a FIFO a box planted (or a device) must not wait for a writer; the
+    # fstat below then refuses it before anything reads from it.
     if write:
-        return os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-    return os.O_RDONLY | os.O_NOFOLLOW
+        return os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK
+    return os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
 
 
 def _open_file(dir_fd: int, name: str, write: bool, path: str) -> int:
@@ -108,10 +108,14 @@ def _open_file(dir_fd: int, name: str, write: bool, path: str) -> int:
         if _is_symlink(dir_fd, name):
             raise PathError(f"{path} is a symlink: file operations never follow symlinks",
                             code="symlink") from None
+        if exc.errno == errno.ENXIO:  # a FIFO without a reader, opened for writing
+            raise PathError(f"{path} is not a regular file", code="not_a_file") from None
         raise PathError(f"cannot open {path}: {exc.strerror}") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise PathError(f"{path} is not a regular file")
+        raise PathError(f"{path} is not a regular file", code="not_a_file")
+    # A regular file never blocks; back to blocking reads and writes for it.
+    os.set_blocking(fd, True)
     return fd
 
 
@@ -167,46 +171,19 @@ def list_dir(root: Path, path: str) -> list[Entry]:
 
 
 def usage_bytes(root: Path) -> int:
-    """Bytes the workspace takes on disk (allocated blocks; symlinks are not followed)."""
+    """Bytes the workspace holds against its quota: each file's logical size, so a sparse
+    file counts whole (it may be filled in, and a snapshot carries it whole) and so does each
+    name of a hard-linked one; a directory or symlink counts the blocks it takes. Symlinks
+    are not followed."""
     total = 0
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         for name in (*dirnames, *filenames):
             try:
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+                st = os.lstat(os.path.join(dirpath, name))
             except OSError:
-                pass  # removed meanwhile
+                continue  # removed meanwhile
+            total += st.st_size if stat.S_ISREG(st.st_mode) else st.st_blocks * 512
     return total
-
-
-def member_filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo:
-    """tarfile's 'data' filter (no member outside the workspace: absolute names, `..`, a path
-    through a link that leads out; no devices, no set-id bits; hard links only to members
-    inside), except that a symlink may point anywhere. A box's symlinks are resolved inside
-    its sandbox, where `/usr/bin/python3` is the box's own read-only system (a venv is made of
-    such links), and the host never follows one: 'data' checks every later member's real path,
-    so nothing is written through a link that leads out."""
-    if not member.issym():
-        return tarfile.data_filter(member, dest)
-    # Its own name checked as 'data' checks a file's; its target kept as it is.
-    as_file = copy.copy(member)
-    as_file.type, as_file.linkname = tarfile.REGTYPE, ""
-    kept = copy.copy(tarfile.data_filter(as_file, dest))
-    kept.type, kept.linkname = tarfile.SYMTYPE, member.linkname
-    return kept
-
-
-def unpack(archive: bytes, root: Path, owner: int | None = None) -> None:
-    """Extract a snapshot or image archive into an empty workspace (`member_filter` refuses
-    what would land outside it)."""
-    root.mkdir(parents=True, exist_ok=True)
-    try:
-        with tarfile.open(fileobj=io.BytesIO(archive), mode="r:*") as tar:
-            tar.extractall(root, filter=member_filter)
-    except (tarfile.TarError, OSError, EOFError) as exc:
-        raise PathError(f"the archive cannot be extracted: {exc}", code="invalid_archive") \
-            from None
-    if owner is not None:
-        chown_tree(root, owner)
 
 
 def chown_tree(root: Path, owner: int) -> None:

@@ -9,11 +9,19 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    model_validator,
+)
 
 from minimill.control.errors import InvalidRequestError, NotFoundError
 from minimill.control.records import Kind, Tier
@@ -26,9 +34,11 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 class _Body(BaseModel):
-    # Strict: "1" is not a number and true is not an integer, as in OpenAI's API. Unknown
-    # fields are ignored, so clients that send extra OpenAI parameters still work.
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    # Strict: "1" is not a number and true is not an integer, as in OpenAI's API. A field
+    # minimill does not know is refused ("Unrecognized request argument supplied"), as
+    # OpenAI refuses one: a parameter accepted and ignored would make a client believe it
+    # was honoured.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class TextPart(_Body):
@@ -59,6 +69,10 @@ class ChatMessage(_Body):
     # An assistant message's calls, and the call a tool message answers.
     tool_calls: list[ToolCall] | None = Field(None, min_length=1)
     tool_call_id: str | None = Field(None, min_length=1, max_length=200)
+    # What an answer carried that a client sends back with it in the next turn's history
+    # (the openai client's message objects hold them); not part of the prompt.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
@@ -117,8 +131,19 @@ class ResponseFormatJsonSchema(_Body):
     json_schema: JsonSchemaFormat
 
 
-ResponseFormat = Annotated[ResponseFormatText | ResponseFormatJsonObject
-                           | ResponseFormatJsonSchema, Field(discriminator="type")]
+def type_tag(value: Any, default: str | None = None) -> str:
+    """A union member's tag: its `type` as "type=...", which no error's `param` shows
+    (param_from_loc keeps only identifiers), so errors name `input[0].arguments`, not
+    `input[0].function_call.arguments`."""
+    kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type",
+                                                                              default)
+    return f"type={kind}"
+
+
+ResponseFormat = Annotated[Annotated[ResponseFormatText, Tag("type=text")]
+                           | Annotated[ResponseFormatJsonObject, Tag("type=json_object")]
+                           | Annotated[ResponseFormatJsonSchema, Tag("type=json_schema")],
+                           Discriminator(type_tag)]
 
 
 class StreamOptions(_Body):
@@ -144,6 +169,7 @@ class _Sampling(_Body):
                      Annotated[float, Field(ge=-100, le=100)]] | None = Field(
         None, max_length=1024)
     user: str | None = None
+    safety_identifier: str | None = Field(None, max_length=256)
     prompt_cache_key: str | None = Field(
         None, min_length=1, max_length=200,
         description="Groups requests of one conversation (the session key the KV cache and "
@@ -165,6 +191,10 @@ class ChatBody(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # Only text out; chat completions are not stored (the Responses API stores responses).
+    modalities: list[Literal["text"]] | None = None
+    store: Literal[False] | None = Field(None, description="Only false: chat completions are "
+                                         "not stored.")
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -180,6 +210,10 @@ class ChatBody(_Sampling):
     def _check_tools(self) -> ChatBody:
         check_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
         check_tool_messages(self.messages)
+        if isinstance(self.response_format, ResponseFormatJsonObject) and not mentions_json(
+                m.model_dump() for m in self.messages):
+            raise ValueError("messages: 'messages' must contain the word 'json' in some form, "
+                             "to use 'response_format' of type 'json_object'")
         return self
 
 
@@ -227,6 +261,19 @@ def check_tools(tools: list[FunctionTool] | None,
     if isinstance(tool_choice, NamedToolChoice) and tool_choice.function.name not in names:
         raise ValueError(f"tool_choice: the function {tool_choice.function.name!r} is not "
                          "in tools")
+
+
+def mentions_json(messages: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether a conversation asks for JSON in words: OpenAI refuses json_object output
+    otherwise (a model told nothing about JSON may write whitespace until its limit)."""
+    for message in messages:
+        content = message.get("content")
+        parts = content if isinstance(content, list) else [content]
+        for part in parts:
+            text = part.get("text") if isinstance(part, Mapping) else part
+            if isinstance(text, str) and "json" in text.lower():
+                return True
+    return False
 
 
 def check_tool_messages(messages: list[ChatMessage]) -> None:
@@ -296,6 +343,14 @@ def describe_errors(errors: Sequence[Any], skip: int = 0) -> tuple[str, str | No
     msg = str(first.get("msg", "invalid value"))
     if first.get("type") == "missing":
         return f"Missing required parameter: '{param}'.", param
+    if first.get("type") == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {param}", param
+    if first.get("type") == "union_tag_invalid":  # a `type` no member of the union has
+        ctx = first.get("ctx") or {}
+        tag = str(ctx.get("tag", "")).removeprefix("type=")
+        expected = str(ctx.get("expected_tags", "")).replace("type=", "")
+        where = f"{param}.type" if param else "type"
+        return f"Invalid value for '{where}': '{tag}'. Supported values are: {expected}.", where
     # Errors raised in validators name their parameter ("stop: ...").
     head, sep, rest = msg.removeprefix("Value error, ").partition(": ")
     if sep and _PARAM_PATH.match(head):

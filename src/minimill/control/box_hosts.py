@@ -8,9 +8,9 @@
 - `complete_ops`: a result counts only from the box's host at the box's current epoch; a
   successful pause sends the box to `paused`, off its host. The operation's streamed output
   goes: the result holds all of it. Every other result is activity (box_idle.py).
-- `store_snapshot`: an archive from the host at the box's epoch becomes its latest snapshot
-  (automatic ones replace the previous automatic one, which stays while a newer delta needs
-  it). A delta (boxes/snapshots.py) names its parent, a snapshot of the same box.
+- Snapshots from the host at the box's epoch become its latest (box_uploads.py: automatic
+  ones replace the previous automatic one, which stays while a newer delta needs it). A
+  delta (boxes/snapshots.py) names its parent, a snapshot of the same box.
 - Leases carry the chain to restore (full archive first, then its deltas), and a host may
   download any archive of that chain.
 - `reap_expired`: a box whose lease lapsed goes back to `pending` (to come back elsewhere from
@@ -21,13 +21,12 @@ Every transition is a conditional UPDATE on status and epoch, as for requests (l
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from sqlalchemy import Connection, case, select, tuple_, update
 
 from minimill.box_protocol import (
-    SNAPSHOT_PARENT_NOT_FOUND,
     BoxLease,
     BoxLimits,
     BoxOp,
@@ -39,16 +38,22 @@ from minimill.box_protocol import (
     BoxReleaseResponse,
     BoxResultsRequest,
     BoxResultsResponse,
-    SnapshotStored,
 )
 from minimill.control import box_idle, box_output, files
-from minimill.control.box_records import BoxStatus, OpStatus, SnapshotKind
-from minimill.control.boxes import chain_of, drop_unneeded, store_archive
+from minimill.control.box_records import BoxStatus, OpStatus
+from minimill.control.box_uploads import drop_stale_uploads
+from minimill.control.boxes import chain_of
 from minimill.control.config import ControlConfig
-from minimill.control.errors import ConflictError, NotFoundError
+from minimill.control.errors import (
+    ConflictError,
+    NotFoundError,
+)
 from minimill.control.records import Site
 from minimill.control.store import Store, retry_conflicts
-from minimill.control.tables import box_ops, box_snapshots, boxes
+from minimill.control.tables import (
+    box_ops,
+    boxes,
+)
 
 MAX_OPS_PER_POLL = 256
 _RUNNING = BoxStatus.RUNNING.value
@@ -199,37 +204,6 @@ def _paused(conn: Connection, box_id: str, epoch: int) -> None:
         box_idle.mark_paused(conn, box_id, by_idle=idle)
 
 
-@retry_conflicts
-def store_snapshot(store: Store, site: Site, box_id: str, epoch: int, kind: SnapshotKind,
-                   parts: Iterable[bytes], max_bytes: int,
-                   parent_id: str | None = None) -> SnapshotStored:
-    """Store a full archive, or (with `parent_id`) a delta of an earlier snapshot of the
-    same box. A parent that is gone is a ConflictError `snapshot_parent_not_found`: the
-    host sends a full archive instead."""
-    with store.write() as conn:
-        row = conn.execute(select(boxes.c.tenant_id, boxes.c.snapshot_id).where(
-            boxes.c.id == box_id, boxes.c.epoch == epoch, boxes.c.site_id == site.id,
-            boxes.c.status == _RUNNING).with_for_update()).first()
-        if row is None:
-            raise ConflictError(f"box {box_id} is not this host's at epoch {epoch}",
-                                code="stale_epoch")
-        if parent_id is not None and conn.execute(select(box_snapshots.c.id).where(
-                box_snapshots.c.id == parent_id,
-                box_snapshots.c.box_id == box_id)).first() is None:
-            raise ConflictError(f"snapshot {parent_id}, the parent of this incremental "
-                                f"snapshot, is not one of box {box_id}",
-                                code=SNAPSHOT_PARENT_NOT_FOUND)
-        record = store_archive(conn, row.tenant_id, box_id, kind, parts, max_bytes, parent_id)
-        conn.execute(update(boxes).where(boxes.c.id == box_id)
-                     .values(snapshot_id=record.id))
-        previous = conn.execute(select(box_snapshots.c.id).where(
-            box_snapshots.c.box_id == box_id, box_snapshots.c.kind == SnapshotKind.AUTO.value,
-            box_snapshots.c.id != record.id)).scalars().all()
-        drop_unneeded(conn, box_id, list(previous))
-    return SnapshotStored(snapshot_id=record.id, bytes=record.bytes,
-                          incremental=record.incremental)
-
-
 def snapshot_content(store: Store, site: Site, box_id: str, snapshot_id: str) -> Iterator[bytes]:
     """An archive a host may read: one of the chain a box it holds starts from."""
     with store.read() as conn:
@@ -270,8 +244,10 @@ def _requeue_running(conn: Connection, box_id: str) -> None:
 
 @retry_conflicts
 def reap_expired(store: Store, now: float) -> int:
-    """Boxes whose host stopped heartbeating go back to pending; returns how many."""
+    """Boxes whose host stopped heartbeating go back to pending; returns how many. Uploads
+    that were never committed go too."""
     with store.write() as conn:
+        drop_stale_uploads(conn, now)
         lost = conn.execute(
             update(boxes).where(boxes.c.status == _RUNNING, boxes.c.lease_expires_at < now)
             .values(status=_PENDING, site_id=None, lease_expires_at=None)

@@ -20,8 +20,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import Connection, delete, insert, select, update
+from sqlalchemy import Connection, delete, func, insert, select, update
 
+from minimill.box_protocol import CAP_NAMES, BoxLimits
 from minimill.control import box_idle, box_output, files
 from minimill.control.box_records import (
     TERMINAL_OP_STATUSES,
@@ -60,13 +61,47 @@ def check_path(path: str) -> str:
     return path
 
 
+def check_limits(limits: BoxLimits, caps: BoxLimits) -> BoxLimits:
+    """The box's limits: a limit the tenant left out is the default or the operator's cap,
+    whichever is lower; one it asked for over the cap is a 400 naming it (never a silent
+    clamp)."""
+    asked = limits.model_dump()
+    for name, cap in caps.model_dump().items():
+        if name not in limits.model_fields_set:
+            asked[name] = min(asked[name], cap)
+    limits = BoxLimits.model_validate(asked)
+    for name, cap in caps.model_dump().items():
+        asked = getattr(limits, name)
+        if asked > cap:
+            raise InvalidRequestError(
+                f"limits.{name} is {asked:g}; this server allows at most {cap:g} (its operator's "
+                f"--box-max-{CAP_NAMES[name]})", param=f"limits.{name}",
+                code="limit_over_cap")
+    return limits
+
+
+def check_exec_timeout(timeout_s: float | None, caps: BoxLimits) -> None:
+    if timeout_s is not None and timeout_s > caps.timeout_s:
+        raise InvalidRequestError(
+            f"timeout_s is {timeout_s:g}; this server allows at most {caps.timeout_s:g} "
+            f"(its operator's --box-max-{CAP_NAMES['timeout_s']})", param="timeout_s",
+            code="limit_over_cap")
+
+
 def store_archive(conn: Connection, tenant_id: str, box_id: str | None, kind: SnapshotKind,
                   parts: Iterable[bytes], max_bytes: int,
-                  parent_id: str | None = None) -> SnapshotRecord:
+                  parent_id: str | None = None,
+                  snapshot_id: str | None = None) -> SnapshotRecord:
     """Insert an archive (image, full snapshot, or a delta of `parent_id`) inside the
-    caller's transaction."""
-    snapshot_id = new_id("snap_")
-    size = files.insert_chunks(conn, snapshot_id, parts, max_bytes)
+    caller's transaction. With `snapshot_id`, its chunks are stored under that id already
+    (an upload in parts) and `parts` is empty."""
+    if snapshot_id is None:
+        snapshot_id = new_id("snap_")
+        size = files.insert_chunks(conn, snapshot_id, parts, max_bytes)
+    else:
+        size = int(conn.execute(select(func.coalesce(func.sum(func.length(
+            file_chunks.c.data)), 0)).where(file_chunks.c.file_id == snapshot_id)).scalar()
+            or 0)
     now = time.time()
     conn.execute(insert(box_snapshots).values(id=snapshot_id, tenant_id=tenant_id,
                                               box_id=box_id, kind=kind.value, bytes=size,

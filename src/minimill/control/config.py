@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from minimill.box_protocol import DEFAULT_BOX_CAPS, BoxLimits
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -57,6 +59,8 @@ class ControlConfig:
     webhook_allow_private: bool = False
     # The idle timeout of a box created without one (None: boxes never idle out).
     box_idle_timeout_s: float | None = None
+    # The most a tenant may ask of each box limit (a 400 past it, never a silent clamp).
+    box_caps: BoxLimits = field(default_factory=lambda: DEFAULT_BOX_CAPS)
     # How long before an announced outage a site gives back the work it would not finish
     # (None: the placement policy's own); never less than a heartbeat's delay (leases.py).
     handback_lead_s: float | None = None

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from minimill.control.bodies import FUNCTION_NAME, _Body
+from minimill.control.bodies import FUNCTION_NAME, _Body, type_tag
 from minimill.control.errors import InvalidRequestError
 from minimill.control.records import new_id
 
@@ -60,15 +60,6 @@ class FunctionCallOutputItem(_Body):
     output: list[OutputTextPart] | str
     id: str | None = Field(None, min_length=1, max_length=ID_LENGTH)
     status: Literal["in_progress", "completed", "incomplete"] | None = None
-
-
-def type_tag(value: Any, default: str | None = None) -> str:
-    """A union member's tag: its `type` as "type=...", which no error's `param` shows
-    (param_from_loc keeps only identifiers), so errors name `input[0].arguments`, not
-    `input[0].function_call.arguments`."""
-    kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type",
-                                                                              default)
-    return f"type={kind}"
 
 
 InputItem = Annotated[Annotated[InputMessage, Tag("type=message")]

@@ -16,8 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from minimill.control.bodies import FUNCTION_NAME, MAX_TOOLS, _Body, check_schema
-from minimill.control.response_items import type_tag
+from minimill.control.bodies import FUNCTION_NAME, MAX_TOOLS, _Body, check_schema, type_tag
 
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 TEXT_FORMAT_TYPES = ("text", "json_object", "json_schema")

@@ -449,6 +449,16 @@ box_snapshots = Table(
     Column("parent_id", String(40)),
 )
 
+# Snapshot uploads in progress: a host sends an archive in parts (file_chunks under the
+# upload's id), then commits it, and the upload's id becomes the snapshot's. An upload not
+# committed within box_hosts.UPLOAD_TTL_S is dropped with its parts.
+box_snapshot_uploads = Table(
+    "box_snapshot_uploads", metadata,
+    Column("id", String(40), primary_key=True),
+    Column("box_id", String(40), nullable=False),
+    Column("started_at", Double, nullable=False, index=True),
+)
+
 # Durable agents: a tenant's harness (its code and task), run by runners (sites) under leases
 # with fencing epochs; a lapsed lease sends it back to `queued`, and the next runner replays
 # its journal.

@@ -115,11 +115,12 @@ async def create_box(body: BoxCreate, request: Request, store: StoreDep, tenant:
                      wakeups: WakeupsDep, config: ConfigDep) -> BoxObject:
     harness_auth.check_new_box(request, body.image, body.snapshot)
     # Left out, the idle timeout is the server's; an explicit null is "never".
+    limits = boxes.check_limits(body.limits, config.box_caps)
     idle_timeout_s = (body.idle_timeout_s if "idle_timeout_s" in body.model_fields_set
                       else config.box_idle_timeout_s)
     record = await anyio.to_thread.run_sync(lambda: boxes.create_box(
         store, tenant.id, source_id=body.image or body.snapshot, network=body.network,
-        limits=body.limits.model_dump(), metadata=body.metadata,
+        limits=limits.model_dump(), metadata=body.metadata,
         idle_timeout_s=idle_timeout_s, idle_action=body.idle_action))
     await anyio.to_thread.run_sync(harness_auth.record_new_box, request, store, record.id)
     wakeups.work.notify()
@@ -146,13 +147,14 @@ def delete_box(box_id: str, store: StoreDep, tenant: TenantDep) -> BoxDeleted:
 @router.post("/{box_id}/exec", response_model=ExecResult, responses={
     **error_responses(404, 409, 504), 200: {"content": _EVENT_STREAM}})
 async def exec_in_box(box_id: str, body: ExecCreate, request: Request, store: StoreDep,
-                      tenant: TenantDep, wakeups: WakeupsDep,
+                      tenant: TenantDep, wakeups: WakeupsDep, config: ConfigDep,
                       idempotency_key: IdempotencyKey = None,
                       last_event_id: LastEventId = None) -> ExecResult | StreamingResponse:
     """Run a command in the box and wait for it: stdout, stderr, exit code. With `stream`,
     its output as it comes (server-sent events); a client that lost the stream sends the same
     request with the same Idempotency-Key and the last event's id as Last-Event-ID."""
     position = Position.parse(last_event_id) if body.stream and last_event_id else None
+    boxes.check_exec_timeout(body.timeout_s, config.box_caps)
     box = await anyio.to_thread.run_sync(boxes.get_box, store, tenant.id, box_id)
     timeout = _timeout(box.limits, body.timeout_s)
     command = ["/bin/sh", "-c", body.command] if isinstance(body.command, str) else body.command
