@@ -52,6 +52,7 @@ from minimill.api.settings import Settings
 from minimill.api.webhook_sender import run_webhook_sender
 from minimill.control.config import ControlConfig
 from minimill.control.janitor import batch_jobs, run_batch_jobs, tick
+from minimill.control.prompt_count import counter_for
 from minimill.control.store import Store, open_store
 
 __all__ = ["Settings", "create_app"]
@@ -110,6 +111,10 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        # The served models' tokenizers (what bills are counted with), once per process: a
+        # model without one is named in the log now rather than at its first request.
+        for model in config.served_models:
+            await anyio.to_thread.run_sync(counter_for, model)
         tasks = [asyncio.create_task(watcher.run(), name="minimill-progress")]
         if settings.run_janitor:
             wakeup = lease_wakeup_of(_app)
