@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from minimill.control.prompt_count import ModelCounter, counter_for, count_prompts
+from minimill.control.prompt_count import ModelCounter, count_prompts, counter_for
 from minimill.control.records import Kind
 from minimill.control.usage_check import TEXT_SLACK_TOKENS, Admitted, check
 from minimill.protocol import ChoiceProgress, CompletionItem, Usage
