@@ -67,7 +67,7 @@ docs: install-test
 	$(BIN)/python scripts/gen_cli_reference.py docs/reference/cli.md
 	$(BIN)/python scripts/gen_api_reference.py docs/reference/http-api.md
 	$(BIN)/python scripts/gen_benchmarks.py docs/benchmarks.md
-	$(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 test: install-test postgres-bin bwrap-bin chromium
 	$(BIN)/minimill pull $(MODEL)
