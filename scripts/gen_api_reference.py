@@ -122,10 +122,10 @@ def _cell(text: Any) -> str:
 
 def _operation(method: str, path: str, op: dict[str, Any]) -> list[str]:
     lines = [f"### `{method.upper()} {path}`", ""]
-    for key in ("summary", "description"):
-        if op.get(key) and op.get(key) != op.get("summary", None) or key == "summary":
-            if op.get(key):
-                lines += [op[key].strip(), ""]
+    if op.get("summary"):
+        lines += [op["summary"].strip(), ""]
+    if op.get("description") and op["description"] != op.get("summary"):
+        lines += [op["description"].strip(), ""]
     params = op.get("parameters", [])
     if params:
         lines += ["| parameter | in | type | required | description |", "|---|---|---|---|---|"]
