@@ -218,9 +218,13 @@ def test_text_format_becomes_the_chat_response_format(client: OpenAI, site: Echo
                                                "schema": schema}}
     assert r.text.format.type == "json_schema"
     assert r.text.format.schema_ == schema  # type: ignore[union-attr]
-    plain = client.responses.create(model=MODEL, input="y",
+    plain = client.responses.create(model=MODEL, input="y as JSON",
                                     text={"format": {"type": "json_object"}})
     assert lease_body(site, plain.id)["response_format"] == {"type": "json_object"}
+    # As OpenAI: json_object output only for a conversation that asks for JSON in words.
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input="y", text={"format": {"type": "json_object"}})
+    assert info.value.body["param"] == "input"  # type: ignore[index]
     assert "tools" not in lease_body(site, plain.id)
 
 
@@ -237,6 +241,7 @@ def test_batch_lines_with_tools(client: OpenAI, site: EchoSite) -> None:
         return next(iter_lines(client.files.content(done.output_file_id).text))
 
     response = run("/v1/responses", {"model": MODEL, "input": ASK, "tools": [WEATHER],
+                                     "instructions": "Answer in JSON.",
                                      "tool_choice": "required",
                                      "text": {"format": {"type": "json_object"}}})["response"]
     body = response["body"]

@@ -136,6 +136,7 @@ def test_parse_gives_a_pydantic_object_and_json_object_gives_an_object(serve: Se
     ({"tools": [{"type": "web_search"}]}, "tools[0].type", ""),
     ({"tool_choice": "required"}, "tool_choice", "only allowed when tools"),
     ({"response_format": {"type": "xml"}}, "response_format.type", "Supported values"),
+    ({"response_format": {"type": "json_object"}}, "messages", "must contain the word 'json'"),
     ({"reasoning_effort": "high"}, "reasoning_effort", "Unrecognized"),
     ({"store": True}, "store", ""),
     ({"response_format": {"type": "json_schema", "json_schema": {

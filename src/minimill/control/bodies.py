@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -210,6 +210,10 @@ class ChatBody(_Sampling):
     def _check_tools(self) -> ChatBody:
         check_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
         check_tool_messages(self.messages)
+        if isinstance(self.response_format, ResponseFormatJsonObject) and not mentions_json(
+                m.model_dump() for m in self.messages):
+            raise ValueError("messages: 'messages' must contain the word 'json' in some form, "
+                             "to use 'response_format' of type 'json_object'")
         return self
 
 
@@ -257,6 +261,19 @@ def check_tools(tools: list[FunctionTool] | None,
     if isinstance(tool_choice, NamedToolChoice) and tool_choice.function.name not in names:
         raise ValueError(f"tool_choice: the function {tool_choice.function.name!r} is not "
                          "in tools")
+
+
+def mentions_json(messages: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether a conversation asks for JSON in words: OpenAI refuses json_object output
+    otherwise (a model told nothing about JSON may write whitespace until its limit)."""
+    for message in messages:
+        content = message.get("content")
+        parts = content if isinstance(content, list) else [content]
+        for part in parts:
+            text = part.get("text") if isinstance(part, Mapping) else part
+            if isinstance(text, str) and "json" in text.lower():
+                return True
+    return False
 
 
 def check_tool_messages(messages: list[ChatMessage]) -> None:

@@ -20,7 +20,13 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from minimill.control.bodies import MAX_INT32, PreparedBody, _Body, describe_errors
+from minimill.control.bodies import (
+    MAX_INT32,
+    PreparedBody,
+    _Body,
+    describe_errors,
+    mentions_json,
+)
 from minimill.control.errors import InvalidRequestError, NotFoundError
 from minimill.control.records import Kind, Tier
 from minimill.control.response_items import (
@@ -211,6 +217,11 @@ def prepare_response(parsed: ResponseBody, served_models: Collection[str], *,
                             **chat_fields(parsed.tools, parsed.tool_choice,
                                           parsed.parallel_tool_calls, parsed.text_format),
                             "response": spec}
+    if body.get("response_format", {}).get("type") == "json_object" and not mentions_json(
+            body["messages"]):
+        raise InvalidRequestError("Response input messages must contain the word 'json' in "
+                                  "some form to use 'text.format' of type 'json_object'.",
+                                  param="input")
     for name, value in (("max_completion_tokens", parsed.max_output_tokens),
                         ("temperature", parsed.temperature), ("top_p", parsed.top_p),
                         ("seed", parsed.seed)):
