@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 MODEL  ?= smollm2-135m
 
 .PHONY: serve test lint install install-test postgres-bin bwrap-bin chromium clean \
-	fleet-economics
+	fleet-economics docs
 
 # The CPU build of torch 2.13.0 is installed first and pinned: a bare `torch` requirement
 # would otherwise pull a multi-GB CUDA build.
@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,docs]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -26,7 +26,7 @@ install-test: $(VENV)/.installed-test
 
 serve: install bwrap-bin
 	$(BIN)/minimill pull $(MODEL)
-	$(BIN)/minimill serve --model $(MODEL)
+	$(BIN)/minimill serve --model $(MODEL) --webhook-allow-private
 
 # PostgreSQL's server binaries for the store tests (Debian's package; the tests start a
 # private server in a temporary directory and stop it afterwards).
@@ -58,13 +58,22 @@ chromium:
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
 
 lint: install-test
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests scripts
 	$(BIN)/mypy
+
+# The documentation site, into site/: the reference pages (CLI, HTTP API) and the benchmarks
+# page are generated first; --strict makes a broken link or page fail the build.
+docs: install-test
+	$(BIN)/python scripts/gen_cli_reference.py docs/reference/cli.md
+	$(BIN)/python scripts/gen_api_reference.py docs/reference/http-api.md
+	$(BIN)/python scripts/gen_benchmarks.py docs/benchmarks.md
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 test: install-test postgres-bin bwrap-bin chromium
 	$(BIN)/minimill pull $(MODEL)
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests scripts
 	$(BIN)/mypy
+	$(MAKE) --no-print-directory docs
 	$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 # The numbers and plots of docs/fleet-economics.md (a few minutes on two cores).
@@ -72,4 +81,4 @@ fleet-economics: install
 	$(BIN)/python -m minimill.sim.economics --out docs/fleet-economics
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site

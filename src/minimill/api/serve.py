@@ -132,9 +132,9 @@ async def _serve(server: _Server, sock: socket.socket,
 
 
 def _sandboxed_count(count: int, insecure_no_sandbox: bool, check: Callable[[], None],
-                     what: str) -> int:
-    """How many boxes or agents the local worker offers: none, with a warning, where `check`
-    finds their sandbox unavailable (tokens are served all the same)."""
+                     what: str, off: list[str]) -> int:
+    """How many boxes or agents the local worker offers: none where `check` finds their
+    sandbox unavailable (tokens are served all the same); `off` gets the reason."""
     if count <= 0 or insecure_no_sandbox:
         return max(count, 0)
     from minimill.boxes.sandbox import IsolationUnavailable
@@ -142,21 +142,20 @@ def _sandboxed_count(count: int, insecure_no_sandbox: bool, check: Callable[[], 
     try:
         check()
     except IsolationUnavailable as exc:
-        log.warning("the local worker offers no %s: %s", what, exc)
+        off.append(f"{what} are off: {exc}")
         return 0
     return count
 
 
-def _local_boxes(boxes: int, insecure_no_sandbox: bool) -> int:
+def _local_sandboxed(boxes: int, agents: int, insecure_no_sandbox: bool,
+                     off: list[str]) -> tuple[int, int]:
+    """The boxes and agents the local worker offers, after checking their sandboxes."""
+    from minimill.agents.harness_process import check_harness_isolation
     from minimill.boxes.sandbox import check_isolation
 
-    return _sandboxed_count(boxes, insecure_no_sandbox, check_isolation, "boxes")
-
-
-def _local_agents(agents: int, insecure_no_sandbox: bool) -> int:
-    from minimill.agents.harness_process import check_harness_isolation
-
-    return _sandboxed_count(agents, insecure_no_sandbox, check_harness_isolation, "agents")
+    return (_sandboxed_count(boxes, insecure_no_sandbox, check_isolation, "boxes", off),
+            _sandboxed_count(agents, insecure_no_sandbox, check_harness_isolation, "agents",
+                             off))
 
 
 def run_serve(*, host: str, port: int, db: str | None, model: str, dtype: str,
@@ -179,6 +178,12 @@ def run_serve(*, host: str, port: int, db: str | None, model: str, dtype: str,
     from minimill.control.store import StoreError, open_store
     from minimill.models.types import ModelError
 
+    # What is off comes first, in plain words, before anything else serve says.
+    off: list[str] = []
+    boxes, agents = (_local_sandboxed(boxes, agents, insecure_no_sandbox, off) if local_worker
+                     else (0, 0))
+    for line in off:
+        print(f"minimill serve: {line}", file=sys.stderr, flush=True)
     sock = _bind(host, port)
     try:
         if local_worker:
@@ -206,11 +211,8 @@ def run_serve(*, host: str, port: int, db: str | None, model: str, dtype: str,
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                     timeout_graceful_shutdown=5))
     command = worker_command(_loopback_url(host, port), model, dtype, price_per_hour, chip,
-                             kv=kv,
-                             boxes=_local_boxes(boxes, insecure_no_sandbox) if local_worker
-                             else 0, insecure_no_sandbox=insecure_no_sandbox,
-                             agents=_local_agents(agents, insecure_no_sandbox) if local_worker
-                             else 0)
+                             kv=kv, boxes=boxes, insecure_no_sandbox=insecure_no_sandbox,
+                             agents=agents)
     supervisor = WorkerSupervisor(command, token) if local_worker else None
     log.info("control plane on http://%s:%d/v1 (store %s)%s", host, port, store.url,
              ", starting the local worker" if local_worker else "")
