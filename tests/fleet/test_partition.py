@@ -82,8 +82,9 @@ def test_partitioned_worker_loses_nothing_and_rejoins(fleet_home: Path, tmp_path
                                                                     batch_id=batch.id))
         assert compared.resumed
         for record in records:
+            request_id = record["response"]["request_id"]
             assert record["response"]["body"]["choices"] == rendered(
-                Kind.CHAT, compared.reference[record["response"]["request_id"]])
+                Kind.CHAT, compared.reference[request_id], request_id)
     finally:
         for worker in workers:
             worker.stop()

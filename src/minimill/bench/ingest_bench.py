@@ -160,8 +160,7 @@ def _client_main(server: str, token: str, interval_s: float, stop: EventType,
                         continue
                     results.append({"request_id": lease["request_id"], "epoch": lease["epoch"],
                                     "outcome": "succeeded", "choices": [
-                                        {"index": 0, "text": answer, "finish_reason": "stop"}],
-                                    "usage": {"prompt_tokens": 900, "completion_tokens": 300}})
+                                        {"index": 0, "text": answer, "finish_reason": "stop"}]})
                 for start in range(0, len(results), 128):
                     with contextlib.suppress(httpx.HTTPError):
                         done = http.post("/complete", json={"results": results[start:start + 128]})
