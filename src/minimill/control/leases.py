@@ -35,7 +35,14 @@ from typing import Any
 
 from sqlalchemy import Connection, case, func, select, tuple_, update
 
-from minimill.control import checkpoints, lease_rules, prices, prompt_count, usage_check
+from minimill.control import (
+    checkpoints,
+    lease_rules,
+    prices,
+    prompt_count,
+    tenant_limits,
+    usage_check,
+)
 from minimill.control.config import ControlConfig
 from minimill.control.lease_rules import RejectReason
 from minimill.control.placement import (
@@ -197,7 +204,7 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
     policy = policy_for(config, policy)
     granted = (requests.c.id, requests.c.epoch, requests.c.kind, requests.c.model,
                requests.c.body, requests.c.seed, requests.c.progress, requests.c.stream,
-               requests.c.session_key)
+               requests.c.session_key, requests.c.tenant_id)
     with store.write() as conn:
         adopted: list[Any] = []
         held: list[str] = []
@@ -237,6 +244,8 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
         # Adopted first, in the order they were queued in (RETURNING's order is unspecified).
         picked = [i for i in held if i in taken_back] + picked
         resumed = checkpoints.load(conn, [r.id for r in rows if r.progress])
+        tenants_of = tenant_limits.of_tenants(conn, {r.tenant_id for r in rows},
+                                              config.tenant_limits)
         # What the worker said, for the placement of its peers' lease calls; its measured
         # rate covers a time in which it held what it held before this call.
         touch_site(conn, site.id, now, config.lease_ttl_s, ask.tokens_per_s,
@@ -253,7 +262,8 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
                     stream=bool(r.stream),
                     checkpoint_interval_s=(config.stream_checkpoint_interval_s if r.stream
                                            else interval_s),
-                    session_key=r.session_key)
+                    session_key=r.session_key,
+                    cache_salt=tenants_of[r.tenant_id].cache_salt(r.tenant_id))
               for r in sorted(rows, key=lambda r: rank[r.id])]
     return LeaseResponse(leases=leases, lease_ttl_s=config.lease_ttl_s)
 
