@@ -37,6 +37,7 @@ from sqlalchemy import Connection, case, func, select, tuple_, update
 
 from minimill.control import (
     checkpoints,
+    lease_queue,
     lease_rules,
     prices,
     prompt_count,
@@ -48,7 +49,6 @@ from minimill.control.lease_rules import RejectReason
 from minimill.control.placement import (
     DEFAULT_POLICY,
     Backlog,
-    Candidate,
     PlacementPolicy,
     Snapshot,
     needs_backlog,
@@ -63,7 +63,7 @@ from minimill.control.records import (
     Tier,
     new_id,
 )
-from minimill.control.release import handback_for, remaining_tokens
+from minimill.control.release import handback_for
 from minimill.control.site_view import site_states
 from minimill.control.sites import touch_site
 from minimill.control.store import JsonText, Store, retry_conflicts
@@ -78,7 +78,6 @@ from minimill.protocol import (
     LeaseRequest,
     LeaseResponse,
     RejectedCompletion,
-    session_tag,
 )
 
 log = logging.getLogger("minimill.leases")
@@ -108,23 +107,6 @@ def _count(value: int) -> int:
     return min(max(value, 0), MAX_COUNT)
 
 
-def _candidates(conn: Connection, tier: Tier, models: list[str], limit: int,
-                now: float) -> list[Candidate]:
-    """Queued work a site may get. Work past its deadline is not handed out: the janitor
-    expires it (a batch past its window expires, it does not complete late)."""
-    order = (requests.c.seq,) if tier == Tier.REALTIME else (requests.c.deadline, requests.c.seq)
-    query = (select(requests.c.id, requests.c.model, requests.c.seq, requests.c.deadline,
-                    requests.c.max_tokens, requests.c.checkpoint_tokens, requests.c.session_key)
-             .where(requests.c.status == _QUEUED, requests.c.tier == tier.value,
-                    requests.c.model.in_(models), requests.c.deadline >= now)
-             .order_by(*order).limit(limit)
-             .with_for_update(skip_locked=True))
-    return [Candidate(request_id=r.id, tier=tier, model=r.model, seq=r.seq, deadline=r.deadline,
-                      remaining_tokens=remaining_tokens(r.max_tokens, r.checkpoint_tokens),
-                      session=session_tag(r.session_key) if r.session_key else None)
-            for r in conn.execute(query)]
-
-
 def _backlog(conn: Connection) -> tuple[Backlog, ...]:
     """Unfinished background work per (deadline, holder), for placement's deadline risk."""
     queued = requests.c.status == _QUEUED
@@ -152,7 +134,7 @@ def policy_for(config: ControlConfig,
 
 
 def _snapshot(conn: Connection, site: Site, ask: LeaseRequest, capacity: int, models: list[str],
-              now: float, policy: PlacementPolicy) -> Snapshot:
+              now: float, policy: PlacementPolicy, default_weight: float = 1.0) -> Snapshot:
     """The state placement decides on: every site, and enough of the queue to find what the
     asking site gets after the peers that go before it take theirs."""
     states = site_states(conn)
@@ -167,10 +149,11 @@ def _snapshot(conn: Connection, site: Site, ask: LeaseRequest, capacity: int, mo
     if capacity <= 0:
         return bare
     window = min(capacity + reserved_slots(bare, now, policy), MAX_CANDIDATES)
-    pool = (*_candidates(conn, Tier.REALTIME, models, window, now),
-            *_candidates(conn, Tier.BACKGROUND, models, window, now))
-    backlog = _backlog(conn) if pool and needs_backlog(bare, now, policy) else ()
-    return replace(bare, candidates=pool, backlog=backlog)
+    queue = lease_queue.read(conn, models, window, now, policy.default_remaining_tokens,
+                             default_weight)
+    backlog = _backlog(conn) if queue.candidates and needs_backlog(bare, now, policy) else ()
+    return replace(bare, candidates=queue.candidates, backlog=backlog,
+                   tenant_load=queue.tenant_load, tenant_weights=queue.tenant_weights)
 
 
 def _declared(ask: LeaseRequest) -> dict[str, Any]:
@@ -227,7 +210,8 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
             capacity = max(0, capacity - len(adopted))
         taken_back = {r.id for r in adopted}
         rows: list[Any] = []
-        snapshot = _snapshot(conn, site, ask, capacity, models, now, policy)
+        snapshot = _snapshot(conn, site, ask, capacity, models, now, policy,
+                             config.tenant_limits.weight)
         picked = place(snapshot, now, policy) if snapshot.candidates and capacity else []
         if picked:
             rows = list(conn.execute(
