@@ -176,7 +176,7 @@ def run_fairness_bench(options: FairnessBenchOptions) -> dict[str, Any]:
         "light_p50_beside_heavy_s": round(beside["p50_s"], 3),
         "light_max_alone_s": round(alone["max_s"], 3),
         "light_max_beside_heavy_s": round(beside["max_s"], 3),
-        "ratio": round(ratio, 3), "ratio_target": TARGET_RATIO,
+        "p50_ratio": round(ratio, 3), "ratio_target": TARGET_RATIO,
         "busy_share_beside": round(busy_share, 3), "busy_share_target": TARGET_BUSY_SHARE,
         "light_share_of_slots_beside": round(light_share, 3),
         "busy_share_alone": round(statistics.mean(min(t, options.capacity)
