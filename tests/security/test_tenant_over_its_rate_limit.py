@@ -10,6 +10,7 @@ The neighbour, without limits, is served throughout."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -94,6 +95,27 @@ def test_requests_over_the_limit_are_refused_on_every_server_and_the_neighbour_i
             assert "x-ratelimit-limit-requests" not in answer.headers
 
 
+def test_a_burst_at_two_servers_at_once_gets_exactly_the_limit(
+        env: ApiEnv, second: ServerThread) -> None:
+    burst = env.new_key("bursty")
+    limit(env, "bursty", "--requests-per-minute", "5")
+    answers: list[int] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        code = chat((env.base_url, second.base_url)[i % 2], burst).status_code
+        with lock:
+            answers.append(code)
+
+    with EchoSite(env.base_url, env.site_token):
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    assert sorted(answers) == [200] * 5 + [429] * 7
+
+
 def test_tokens_over_the_limit_are_refused_and_a_request_larger_than_it_is_never_retried(
         env: ApiEnv) -> None:
     wordy = env.new_key("wordy")
@@ -176,3 +198,19 @@ def test_the_operator_route_reads_and_sets_limits(env: ApiEnv) -> None:
     # A tenant does not learn the route exists.
     assert httpx.get(f"{env.base_url}/v1/tenants", headers={
         "Authorization": f"Bearer {env.key}"}).status_code == 404
+
+
+def test_the_command_line_shows_limits_and_refuses_nonsense(env: ApiEnv) -> None:
+    env.new_key("shown")
+    limit(env, "shown", "--tokens-per-minute", "900", "--weight", "2.5")
+    shown = minimill("tenants", "show", "shown", "--json", "--db", env.db_url)
+    assert shown.returncode == 0, shown.stderr
+    (view,) = json.loads(shown.stdout)
+    assert view["tokens_per_minute"] == 900 and view["weight"] == 2.5
+    assert view["requests_per_minute"] is None  # the operator's default: unlimited
+    listed = minimill("tenants", "list", "--json", "--db", env.db_url)
+    assert "shown" in {v["tenant"] for v in json.loads(listed.stdout)}
+    bad = minimill("tenants", "set", "shown", "--max-boxes", "lots", "--db", env.db_url)
+    assert bad.returncode != 0 and "lots" in bad.stderr
+    missing = minimill("tenants", "set", "nobody", "--max-boxes", "3", "--db", env.db_url)
+    assert missing.returncode != 0 and "No such tenant" in missing.stderr
