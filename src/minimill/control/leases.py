@@ -1,10 +1,12 @@
 """Leases with fencing: the control plane's side of the worker protocol (protocol.py).
 
 - `lease`: placement picks queued rows for the asking site from a snapshot (every site's state,
-  the head of the queue, and the background backlog when deadline risk matters); each pick
+  the head of each tenant's queue with what fair share between tenants needs (lease_queue.py),
+  and the background backlog when deadline risk matters); each pick
   becomes `leased` with a bumped fencing epoch, a lease id and an expiry. The site row records
   what the worker said (free capacity after the grant, when, its models, its rate, and the
   price and chip it declares, if any) for metering and the placement of its peers' calls.
+  Each lease carries its tenant's prefix-cache salt (tenant_limits.TenantLimits.cache_salt).
 - `heartbeat`: extends leases the site still holds at the sent epoch and appends their
   checkpoint deltas (checkpoints.py); everything else is reported revoked.
 - `complete`: accepted only at the row's current epoch, from the site that holds (or last held)
