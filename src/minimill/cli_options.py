@@ -74,7 +74,7 @@ def print_table(title: str, columns: tuple[str, ...], rows: Sequence[Sequence[st
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=title)
+    table = Table(title=title or None)
     for column in columns:
         table.add_column(column, no_wrap=True, justify="left" if column in left else "right")
     for row in rows:
