@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from api_harness import ApiEnv
 from box_harness import BoxHostProc
@@ -110,6 +111,9 @@ def test_a_box_with_no_host_slot_says_so(box_env: ApiEnv, host: BoxHostProc) -> 
         extra = next(b.id for b in boxes.list() if b.id not in held)
         assert f"{extra}: pending: no box host has room" in created.stderr
         assert f"{extra}\tpending\twaiting\t-" in _cli(box_env, "box", "list").stdout
+        seen = httpx.get(box_env.base_url + "/dashboard/data", headers={
+            "Authorization": f"Bearer {box_env.operator_key}"}).json()["boxes"]
+        assert set(held) <= set(seen["held"][host.site]) and seen["pending"] >= 1
         waited = _cli(box_env, "box", "exec", "--wait-s", "1", extra, "echo hi")
         assert waited.returncode == 1 and waited.stdout == ""
         assert f"error: {extra} is still pending: no box host has room after 1 s" \
