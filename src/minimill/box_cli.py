@@ -14,12 +14,12 @@ import httpx
 import typer
 
 from minimill.boxes.client import Box, BoxError, Boxes, ExecEvent, ExecResult
+from minimill.cli_options import ApiKeyOption, BaseUrlOption, error_line
 
 box_app = typer.Typer(help="Boxes: sandboxes without a lifetime limit (exec, files, "
                       "snapshots).", no_args_is_help=True)
-BaseUrl = typer.Option("http://127.0.0.1:8000/v1", envvar=["MINIMILL_BASE_URL",
-                       "OPENAI_BASE_URL"], help="API base URL.")
-ApiKey = typer.Option(..., envvar=["MINIMILL_API_KEY", "OPENAI_API_KEY"], help="API key.")
+BaseUrl = BaseUrlOption
+ApiKey = ApiKeyOption
 WaitOption = typer.Option(60.0, "--wait-s", help="How long to wait for a host slot when "
                           "the box is pending.")
 # What a pending box waits for: every box host's slots are held by other boxes (or no host
@@ -35,7 +35,8 @@ def api_errors() -> Iterator[None]:
     try:
         yield
     except BoxError as exc:
-        typer.echo(f"error: {exc.message} ({exc.code})", err=True)
+        typer.echo(f"error: {error_line(exc.message, exc.status, exc.code, exc.request_id)}",
+                   err=True)
         raise typer.Exit(1) from None
     except (OSError, httpx.TransportError) as exc:  # unreachable server, missing image
         typer.echo(f"error: {exc}", err=True)
