@@ -21,6 +21,7 @@ from minimill.box_cli import box_app
 from minimill.cli_options import (
     DEFAULT_MODEL,
     DTYPE_HELP,
+    LOCAL_SITE_USD_PER_HOUR,
     BoxMaxCpuOption,
     BoxMaxDiskOption,
     BoxMaxExecOption,
@@ -162,8 +163,8 @@ def serve(
     kv_dtype: str = KvDtypeOption,
     local_worker: bool = typer.Option(True, help="Start one local worker process."),
     price_per_hour: float = typer.Option(
-        0.10, help="What the local site costs in $/hour (cost only; tenants are billed by "
-        "`minimill prices`)."),
+        LOCAL_SITE_USD_PER_HOUR, help="What the local site costs in $/hour (cost only; "
+        "tenants are billed by `minimill prices`)."),
     boxes: int = typer.Option(4, min=0, help="Boxes (sandboxes) the local worker holds at "
                               "once; none where bubblewrap isolation is unavailable."),
     insecure_no_sandbox: bool = typer.Option(

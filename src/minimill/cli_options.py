@@ -16,6 +16,12 @@ if TYPE_CHECKING:
     from minimill.control.store import Store
 
 DEFAULT_MODEL = "smollm2-135m"
+# What serve's local site costs by default: the machine one already has, drawing ~100 W at
+# $0.10/kWh. At the default model's single-stream rate on a CPU (~20 output tokens/s) that is
+# ~$0.14 per million output tokens, below the built-in background price (control/prices.py's
+# DEFAULT_PRICE): the first dashboard shows no negative margin (tests/control/
+# test_default_margin.py holds the two together).
+LOCAL_SITE_USD_PER_HOUR = 0.01
 
 
 DTYPE_HELP = ("auto (bfloat16 where the chip computes it natively: GPUs, CPUs with AVX-512 BF16 "
