@@ -216,7 +216,12 @@ def read(box_id: str, path: str = typer.Argument(..., help="Path in the workspac
 def ls(box_id: str, path: str = typer.Argument(".", help="Directory in the workspace."),
        base_url: str = BaseUrl, api_key: str = ApiKey) -> None:
     """List a directory of the box: type, size, name."""
-    for entry in _one(lambda b: b.get(box_id).list_files(path), base_url, api_key):
+    entries = _one(lambda b: b.get(box_id).list_files(path), base_url, api_key)
+    if not entries:
+        typer.echo(f"{path}: empty")
+        return
+    typer.echo(f"{'TYPE':<8}{'BYTES':>12}  NAME")
+    for entry in entries:
         typer.echo(f"{entry['type']:<8}{entry['bytes']:>12}  {entry['name']}")
 
 
