@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -20,6 +21,7 @@ from minimill.box_cli import box_app
 from minimill.cli_options import (
     DEFAULT_MODEL,
     DTYPE_HELP,
+    LOCAL_SITE_USD_PER_HOUR,
     BoxMaxCpuOption,
     BoxMaxDiskOption,
     BoxMaxExecOption,
@@ -38,11 +40,46 @@ from minimill.tenants_cli import tenants_app
 if TYPE_CHECKING:
     from minimill.fleet.kv_options import KvOptions
 
-app = typer.Typer(
+class MinimillApp(typer.Typer):
+    """The `minimill` command: an error it did not expect ends it with one line, the
+    traceback only with --verbose (or MINIMILL_VERBOSE=1)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except Exception as exc:
+            if _VERBOSE[0] or os.environ.get("MINIMILL_VERBOSE") == "1":
+                raise
+            from minimill.control.errors import ControlError
+
+            if isinstance(exc, ControlError):  # a refusal that explains itself
+                print(f"error: {' '.join(exc.message.split())}", file=sys.stderr)
+            else:
+                message = " ".join(str(exc).split()) or type(exc).__name__
+                print(f"error: {message} ({type(exc).__name__}; --verbose shows the "
+                      "traceback)", file=sys.stderr)
+            raise SystemExit(1) from None
+
+
+_VERBOSE = [False]
+app = MinimillApp(
     help="minimill: a token factory serving open-weight LLMs for background agents.",
     no_args_is_help=True,
     add_completion=False,
+    pretty_exceptions_enable=False,
+    # Plain click help: it rewraps descriptions to the terminal and never cuts an option name
+    # (rich panels cut names at 80 columns).
+    rich_markup_mode=None,
+    # Help reads at 80 columns: option names are never cut, descriptions wrap.
+    context_settings={"max_content_width": 100},
 )
+
+
+@app.callback()
+def root(verbose: bool = typer.Option(False, "--verbose", help="Print the traceback of an "
+                                      "error minimill did not expect.")) -> None:
+    """minimill: a token factory serving open-weight LLMs for background agents."""
+    _VERBOSE[0] = verbose
 app.add_typer(keys_app, name="keys")
 app.add_typer(box_app, name="box")
 app.add_typer(agent_app, name="agent")
@@ -128,8 +165,8 @@ def serve(
     kv_dtype: str = KvDtypeOption,
     local_worker: bool = typer.Option(True, help="Start one local worker process."),
     price_per_hour: float = typer.Option(
-        0.10, help="What the local site costs in $/hour (cost only; tenants are billed by "
-        "`minimill prices`)."),
+        LOCAL_SITE_USD_PER_HOUR, help="What the local site costs in $/hour (cost only; "
+        "tenants are billed by `minimill prices`)."),
     boxes: int = typer.Option(4, min=0, help="Boxes (sandboxes) the local worker holds at "
                               "once; none where bubblewrap isolation is unavailable."),
     insecure_no_sandbox: bool = typer.Option(

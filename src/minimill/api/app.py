@@ -30,6 +30,7 @@ from minimill.api.lease_wakeup import lease_wakeup_of
 from minimill.api.limits import BodyLimitMiddleware
 from minimill.api.progress import ProgressWatcher
 from minimill.api.rate_headers import RateHeadersMiddleware
+from minimill.api.request_ids import RequestIds
 from minimill.api.routes import (
     agent_fleet,
     agents,
@@ -155,6 +156,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
                        max_file_bytes=settings.max_file_bytes,
                        max_fleet_body_bytes=settings.max_fleet_body_bytes)
     app.state.metrics = metrics.install(app, the_store)
+    app.add_middleware(RequestIds)
     for module in (models, chat, completions, responses, files, batches, webhook_endpoints,
                    boxes, agents, fleet, box_fleet, agent_fleet):
         app.include_router(module.router)

@@ -219,19 +219,27 @@ def delete_box(store: Store, tenant_id: str, box_id: str) -> None:
     """Gone at once: its host drops the workspace at its next poll; automatic snapshots go,
     manual ones stay restorable."""
     with store.write() as conn:
-        hit = conn.execute(update(boxes).where(
-            boxes.c.id == box_id, boxes.c.tenant_id == tenant_id,
-            boxes.c.status != BoxStatus.DELETED.value)
-            .values(status=BoxStatus.DELETED.value, site_id=None, lease_expires_at=None,
-                    epoch=boxes.c.epoch + 1)).rowcount
-        if not hit:
+        if not delete_in(conn, tenant_id, box_id):
             raise _not_found(box_id)
-        box_idle.forget(conn, box_id)
-        _fail_open_ops(conn, box_id, "box_deleted", "the box was deleted")
-        autos = conn.execute(select(box_snapshots.c.id).where(
-            box_snapshots.c.box_id == box_id,
-            box_snapshots.c.kind == SnapshotKind.AUTO.value)).scalars().all()
-        drop_unneeded(conn, box_id, list(autos))
+
+
+def delete_in(conn: Connection, tenant_id: str, box_id: str) -> bool:
+    """`delete_box` inside the caller's transaction (an ending agent releases its box so);
+    False when the tenant has no such box left."""
+    hit = conn.execute(update(boxes).where(
+        boxes.c.id == box_id, boxes.c.tenant_id == tenant_id,
+        boxes.c.status != BoxStatus.DELETED.value)
+        .values(status=BoxStatus.DELETED.value, site_id=None, lease_expires_at=None,
+                epoch=boxes.c.epoch + 1)).rowcount
+    if not hit:
+        return False
+    box_idle.forget(conn, box_id)
+    _fail_open_ops(conn, box_id, "box_deleted", "the box was deleted")
+    autos = conn.execute(select(box_snapshots.c.id).where(
+        box_snapshots.c.box_id == box_id,
+        box_snapshots.c.kind == SnapshotKind.AUTO.value)).scalars().all()
+    drop_unneeded(conn, box_id, list(autos))
+    return True
 
 
 def drop_unneeded(conn: Connection, box_id: str, snapshot_ids: list[str]) -> list[str]:

@@ -98,9 +98,10 @@ def get_agent(agent_id: str, store: StoreDep, tenant: TenantDep) -> AgentObject:
 
 @router.get("/{agent_id}/logs", response_model=JournalObject, responses=error_responses(404))
 def agent_logs(agent_id: str, store: StoreDep, tenant: TenantDep) -> JournalObject:
-    """What the harness recorded with ctx.log, in order."""
-    entries = agents.journal(store, tenant.id, agent_id, kind="log")
-    return JournalObject(data=[{"key": e.key, "message": e.value} for e in entries])
+    """What the harness recorded with ctx.log, the box execs that failed and how a failed
+    agent ended, in order."""
+    lines = agents.log_lines(store, tenant.id, agent_id)
+    return JournalObject(data=[{"key": key, "message": text} for key, text in lines])
 
 
 @router.get("/{agent_id}/journal", response_model=JournalObject, responses=error_responses(404))
