@@ -35,6 +35,7 @@ from minimill.cli_options import (
     print_table,
 )
 from minimill.sites_cli import sites_app
+from minimill.tenants_cli import tenants_app
 
 if TYPE_CHECKING:
     from minimill.fleet.kv_options import KvOptions
@@ -87,6 +88,7 @@ app.add_typer(bench_app, name="bench")
 app.add_typer(sites_app, name="sites")
 app.add_typer(prices_app, name="prices")
 app.add_typer(webhooks_app, name="webhooks")
+app.add_typer(tenants_app, name="tenants")
 
 
 KvCacheGbOption = typer.Option(None, "--kv-cache-gb", help="Builtin engine: the device KV pool "
@@ -187,6 +189,25 @@ def serve(
     webhook_allow_private: bool = typer.Option(
         False, "--webhook-allow-private", help="Let webhooks reach loopback, link-local and "
         "private addresses (refused by default; also MINIMILL_WEBHOOK_ALLOW_PRIVATE=1)."),
+    tenant_requests_per_minute: int | None = typer.Option(
+        None, min=0, help="Every tenant's requests per minute, unless `minimill tenants set` "
+        "gives it its own (default: unlimited; also MINIMILL_TENANT_REQUESTS_PER_MINUTE)."),
+    tenant_tokens_per_minute: int | None = typer.Option(
+        None, min=0, help="Every tenant's tokens per minute (prompt plus max_tokens; "
+        "MINIMILL_TENANT_TOKENS_PER_MINUTE)."),
+    tenant_max_concurrent_realtime: int | None = typer.Option(
+        None, min=0, help="Realtime requests a tenant may have in progress at once "
+        "(MINIMILL_TENANT_MAX_CONCURRENT_REALTIME)."),
+    tenant_max_boxes: int | None = typer.Option(
+        None, min=0, help="Boxes a tenant may keep (MINIMILL_TENANT_MAX_BOXES)."),
+    tenant_max_agents: int | None = typer.Option(
+        None, min=0, help="Unfinished agents a tenant may have (MINIMILL_TENANT_MAX_AGENTS)."),
+    tenant_max_stored_bytes: int | None = typer.Option(
+        None, min=0, help="Bytes of files a tenant may keep (MINIMILL_TENANT_MAX_STORED_BYTES)."),
+    tenant_share_prefix_cache: bool = typer.Option(
+        False, "--tenant-share-prefix-cache", help="Let every tenant's cached prompt prefixes "
+        "serve other tenants (off: each tenant's are its own unless `minimill tenants set "
+        "NAME --share-prefix-cache`)."),
 ) -> None:
     """Serve the OpenAI-compatible API (control plane) plus one local worker process."""
     from minimill.api.serve import run_serve
@@ -196,6 +217,15 @@ def serve(
     # The control plane's settings and the local worker both read the caps from here.
     os.environ.update(box_caps(box_max_memory_mb, box_max_processes, box_max_cpu_s,
                                box_max_exec_s, box_max_disk_mb))
+    tenant_defaults = {
+        "REQUESTS_PER_MINUTE": tenant_requests_per_minute,
+        "TOKENS_PER_MINUTE": tenant_tokens_per_minute,
+        "MAX_CONCURRENT_REALTIME": tenant_max_concurrent_realtime,
+        "MAX_BOXES": tenant_max_boxes, "MAX_AGENTS": tenant_max_agents,
+        "MAX_STORED_BYTES": tenant_max_stored_bytes,
+        "SHARE_PREFIX_CACHE": 1 if tenant_share_prefix_cache else None}
+    os.environ.update({f"MINIMILL_TENANT_{k}": str(v) for k, v in tenant_defaults.items()
+                       if v is not None})
     run_serve(host=host, port=port, db=db, model=model, dtype=dtype, local_worker=local_worker,
               price_per_hour=price_per_hour, kv=kv, boxes=boxes,
               insecure_no_sandbox=insecure_no_sandbox, agents=agents,

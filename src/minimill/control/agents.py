@@ -34,12 +34,13 @@ from minimill.agent_protocol import (
     JournalAppended,
     JournalEntry,
 )
-from minimill.control import boxes, harness_keys
+from minimill.control import boxes, harness_keys, quotas
 from minimill.control.config import ControlConfig
 from minimill.control.errors import ConflictError, NotFoundError
 from minimill.control.records import Site, new_id
 from minimill.control.store import Store, retry_conflicts
 from minimill.control.tables import agent_journal, agents
+from minimill.control.tenant_limits import TenantLimits
 
 MAX_CODE_CHARS = 1_000_000
 # Most agents one poll is granted: each lease hands a site a harness credential and a
@@ -82,9 +83,11 @@ class AgentRecord:
 
 
 def create_agent(store: Store, tenant_id: str, *, code: str, filename: str, task: Any,
-                 model: str, budget_tokens: int | None, box_image: str | None = None) -> str:
+                 model: str, budget_tokens: int | None, box_image: str | None = None,
+                 quota: TenantLimits | None = None) -> str:
     agent_id = new_id("agent_")
     with store.write() as conn:
+        quotas.check_agents(conn, tenant_id, quota)
         conn.execute(insert(agents).values(
             id=agent_id, tenant_id=tenant_id, status=AgentStatus.QUEUED.value, code=code,
             filename=filename[:500], task=task, model=model, budget_tokens=budget_tokens,

@@ -12,6 +12,7 @@ from minimill.api.errors import error_responses
 from minimill.control import agents, boxes
 from minimill.control.agent_logs import log_lines
 from minimill.control.errors import NotFoundError
+from minimill.control.tenant_limits import limits_for
 
 router = APIRouter(prefix="/v1/agents", tags=["agents"], responses=error_responses(400, 401))
 
@@ -75,7 +76,8 @@ def create_agent(body: AgentCreate, store: StoreDep, tenant: TenantDep,
         boxes.get_snapshot(store, tenant.id, body.box_image)
     agent_id = agents.create_agent(store, tenant.id, code=body.code, filename=body.filename,
                                    task=body.task, model=model,
-                                   budget_tokens=body.budget_tokens, box_image=body.box_image)
+                                   budget_tokens=body.budget_tokens, box_image=body.box_image,
+                                   quota=limits_for(store, tenant.id, config.tenant_limits))
     return AgentObject.of(agents.get_agent(store, tenant.id, agent_id))
 
 
