@@ -37,6 +37,8 @@ MAX_CHIP_CHARS = 100
 MAX_PRICE_PER_HOUR = 1e6
 # Most session tags a worker reports as held (its most recent sessions).
 MAX_HELD_SESSIONS = 256
+# Longest embedding a worker may return (the widest open models' hidden size is 16,384).
+MAX_EMBEDDING_DIM = 65_536
 
 
 def session_tag(session_key: str) -> str:
@@ -57,6 +59,9 @@ class ChoiceProgress(BaseModel):
     # A request with tools: the syntax of the tool calls in `text` (the control plane parses
     # them out of it).
     tool_format: ToolFormatName | None = None
+    # An embedding request's vector for input `index` (float32 values; no tokens, no text).
+    embedding: list[Annotated[float, Field(allow_inf_nan=False)]] | None = Field(
+        default=None, max_length=MAX_EMBEDDING_DIM)
 
 
 class Checkpoint(BaseModel):
@@ -129,7 +134,7 @@ class Lease(BaseModel):
     lease_id: str
     epoch: int = Field(description="Fencing epoch; completions and heartbeats must carry it.")
     expires_at: float
-    kind: Literal["chat", "completion"]
+    kind: Literal["chat", "completion", "embedding"]
     model: str
     # The OpenAI request body as the client sent it (already validated by the control plane).
     body: dict[str, Any]

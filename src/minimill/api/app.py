@@ -40,6 +40,7 @@ from minimill.api.routes import (
     chat,
     completions,
     dashboard,
+    embeddings,
     files,
     fleet,
     keys,
@@ -142,8 +143,8 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
                 the_store.close()
 
     app = FastAPI(title="minimill", version=__version__, lifespan=lifespan,
-                  description="OpenAI-compatible token factory: chat, completions, responses, "
-                              "files, batches, webhooks, boxes, agents; plus the fleet "
+                  description="OpenAI-compatible token factory: chat, completions, embeddings, "
+                              "responses, files, batches, webhooks, boxes, agents; plus the fleet "
                               "protocol for worker sites.")
     app.state.store = the_store
     app.state.config = config
@@ -157,8 +158,8 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
                        max_fleet_body_bytes=settings.max_fleet_body_bytes)
     app.state.metrics = metrics.install(app, the_store)
     app.add_middleware(RequestIds)
-    for module in (models, chat, completions, responses, files, batches, webhook_endpoints,
-                   boxes, agents, fleet, box_fleet, agent_fleet):
+    for module in (models, chat, completions, embeddings, responses, files, batches,
+                   webhook_endpoints, boxes, agents, fleet, box_fleet, agent_fleet):
         app.include_router(module.router)
     operator_routers = (sites.router, prices.router, keys.router, tenants.router,
                         metrics_route.router, dashboard.router)

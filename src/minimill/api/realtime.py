@@ -1,4 +1,5 @@
-"""Realtime chat/completions calls: queue a row, wait for a worker's completion, answer.
+"""Realtime chat/completions/embeddings calls: queue a row, wait for a worker's completion,
+answer.
 
 The call inserts a request row (tier realtime, or background for service_tier "flex") and
 waits: woken at once when the completion arrives through this process, else by the shared
@@ -22,6 +23,7 @@ from minimill.api.streaming import WAKE_S, ChunkStream, num_choices
 from minimill.control.bodies import ChatBody, CompletionBody, prepare_body
 from minimill.control.checkpoints import has_output
 from minimill.control.config import ControlConfig
+from minimill.control.embeddings import EmbeddingBody, prepare_embedding, render_embeddings
 from minimill.control.errors import ConflictError, ControlError, RequestTimeoutError
 from minimill.control.records import Kind, RequestRecord, RequestStatus, Tenant
 from minimill.control.render import render_response, usage_dict
@@ -69,10 +71,13 @@ def _timeout(request: Request) -> float:
     return config.realtime_timeout_s + 5.0
 
 
-async def serve_realtime(request: Request, kind: Kind, body: ChatBody | CompletionBody,
+async def serve_realtime(request: Request, kind: Kind,
+                         body: ChatBody | CompletionBody | EmbeddingBody,
                          store: Store, tenant: Tenant, config: ControlConfig,
                          watcher: ProgressWatcher) -> Response | dict[str, Any]:
-    prepared = prepare_body(kind, body, config.served_models, config.context_length_of)
+    prepared = (prepare_embedding(body, config.served_models, config.context_length_of)
+                if isinstance(body, EmbeddingBody)
+                else prepare_body(kind, body, config.served_models, config.context_length_of))
     # A call retried with the same Idempotency-Key waits for the first one's request; such a
     # request outlives a client that goes away (its retry will come for it).
     idempotency_key = (request.headers.get("idempotency-key") or "")[:500] or None
@@ -96,6 +101,7 @@ async def serve_realtime(request: Request, kind: Kind, body: ChatBody | Completi
                 return Response(status_code=204)
             if record.terminal and record.status != RequestStatus.SUCCEEDED:
                 _raise_for(record)
+            assert not isinstance(body, EmbeddingBody)  # embeddings never stream
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream = ChunkStream(request, store, watcher, watch, record, include_usage,
                                  num_choices(kind, prepared.body))
@@ -107,6 +113,10 @@ async def serve_realtime(request: Request, kind: Kind, body: ChatBody | Completi
             return Response(status_code=204)
         if record.status != RequestStatus.SUCCEEDED:
             _raise_for(record)
+        if kind == Kind.EMBEDDING:
+            return render_embeddings(record.model or prepared.model, prepared.body,
+                                     (record.result or {}).get("choices", []),
+                                     record.prompt_tokens, record.billed_usd)
         return render_response(kind, record.id, record.model or prepared.model,
                                record.created_at, record.tier,
                                (record.result or {}).get("choices", []),

@@ -67,7 +67,8 @@ class BatchCreate(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     input_file_id: str = Field(min_length=1, max_length=100)
-    endpoint: str = Field(description="/v1/chat/completions or /v1/completions")
+    endpoint: str = Field(description="/v1/chat/completions, /v1/completions, "
+                                      "/v1/embeddings or /v1/responses")
     completion_window: str = Field("24h", description='"24h", or longer ("48h", "7d")')
     metadata: dict[str, str] | None = None
     # When the output and error files expire (default: the server's file expiry).

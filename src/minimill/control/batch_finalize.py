@@ -19,6 +19,7 @@ from typing import Any
 from sqlalchemy import case, exists, func, select, update
 
 from minimill.control import checkpoints
+from minimill.control.embeddings import render_embeddings
 from minimill.control.files import OUTPUT_PURPOSE, FileWriter
 from minimill.control.records import (
     ACTIVE_REQUEST_STATUSES,
@@ -101,8 +102,9 @@ def any_finishable_among(store: Store, request_ids: list[str]) -> bool:
         return conn.execute(query).first() is not None
 
 
-# Every column but the body (the input line, up to max_line_bytes): only a response needs its
-# body rendered back (its parameters), and those bodies are read per page, for those rows alone.
+# Every column but the body (the input line, up to max_line_bytes): only a response (its
+# parameters) and embeddings (their encoding_format) need their body, read per page, for those
+# rows alone.
 _LINE_COLUMNS = [c for c in requests.c if c.name != "body"]
 
 
@@ -115,13 +117,18 @@ def _lines(store: Store, batch_id: str) -> Iterator[tuple[bool, bytes]]:
         with store.read() as conn:
             page = conn.execute(query if after is None
                                 else query.where(requests.c.line_no > after)).all()
-            responses = [r.id for r in page
-                         if r.status == RequestStatus.SUCCEEDED and r.kind == Kind.RESPONSE]
+            responses = [r.id for r in page if r.status == RequestStatus.SUCCEEDED
+                         and r.kind in (Kind.RESPONSE, Kind.EMBEDDING)]
             bodies = dict(conn.execute(select(requests.c.id, requests.c.body)
                                        .where(requests.c.id.in_(responses))).tuples().all()
                           ) if responses else {}
         for r in page:
-            if r.id in bodies:
+            if r.id in bodies and r.kind == Kind.EMBEDDING:
+                body = render_embeddings(r.model or "", bodies[r.id],
+                                         (r.result or {}).get("choices", []), r.prompt_tokens,
+                                         r.billed_usd)
+                yield True, json.dumps(batch_output_line(r.id, r.custom_id, body)).encode()
+            elif r.id in bodies:
                 body = render_response_object(replace(record(r), body=bodies[r.id]))
                 yield True, json.dumps(batch_output_line(r.id, r.custom_id, body)).encode()
             elif r.status == RequestStatus.SUCCEEDED:

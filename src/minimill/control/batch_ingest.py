@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from minimill.control.bodies import PreparedBody, parse_body, prepare_body
+from minimill.control.embeddings import parse_embedding_body, prepare_embedding
 from minimill.control.errors import ControlError
 from minimill.control.records import ENDPOINT_KINDS, Kind
 from minimill.control.response_bodies import prepare_batch_line
@@ -216,10 +217,14 @@ class LineParser:
                        f"{obj.get('url')!r}", custom_id, "url")
         kind = ENDPOINT_KINDS[self.endpoint]
         try:
-            prepared = (prepare_batch_line(obj.get("body"), self.served_models)
-                        if kind == Kind.RESPONSE
-                        else prepare_body(kind, parse_body(kind, obj.get("body")),
-                                          self.served_models))
+            if kind == Kind.RESPONSE:
+                prepared = prepare_batch_line(obj.get("body"), self.served_models)
+            elif kind == Kind.EMBEDDING:
+                prepared = prepare_embedding(parse_embedding_body(obj.get("body")),
+                                             self.served_models)
+            else:
+                prepared = prepare_body(kind, parse_body(kind, obj.get("body")),
+                                        self.served_models)
         except ControlError as exc:
             return bad(exc.code or "invalid_request", exc.message, custom_id,
                        f"body.{exc.param}" if exc.param else "body")

@@ -384,7 +384,9 @@ def complete(store: Store, site: Site, done: CompleteRequest, now: float,
 
 def _result_json(item: CompletionItem) -> JsonText:
     """The row's `result` of a succeeded completion, encoded."""
-    return JsonText(json.dumps({"choices": [c.model_dump(mode="json") for c in item.choices]}))
+    return JsonText(json.dumps({"choices": [
+        c.model_dump(mode="json", exclude=None if c.embedding is not None else {"embedding"})
+        for c in item.choices]}))
 
 
 def _returned_tokens(item: CompletionItem) -> int:
@@ -441,7 +443,7 @@ def _admitted(store: Store, request_ids: list[str]
             rows += conn.execute(
                 select(requests.c.id, requests.c.model, requests.c.tier,
                        requests.c.counted_prompt_tokens, requests.c.prompt_count_exact,
-                       requests.c.num_choices, requests.c.max_tokens)
+                       requests.c.num_choices, requests.c.max_tokens, requests.c.kind)
                 .where(requests.c.id.in_(request_ids[start:start + 500]))).all()
         # Batch lines completed before the batch jobs counted their prompts: counted now.
         late = prompt_count.count_rows(conn, [
@@ -451,7 +453,8 @@ def _admitted(store: Store, request_ids: list[str]
         found[r.id] = (r.model or "", r.tier, usage_check.Admitted(
             prompt_tokens=counted.tokens if counted else r.counted_prompt_tokens,
             prompt_exact=bool(counted.exact if counted else r.prompt_count_exact),
-            num_choices=r.num_choices, max_tokens=r.max_tokens))
+            num_choices=r.num_choices, max_tokens=r.max_tokens,
+            embedding=r.kind == Kind.EMBEDDING.value))
     return found
 
 

@@ -27,6 +27,7 @@ from typing import Any
 from sqlalchemy import Connection, bindparam, select, update
 
 from minimill.control.bodies import PreparedBody
+from minimill.control.embeddings import embedding_inputs
 from minimill.control.records import Kind
 from minimill.control.store import Store
 from minimill.control.tables import requests
@@ -125,7 +126,10 @@ def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
 
 
 def num_choices(kind: Kind, body: dict[str, Any]) -> int:
-    """Choices a worker must return for a body: n, times the prompts of a completion."""
+    """Choices a worker must return for a body: n, times the prompts of a completion; one
+    vector per input of an embedding request."""
+    if kind == Kind.EMBEDDING:
+        return max(len(embedding_inputs(body.get("input"))), 1)
     n = body.get("n")
     prompts = len(_prompts(body)) if kind == Kind.COMPLETION else 1
     return (n if isinstance(n, int) and n > 0 else 1) * max(prompts, 1)
@@ -147,8 +151,11 @@ def count_prompts(bodies: Sequence[Prompted]) -> list[PromptCount]:
     for i, (kind, model, body) in enumerate(bodies):
         counter = counter_for(model)
         choices = num_choices(kind, body)
-        if kind == Kind.COMPLETION:
-            prompts = _prompts(body)
+        if kind in (Kind.COMPLETION, Kind.EMBEDDING):
+            # Texts are tokenized as the engine tokenizes a completion's (special tokens
+            # added: the EOS some embedding models pool at, say); token ids count as given.
+            prompts = (_prompts(body) if kind == Kind.COMPLETION
+                       else embedding_inputs(body.get("input")))
             texts.setdefault(model, []).extend((i, p) for p in prompts if isinstance(p, str))
             counts.append(PromptCount(sum(len(p) for p in prompts if isinstance(p, list)),
                                       counter.exact, choices))

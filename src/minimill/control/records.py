@@ -49,15 +49,19 @@ class Kind(StrEnum):
     # /v1/responses: workers run it as a chat over the whole conversation (its body holds the
     # chat messages), so leases hand it out as "chat" (wire_kind) and no worker changes.
     RESPONSE = "response"
+    # /v1/embeddings: one pooled vector per input, nothing generated (billed for its prompt).
+    EMBEDDING = "embedding"
 
     @property
-    def wire_kind(self) -> Literal["chat", "completion"]:
+    def wire_kind(self) -> Literal["chat", "completion", "embedding"]:
         """The kind a worker is told in its lease: the engine path that runs it."""
+        if self == Kind.EMBEDDING:
+            return "embedding"
         return "completion" if self == Kind.COMPLETION else "chat"
 
 
 ENDPOINT_KINDS = {"/v1/chat/completions": Kind.CHAT, "/v1/completions": Kind.COMPLETION,
-                  "/v1/responses": Kind.RESPONSE}
+                  "/v1/responses": Kind.RESPONSE, "/v1/embeddings": Kind.EMBEDDING}
 
 
 @dataclass(frozen=True, slots=True)

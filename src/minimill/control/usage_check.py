@@ -9,6 +9,8 @@ admission and applies the verdicts).
   choice that carries only text (a site whose engine hands out text), the tokens of that text.
   Each choice is capped by `max_tokens` (or, without one, by the context left after the prompt).
 - Cached tokens are the site's report, never more than the prompt.
+- An embedding request generates nothing: its result holds one vector per input, all of one
+  size, finite (embeddings.check_vectors), and no tokens, so its completion count is 0.
 
 The report is checked against those counts: more choices than the request asked for, or more
 completion tokens than the choices could hold, is a report that disagrees; the completion is
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from minimill.control.embeddings import check_vectors
 from minimill.control.prompt_count import ModelCounter
 from minimill.protocol import ChoiceProgress, CompletionItem
 
@@ -39,6 +42,7 @@ class Admitted:
     prompt_exact: bool
     num_choices: int | None  # choices a worker must return; None: before counts existed
     max_tokens: int | None  # per choice; None: up to the context
+    embedding: bool = False  # an embedding request: one vector per choice, nothing generated
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +86,11 @@ def check(item: CompletionItem, admitted: Admitted, counter: ModelCounter) -> Ve
             range(admitted.num_choices)):
         return Verdict(refused=f"the result has choices {sorted(indexes)[:8]}; the request "
                               f"asked for {admitted.num_choices}")
+    unusable = (check_vectors(choices) if admitted.embedding
+                else "the result carries embeddings" if any(c.embedding is not None
+                                                            for c in choices) else None)
+    if unusable is not None:
+        return Verdict(refused=unusable)
     prompt = admitted.prompt_tokens
     cap = admitted.max_tokens
     if cap is None and counter.context_len is not None and prompt is not None \

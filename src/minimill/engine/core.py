@@ -209,7 +209,8 @@ class EngineCore:
                 result.deltas.append(self._process(seq))
             except Exception as exc:  # one request's text processing failed: only it ends
                 self._fail(seq.request_id, exc, result)
-        self._record_throughput(len(updated))
+        # Output tokens: an embedding request's vector is none.
+        self._record_throughput(sum(1 for seq in updated if not seq.params.embed))
 
     def _lanes_wanted(self) -> int:
         """How many lanes to step now: 0 for steps over the whole machine."""

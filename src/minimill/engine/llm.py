@@ -86,6 +86,12 @@ class LLM:
                          else list(p) for p in prompts]
         return self._run(token_prompts, per_prompt, resume_token_ids, resume_texts, use_tqdm)
 
+    def embed(self, prompts: Seq[str | list[int]]) -> list[list[float]]:
+        """Each prompt's embedding: the final normed hidden state of its last token,
+        L2-normalised (prefill only, nothing sampled). Text is tokenized as `generate` does."""
+        outs = self.generate(prompts, SamplingParams(embed=True))
+        return [out.embedding or [] for out in outs]
+
     def reset_prefix_cache(self) -> bool:
         """Forget the pool's cached prefixes (between runs of a benchmark); False while any
         request is running."""
@@ -136,6 +142,8 @@ class LLM:
                         continue  # left over from an earlier, interrupted call
                     out.output_token_ids.extend(delta.new_token_ids)
                     out.num_cached_tokens = delta.num_cached_tokens
+                    if delta.embedding is not None:
+                        out.embedding = delta.embedding
                     out.text += delta.new_text
                     if delta.logprobs and out.logprobs is not None:
                         out.logprobs.extend(delta.logprobs)

@@ -87,9 +87,11 @@ class DecoderModel:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor,
-                logits_rows: torch.Tensor) -> torch.Tensor:
+                logits_rows: torch.Tensor, hidden_only: bool = False) -> torch.Tensor:
         """input_ids, positions: [num_tokens]; kv_cache: the pool (attention.py's layout);
-        returns logits [len(logits_rows), vocab] in the model dtype."""
+        returns logits [len(logits_rows), vocab] in the model dtype, or with `hidden_only`
+        those rows' final normed hidden states [len(logits_rows), hidden] (what embeddings
+        pool; `project` turns them into logits)."""
         ops, eps = self.kernels, self.eps
         cos_sin = self.rotary.cos_sin
         hidden = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
@@ -124,4 +126,8 @@ class DecoderModel:
             last = ops.rms_norm(hidden[logits_rows], self.norm, eps)
         else:
             last = ops.rms_norm(hidden[logits_rows] + residual[logits_rows], self.norm, eps)
-        return ops.linear(last, self.lm_head)
+        return last if hidden_only else self.project(last)
+
+    def project(self, last: torch.Tensor) -> torch.Tensor:
+        """Final normed hidden states [rows, hidden] -> logits [rows, vocab]."""
+        return self.kernels.linear(last, self.lm_head)

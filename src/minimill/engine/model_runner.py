@@ -129,10 +129,12 @@ class ModelRunner:
                                   for group in groups])
         self.split_steps += 1
         # Back into the step's order: entry i's sample is the k-th of the step's samples.
-        rank = {i: k for k, i in enumerate(i for i, e in enumerate(entries) if e.sample)}
+        rank = {i: k for k, i in enumerate(i for i, e in enumerate(entries)
+                                           if e.sample and not e.seq.params.embed)}
         out = ModelOutput([0] * len(rank), [None] * len(rank))
         for group, part in zip(groups, parts, strict=True):
-            sampled = [rank[i] for i in group if entries[i].sample]
+            out.embeddings.update(part.embeddings)
+            sampled = [rank[i] for i in group if i in rank]
             for k, token, logprob in zip(sampled, part.sampled_token_ids, part.logprobs,
                                          strict=True):
                 out.sampled_token_ids[k], out.logprobs[k] = token, logprob
@@ -172,19 +174,32 @@ class ModelRunner:
         dev = self.device
         meta = build_metadata(query_lens, seq_lens, tables, self.config.block_size, dev,
                               stage_units, self.kv_stage)
+        ends = [e for e in entries if e.sample]
+        pooled = [k for k, e in enumerate(ends) if e.seq.params.embed]
         logits = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
-            meta, self.kv_cache, torch.tensor(logits_rows, dtype=torch.long, device=dev))
-        if not logits_rows:
-            return ModelOutput([], [])
-        sampled = [e for e in entries if e.sample]
+            meta, self.kv_cache, torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            hidden_only=bool(pooled))
+        embeddings: dict[str, list[float]] = {}
+        if pooled:
+            # Last-token pooling: the final normed hidden state of each embedding request's
+            # last prompt token, L2-normalised (the Qwen3-Embedding recipe).
+            hidden = logits
+            vectors = torch.nn.functional.normalize(hidden[pooled].float(), dim=-1)
+            embeddings = {ends[k].seq.request_id: v for k, v in
+                          zip(pooled, vectors.cpu().tolist(), strict=True)}
+            rows = [k for k, e in enumerate(ends) if not e.seq.params.embed]
+            logits = self.model.project(hidden[rows]) if rows else hidden[:0]
+        sampled = [e for e in ends if not e.seq.params.embed]
+        if not sampled:
+            return ModelOutput([], [], embeddings)
         sampling = [e.seq for e in sampled]
         tokens, logprobs = sample(logits, [s.params for s in sampling],
                                   [s.seed for s in sampling],
                                   [s.num_output_tokens for s in sampling], self.kernels,
                                   [s.output_counts for s in sampling], _masks(sampled))
-        return ModelOutput(tokens, logprobs)
+        return ModelOutput(tokens, logprobs, embeddings)
 
 
 def _masks(sampled: list[ScheduledSequence]) -> list[torch.Tensor | None] | None:

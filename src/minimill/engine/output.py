@@ -98,7 +98,8 @@ class OutputProcessor:
             state.finish(stopped_by_string)
         text = state.take_delta(finish_reason is not None)
         return TokenDelta(seq.request_id, new_token_ids, text, finish_reason, logprobs,
-                          seq.num_prompt_tokens, seq.seed, seq.num_cached_prompt_tokens)
+                          seq.num_prompt_tokens, seq.seed, seq.num_cached_prompt_tokens,
+                          seq.embedding)
 
     def remove(self, request_id: str) -> None:
         self.texts.pop(request_id, None)

@@ -49,6 +49,9 @@ class SamplingParams:
     # serve only requests with the same salt (the control plane gives each tenant its own;
     # None: shared with every request without one).
     cache_salt: str | None = None
+    # An embedding request: prefill only, its output is the final normed hidden state of the
+    # last prompt token, L2-normalised (TokenDelta.embedding); no token is sampled.
+    embed: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -100,6 +103,7 @@ class RequestOutput:
     seed: int
     logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache or a KV tier
+    embedding: list[float] | None = None  # an embedding request's vector (params.embed)
 
     @property
     def finished(self) -> bool:
@@ -120,3 +124,5 @@ class TokenDelta:
     seed: int = 0
     # Prompt tokens whose KV came from the prefix cache or a KV tier, not computed.
     num_cached_tokens: int = 0
+    # An embedding request's vector (float32 values), on its only (last) delta.
+    embedding: list[float] | None = None

@@ -56,6 +56,9 @@ class ModelOutput:
     # Per sampled token: (logprob of the token, [(token_id, logprob), ...] top alternatives),
     # or None where the request did not ask for logprobs.
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+    # Embedding requests (params.embed) that reached their last prompt token: request id ->
+    # pooled, normalised vector. They sample nothing, so they are not in the lists above.
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
 
 
 # A lane gives requests to a less busy one only when they differ by at least this many: a
@@ -228,6 +231,11 @@ class Scheduler:
             if entry.sample:
                 self._inflight.pop(seq.request_id, None)  # its prompt blocks are cached now
             if not entry.sample:
+                continue
+            if seq.params.embed:  # prefill done: its vector is its whole output
+                seq.embedding = model_output.embeddings[seq.request_id]
+                updated.append(seq)
+                self.finish_request(seq.request_id, RequestStatus.FINISHED_STOPPED)
                 continue
             token_id, logprob = next(sampled)
             seq.append_token(token_id)

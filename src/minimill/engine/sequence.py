@@ -51,8 +51,8 @@ class Sequence:
     """One request: `num_computed_tokens` of `num_tokens` have their KV in the cache."""
 
     __slots__ = (
-        "block_table", "eos_token_ids", "guide", "lane", "logprobs", "num_cached_prompt_tokens",
-        "num_cached_tokens", "num_computed_tokens",
+        "block_table", "embedding", "eos_token_ids", "guide", "lane", "logprobs",
+        "num_cached_prompt_tokens", "num_cached_tokens", "num_computed_tokens",
         "num_prompt_tokens", "output_counts", "params", "prefix_root", "request_id", "seed",
         "stage_units", "status", "token_ids",
     )
@@ -79,6 +79,8 @@ class Sequence:
         self.prefix_root = prefix_root(params.cache_salt)
         # The grammar state of a guided request (params.guided), advanced past every output.
         self.guide: Guide | None = None
+        # An embedding request's pooled vector, once its prompt is computed (params.embed).
+        self.embedding: list[float] | None = None
         self.seed = seed
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.status = RequestStatus.WAITING

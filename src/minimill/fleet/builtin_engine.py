@@ -104,6 +104,10 @@ class BuiltinEngineAdapter:
     def guides(self) -> bool:
         return True
 
+    @property
+    def embeds(self) -> bool:
+        return True
+
     def _prompt(self, job: ChoiceJob) -> str | list[int]:
         if job.kind == "chat":
             assert job.messages is not None  # choice_jobs sets messages for chat
@@ -148,7 +152,7 @@ class BuiltinEngineAdapter:
                     num_new_tokens=len(delta.new_token_ids),
                     logprobs=self._logprob_dicts(delta.logprobs) if delta.logprobs else None,
                     finish_reason=reason, num_prompt_tokens=delta.num_prompt_tokens,
-                    num_cached_tokens=delta.num_cached_tokens)
+                    num_cached_tokens=delta.num_cached_tokens, embedding=delta.embedding)
         except InvalidRequestError as exc:
             raise JobError(error_code(exc), str(exc)) from exc
         except ChatTemplateError as exc:  # the conversation does not fit the model's template

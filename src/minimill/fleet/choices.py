@@ -38,10 +38,10 @@ class ChoiceJob:
     """One choice of one leased request, as handed to an engine adapter."""
 
     engine_request_id: str  # unique per (lease epoch, choice) so aborts never hit a successor
-    index: int  # the choice's index in the response
-    kind: Literal["chat", "completion"]
+    index: int  # the choice's index in the response (an embedding request's: its input's)
+    kind: Literal["chat", "completion", "embedding"]
     model: str
-    # Chat: the message list; completion: a prompt string or a list of token ids.
+    # Chat: the message list; completion and embedding: a text or a list of token ids.
     messages: list[dict[str, Any]] | None
     prompt: str | list[int] | None
     params: SamplingParams  # max_tokens here is the body's, or the adapter's default
@@ -194,11 +194,49 @@ def _output_rules(lease: Lease, tool_format: ToolFormat | None, guides: bool
     return rules, guided
 
 
+def _embedding_inputs(body: dict[str, Any]) -> list[str | list[int]]:
+    """An embedding body's inputs: a text, token ids, or a list of either, none empty."""
+    value = body.get("input")
+    inputs: list[str | list[int]] = []
+    if isinstance(value, str):
+        inputs = [value]
+    elif isinstance(value, list) and value and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value):
+        inputs = [list(value)]
+    elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+        inputs = list(value)
+    elif isinstance(value, list) and all(
+            isinstance(v, list) and all(isinstance(t, int) for t in v) for v in value):
+        inputs = [list(v) for v in value]
+    if not inputs or any(not item for item in inputs):
+        raise BodyError("input must be a text, token ids, or a non-empty list of either, "
+                        "none empty", "input")
+    return inputs
+
+
+def embedding_jobs(lease: Lease, embeds: bool) -> list[ChoiceJob]:
+    """One prefill-only job per input of an embedding request (a checkpoint holds nothing
+    worth resuming from: each vector is recomputed whole). `embeds`: whether the engine can
+    compute embeddings."""
+    if not embeds:
+        raise BodyError("this site's engine cannot compute embeddings", "model")
+    inputs = _embedding_inputs(lease.body)
+    params = SamplingParams(max_tokens=1, seed=lease.seed & _SEED_MASK, embed=True,
+                            cache_salt=lease.cache_salt)
+    return [ChoiceJob(engine_request_id=f"{lease.request_id}:{lease.epoch}:{index}",
+                      index=index, kind="embedding", model=lease.model, messages=None,
+                      prompt=item, params=params, max_tokens_from_body=False, resume=None)
+            for index, item in enumerate(inputs)]
+
+
 def choice_jobs(lease: Lease, default_max_tokens: int, tool_format: ToolFormat | None = None,
-                guides: bool = False) -> list[ChoiceJob]:
-    """One job per choice; completions with several prompts get n choices per prompt.
-    `tool_format`: the syntax the engine's model calls tools in; `guides`: whether the engine
-    can enforce a grammar (tools and response_format need it)."""
+                guides: bool = False, embeds: bool = False) -> list[ChoiceJob]:
+    """One job per choice; completions with several prompts get n choices per prompt, an
+    embedding request one job per input. `tool_format`: the syntax the engine's model calls
+    tools in; `guides`: whether the engine can enforce a grammar (tools and response_format
+    need it); `embeds`: whether it computes embeddings."""
+    if lease.kind == "embedding":
+        return embedding_jobs(lease, embeds)
     body = lease.body
     rules, guided = _output_rules(lease, tool_format, guides)
     n = _int_param(body, "n")

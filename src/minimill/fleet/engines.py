@@ -48,6 +48,8 @@ class ChoiceUpdate:
     finish_reason: str | None = None  # "stop" | "length" on the last update
     num_prompt_tokens: int = 0  # 0 when not known yet
     num_cached_tokens: int = 0  # of those, served from the engine's KV cache
+    # An embedding job's vector, on its last update (it has no tokens).
+    embedding: list[float] | None = None
 
 
 class EngineAdapter(Protocol):
@@ -76,6 +78,11 @@ class EngineAdapter(Protocol):
     @property
     def guides(self) -> bool:
         """Whether it enforces a grammar on outputs (tools, response_format)."""
+        ...
+
+    @property
+    def embeds(self) -> bool:
+        """Whether it computes embeddings (jobs of kind "embedding")."""
         ...
 
     def generate(self, job: ChoiceJob) -> AsyncIterator[ChoiceUpdate]:

@@ -88,6 +88,10 @@ class FakeEngineAdapter:
     def guides(self) -> bool:
         return False
 
+    @property
+    def embeds(self) -> bool:
+        return False
+
     def _token_gap_s(self) -> float:
         """Seconds between two tokens of one request: its share of a full batch."""
         return 0.0 if self._rate is None else self._capacity / self._rate

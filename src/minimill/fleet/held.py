@@ -70,8 +70,9 @@ def _approx_bytes(choice: ChoiceProgress, base: Lengths) -> int:
 
 
 def approx_bytes(choices: list[ChoiceProgress]) -> int:
-    """About how many bytes these choices take as JSON (to keep requests under the limit)."""
-    return sum(_approx_bytes(c, Lengths()) for c in choices)
+    """About how many bytes these choices take as JSON (to keep requests under the limit);
+    an embedding's float32 values print as up to ~24 characters each."""
+    return sum(_approx_bytes(c, Lengths()) + 24 * len(c.embedding or []) for c in choices)
 
 
 class Tally:
@@ -88,7 +89,9 @@ class HeldLease:
         self.lease = lease
         self.adapter = adapter
         self.tally = tally or Tally()
-        resumed = lease.checkpoint.choices if lease.checkpoint else []
+        # An embedding request resumes from nothing: its vectors are recomputed whole.
+        resumed = lease.checkpoint.choices if lease.checkpoint and lease.kind != "embedding" \
+            else []
         self.progress: dict[int, ChoiceProgress] = {c.index: c.model_copy(deep=True)
                                                    for c in resumed}
         self.num_tokens: dict[int, int] = {}
@@ -196,7 +199,8 @@ class HeldLease:
     async def _run(self, on_done: Callable[[HeldLease], None]) -> None:
         try:
             self.jobs = choice_jobs(self.lease, self.adapter.default_max_tokens,
-                                    self.adapter.tool_format, self.adapter.guides)
+                                    self.adapter.tool_format, self.adapter.guides,
+                                    self.adapter.embeds)
             for job in self.jobs:
                 self.progress.setdefault(job.index, ChoiceProgress(index=job.index))
                 self.progress[job.index].tool_format = job.tool_format
@@ -250,9 +254,12 @@ class HeldLease:
                 state.logprobs.extend(update.logprobs)
             self.num_tokens[job.index] += update.num_new_tokens
             self.tally.generated_tokens += update.num_new_tokens
+            if update.embedding is not None:
+                state.embedding = update.embedding
             if update.finish_reason is not None:
                 state.finish_reason = update.finish_reason
-            self.dirty = True
+            # An embedding has nothing a checkpoint could resume from.
+            self.dirty = job.kind != "embedding"
         if state.finish_reason is None:
             # The stream ended without saying why (e.g. a server that omits it): a length stop.
             state.finish_reason = "length"

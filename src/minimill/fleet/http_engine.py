@@ -87,6 +87,10 @@ class HttpEngineAdapter:
     def guides(self) -> bool:
         return False
 
+    @property
+    def embeds(self) -> bool:
+        return False
+
     def _request(self, job: ChoiceJob) -> tuple[str, dict[str, Any]]:
         p = job.params
         body: dict[str, Any] = {
