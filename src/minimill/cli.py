@@ -287,9 +287,9 @@ def worker(
     kv_prefault: bool = KvPrefaultOption,
 ) -> None:
     """Join a fleet: pull work from the control plane under leases and run it."""
-    from minimill.box_protocol import DEFAULT_BOX_CAPS, BoxLimits
     from minimill.boxes.host_setup import BoxOptions
     from minimill.fleet.worker import run_worker
+    from minimill.transport.box_protocol import DEFAULT_BOX_CAPS, BoxLimits
 
     kv = _kv_options(kv_cache_gb, kv_host_gb, kv_flash_dir, kv_flash_gb, prefix_caching,
                      kv_dtype, kv_prefault)

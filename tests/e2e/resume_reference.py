@@ -39,7 +39,7 @@ from minimill.models.gguf_file import read_gguf_header
 from minimill.models.gguf_tokenizer import tokenizer_from_gguf
 from minimill.models.registry import resolve_model
 from minimill.models.tokenizer import Tokenizer
-from minimill.protocol import ChoiceProgress, Lease
+from minimill.transport.protocol import ChoiceProgress, Lease
 
 # Never in the output: while a request runs, its last len - 1 characters are held back.
 NEVER = ["<|never|>", "zzzz"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from minimill.box_protocol import DEFAULT_BOX_CAPS, BoxLimits
 from minimill.control.config import DEFAULT_MODEL, ControlConfig
 from minimill.models.info import context_length
+from minimill.transport.box_protocol import DEFAULT_BOX_CAPS, BoxLimits
 
 
 class Settings(BaseSettings):

@@ -19,7 +19,7 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel
 
-from minimill.box_protocol import (
+from minimill.transport.box_protocol import (
     BOX_FLEET_PREFIX,
     SNAPSHOT_PARENT_NOT_FOUND,
     BoxOutputRequest,
@@ -32,7 +32,7 @@ from minimill.box_protocol import (
     BoxResultsResponse,
     SnapshotStored,
 )
-from minimill.fleet.client import (
+from minimill.transport.client import (
     ControlPlaneUnavailable,
     SiteAuthError,
 )

@@ -26,19 +26,6 @@ from typing import Any
 
 from sqlalchemy import Connection, case, select, tuple_, update
 
-from minimill.box_protocol import (
-    BoxLease,
-    BoxLimits,
-    BoxOp,
-    BoxOutputRequest,
-    BoxOutputResponse,
-    BoxPollRequest,
-    BoxPollResponse,
-    BoxReleaseRequest,
-    BoxReleaseResponse,
-    BoxResultsRequest,
-    BoxResultsResponse,
-)
 from minimill.control import box_idle, box_output, files
 from minimill.control.box_records import BoxStatus, OpStatus
 from minimill.control.box_uploads import drop_stale_uploads
@@ -53,6 +40,19 @@ from minimill.control.store import Store, retry_conflicts
 from minimill.control.tables import (
     box_ops,
     boxes,
+)
+from minimill.transport.box_protocol import (
+    BoxLease,
+    BoxLimits,
+    BoxOp,
+    BoxOutputRequest,
+    BoxOutputResponse,
+    BoxPollRequest,
+    BoxPollResponse,
+    BoxReleaseRequest,
+    BoxReleaseResponse,
+    BoxResultsRequest,
+    BoxResultsResponse,
 )
 
 MAX_OPS_PER_POLL = 256

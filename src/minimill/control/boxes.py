@@ -22,7 +22,6 @@ from typing import Any
 
 from sqlalchemy import Connection, delete, func, insert, select, update
 
-from minimill.box_protocol import CAP_NAMES, BoxLimits
 from minimill.control import box_idle, box_output, files
 from minimill.control.box_records import (
     TERMINAL_OP_STATUSES,
@@ -41,6 +40,7 @@ from minimill.control.errors import ConflictError, InvalidRequestError, NotFound
 from minimill.control.records import new_id
 from minimill.control.store import Store, retry_conflicts
 from minimill.control.tables import box_activity, box_ops, box_snapshots, boxes, file_chunks
+from minimill.transport.box_protocol import CAP_NAMES, BoxLimits
 
 _LIVE = (BoxStatus.PENDING.value, BoxStatus.RUNNING.value)
 _OPEN_OPS = (OpStatus.QUEUED.value, OpStatus.RUNNING.value)

@@ -23,7 +23,7 @@ from sqlalchemy import Connection, bindparam, delete, insert, select, update
 from minimill.control.records import RequestStatus
 from minimill.control.store import JsonText
 from minimill.control.tables import checkpoint_chunks, requests
-from minimill.protocol import (
+from minimill.transport.protocol import (
     Checkpoint,
     CheckpointDelta,
     ChoiceDelta,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from minimill.box_protocol import DEFAULT_BOX_CAPS, BoxLimits
+from minimill.transport.box_protocol import DEFAULT_BOX_CAPS, BoxLimits
 
 DEFAULT_MODEL = "smollm2-135m"
 

@@ -61,7 +61,7 @@ from minimill.control.site_view import site_states
 from minimill.control.sites import touch_site
 from minimill.control.store import JsonText, Store, retry_conflicts
 from minimill.control.tables import requests, sites
-from minimill.protocol import (
+from minimill.transport.protocol import (
     CompleteRequest,
     CompleteResponse,
     CompletionItem,

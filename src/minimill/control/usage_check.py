@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minimill.control.prompt_count import ModelCounter
-from minimill.protocol import ChoiceProgress, CompletionItem
+from minimill.transport.protocol import ChoiceProgress, CompletionItem
 
 # A choice counted from its text may be reported this many tokens over the count, plus a
 # quarter of it, before the report is taken for inflated.

@@ -23,19 +23,19 @@ import asyncio
 import logging
 import time
 
-from minimill.fleet.client import (
+from minimill.fleet.engines import EngineAdapter
+from minimill.fleet.held import HeldLease, SentCheckpoint, Tally, approx_bytes
+from minimill.fleet.releases import Releases
+from minimill.fleet.sessions import HeldSessions
+from minimill.fleet.shutdown import drain
+from minimill.transport.client import (
     Backoff,
     ControlPlaneClient,
     ControlPlaneUnavailable,
     PayloadTooLarge,
     sleep_backoff,
 )
-from minimill.fleet.engines import EngineAdapter
-from minimill.fleet.held import HeldLease, SentCheckpoint, Tally, approx_bytes
-from minimill.fleet.releases import Releases
-from minimill.fleet.sessions import HeldSessions
-from minimill.fleet.shutdown import drain
-from minimill.protocol import (
+from minimill.transport.protocol import (
     CompleteRequest,
     CompletionItem,
     ErrorInfo,

@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from minimill.fleet.client import ControlPlaneUnavailable
+from minimill.transport.client import ControlPlaneUnavailable
 
 if TYPE_CHECKING:
     from minimill.fleet.loops import Worker

@@ -16,7 +16,7 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel
 
-from minimill.protocol import (
+from minimill.transport.protocol import (
     FLEET_PREFIX,
     CompleteRequest,
     CompleteResponse,
