@@ -30,7 +30,6 @@ from minimill.agents.harness_process import (
     check_harness_isolation,
 )
 from minimill.boxes.sandbox import IsolationUnavailable
-from minimill.fleet.shutdown import send_within
 from minimill.transport.agent_protocol import (
     AgentFinish,
     AgentLease,
@@ -41,7 +40,13 @@ from minimill.transport.agent_protocol import (
     JournalAppend,
     ReleasedAgent,
 )
-from minimill.transport.client import Backoff, ControlPlaneUnavailable, retrying, sleep_backoff
+from minimill.transport.client import (
+    Backoff,
+    ControlPlaneUnavailable,
+    retrying,
+    send_within,
+    sleep_backoff,
+)
 
 log = logging.getLogger("minimill.agents")
 POLL_WAIT_S = 2.0

@@ -12,16 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from minimill.transport.client import ControlPlaneUnavailable
+from minimill.transport.client import FINAL_SEND_S, send_within
 
 if TYPE_CHECKING:
     from minimill.fleet.loops import Worker
 
 log = logging.getLogger("minimill.worker")
-FINAL_SEND_S = 5.0
 
 
 async def drain(worker: Worker) -> None:
@@ -41,19 +39,3 @@ async def drain(worker: Worker) -> None:
     flush_deadline = time.monotonic() + FINAL_SEND_S
     while worker.outbox and time.monotonic() < flush_deadline:
         await asyncio.sleep(0.05)
-
-
-async def send_within(send: Callable[[], Awaitable[None]], what: str,
-                      limit_s: float = FINAL_SEND_S) -> None:
-    """`send`, tried again every half second until it succeeds or `limit_s` is over."""
-    deadline = time.monotonic() + limit_s
-    while True:
-        try:
-            await asyncio.wait_for(send(), max(deadline - time.monotonic(), 0.01))
-            return
-        except (ControlPlaneUnavailable, TimeoutError) as exc:
-            left = deadline - time.monotonic()
-            if left <= 0.1:
-                log.warning("%s not delivered: %s", what, exc)
-                return
-            await asyncio.sleep(min(0.5, left))
