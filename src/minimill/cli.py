@@ -288,7 +288,7 @@ def worker(
 ) -> None:
     """Join a fleet: pull work from the control plane under leases and run it."""
     from minimill.boxes.host_setup import BoxOptions
-    from minimill.fleet.worker import run_worker
+    from minimill.site.worker import run_worker
     from minimill.transport.box_protocol import DEFAULT_BOX_CAPS, BoxLimits
 
     kv = _kv_options(kv_cache_gb, kv_host_gb, kv_flash_dir, kv_flash_gb, prefix_caching,

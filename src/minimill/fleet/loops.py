@@ -1,4 +1,4 @@
-"""The worker's loops over the leases it holds (see fleet/worker.py for the process around them).
+"""The worker's loops over the leases it holds (see site/worker.py for the process around them).
 
 The lease loop asks for as many requests as the engine has free sequences; the heartbeat loop
 extends every lease each ttl/3 and sends checkpoints every lease's checkpoint_interval_s (the
