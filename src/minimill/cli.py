@@ -152,7 +152,7 @@ def serve(
         "private addresses (refused by default; also MINIMILL_WEBHOOK_ALLOW_PRIVATE=1)."),
 ) -> None:
     """Serve the OpenAI-compatible API (control plane) plus one local worker process."""
-    from minimill.api.serve import run_serve
+    from minimill.serve.run import run_serve
 
     kv = _kv_options(kv_cache_gb, kv_host_gb, kv_flash_dir, kv_flash_gb, prefix_caching,
                      kv_dtype, kv_prefault)
