@@ -11,8 +11,8 @@ from typing import Any
 
 import typer
 
-from minimill.agents.client import TERMINAL, Agents
 from minimill.box_cli import ApiKey, BaseUrl, api_errors
+from minimill.client.agents import TERMINAL, Agents
 
 agent_app = typer.Typer(help="Durable agents: harnesses that survive the loss of their "
                         "runner.", no_args_is_help=True)

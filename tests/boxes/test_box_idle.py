@@ -17,7 +17,7 @@ import pytest
 from api_harness import ApiEnv, start_env, stop_env
 from box_harness import BoxHostProc
 
-from minimill.boxes.client import Box, BoxError, Boxes
+from minimill.client.boxes import Box, BoxError, Boxes
 
 IDLE_S = 2.0
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from serve_process import Serve, Worker
 
-from minimill.agents.client import Agents
+from minimill.client.agents import Agents
 
 HARNESS = '''
 async def main(ctx, task):

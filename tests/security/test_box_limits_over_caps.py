@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 from api_harness import ApiEnv, start_env, stop_env
 
-from minimill.boxes.client import BoxError, Boxes
+from minimill.client.boxes import BoxError, Boxes
 
 
 @pytest.fixture(scope="module")
