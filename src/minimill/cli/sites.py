@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from minimill.cli_options import (
+from minimill.cli.options import (
     DbOption,
     JsonOption,
     number_or_dash,

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from minimill.admin_cli import keys_app, prices_app, webhooks_app
-from minimill.agent_cli import agent_app
-from minimill.batch_cli import batch_app
-from minimill.bench_cli import bench_app
-from minimill.box_cli import box_app
-from minimill.cli_options import (
+from minimill.cli.admin import keys_app, prices_app, webhooks_app
+from minimill.cli.agent import agent_app
+from minimill.cli.batch import batch_app
+from minimill.cli.bench import bench_app
+from minimill.cli.box import box_app
+from minimill.cli.options import (
     DEFAULT_MODEL,
     DTYPE_HELP,
     BoxMaxCpuOption,
@@ -32,7 +32,7 @@ from minimill.cli_options import (
     box_caps,
     print_table,
 )
-from minimill.sites_cli import sites_app
+from minimill.cli.sites import sites_app
 
 if TYPE_CHECKING:
     from minimill.fleet.kv_options import KvOptions

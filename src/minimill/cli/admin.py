@@ -8,7 +8,7 @@ import json
 
 import typer
 
-from minimill.cli_options import DbOption, JsonOption, open_store_or_exit, print_table
+from minimill.cli.options import DbOption, JsonOption, open_store_or_exit, print_table
 
 keys_app = typer.Typer(help="API keys: tenants' and operators'.", no_args_is_help=True)
 prices_app = typer.Typer(help="The price list: what tenants are billed per model and tier.",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from minimill.cli_options import (
+from minimill.cli.options import (
     DEFAULT_MODEL,
     EngineDtypeOption,
     JsonOption,

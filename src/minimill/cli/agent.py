@@ -11,7 +11,7 @@ from typing import Any
 
 import typer
 
-from minimill.box_cli import ApiKey, BaseUrl, api_errors
+from minimill.cli.box import ApiKey, BaseUrl, api_errors
 from minimill.client.agents import TERMINAL, Agents
 
 agent_app = typer.Typer(help="Durable agents: harnesses that survive the loss of their "
