@@ -135,7 +135,6 @@ def _perplexity(llm: Any, ids: list[int], window: int, chunk: int) -> float:
 
 
 def _window_nll(llm: Any, ids: list[int], chunk: int) -> tuple[float, int]:
-    from minimill.engine.attention import build_metadata
     from minimill.engine.params import SamplingParams
     from minimill.engine.sequence import Sequence
 
@@ -150,9 +149,8 @@ def _window_nll(llm: Any, ids: list[int], chunk: int) -> tuple[float, int]:
                 if not blocks.allocate_slots(seq, len(new)):
                     raise ValueError("the KV pool is too small for a perplexity window")
                 end = start + len(new)
-                meta = build_metadata([len(new)], [end], [seq.block_table],
-                                      blocks.block_size, runner.device, [seq.stage_units],
-                                      runner.kv_stage)
+                meta = runner.metadata([len(new)], [end], [seq.block_table],
+                                       [seq.stage_units])
                 logits = runner.model.forward(
                     torch.tensor(new, device=runner.device),
                     torch.arange(start, end, device=runner.device), meta, runner.kv_cache,
