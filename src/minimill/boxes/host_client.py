@@ -1,7 +1,7 @@
 """A box host's HTTP client for the control plane's `/v1/fleet/boxes` routes.
 
 Network trouble raises ControlPlaneUnavailable (the caller retries with backoff:
-`fleet.client.retrying`);
+`transport.client.retrying`);
 a 401/403 raises SiteAuthError; a 404/409 (a snapshot upload, streamed output) means the box
 or the operation is no longer this host's, except an incremental snapshot's 409 saying that
 its parent is gone (ParentMissing); a 400/413/422 is a refusal for good (Refused), which

@@ -1,5 +1,5 @@
-"""Options and helpers the `minimill` command groups share (cli.py, admin_cli.py,
-bench_cli.py, sites_cli.py): --json, model and dtype options, the store a command opens, and
+"""Options and helpers the `minimill` command groups share (main.py, admin.py,
+bench.py, sites.py): --json, model and dtype options, the store a command opens, and
 tables."""
 
 from __future__ import annotations

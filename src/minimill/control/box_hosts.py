@@ -1,4 +1,4 @@
-"""Boxes, the host's side (box_protocol.py): leases with fencing, operations, snapshots.
+"""Boxes, the host's side (transport/box_protocol.py): leases with fencing, operations, snapshots.
 
 - `poll`: extend the leases of the boxes a host still holds at their epochs (the rest are
   revoked), grant it pending boxes for its free slots (epoch bumped, `restarts` counted after

@@ -1,4 +1,4 @@
-"""Leases with fencing: the control plane's side of the worker protocol (protocol.py).
+"""Leases with fencing: the control plane's side of the worker protocol (transport/protocol.py).
 
 - `lease`: placement picks queued rows for the asking site from a snapshot (every site's state,
   the head of the queue, and the background backlog when deadline risk matters); each pick

@@ -1,4 +1,4 @@
-"""The runner protocol's server side (agent_protocol.py): poll, journal appends, finish,
+"""The runner protocol's server side (transport/agent_protocol.py): poll, journal appends, finish,
 release. Authenticated with the token of a site registered for agents (`--serves agents`; any
 other site token is answered 403)."""
 
