@@ -88,11 +88,13 @@ def _kv_options(cache_gb: float | None, host_gb: float, flash_dir: str | None,
 @app.command()
 def pull(name: str = typer.Argument(DEFAULT_MODEL, help="Model name, e.g. smollm2-135m.")) -> None:
     """Fetch a model into the model cache (MINIMILL_HOME)."""
+    from minimill.cli.options import PullBar
     from minimill.models.registry import pull_model
     from minimill.models.types import ModelError
 
     try:
-        path = pull_model(name, progress=True)
+        with PullBar() as bar:
+            path = pull_model(name, progress=bar)
     except ModelError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
@@ -110,10 +112,23 @@ def generate(
     kv_dtype: str = KvDtypeOption,
 ) -> None:
     """Generate one chat answer offline with the builtin engine and print it."""
-    from minimill.engine.llm import generate_chat_cli
+    from rich.console import Console
 
-    generate_chat_cli(prompt, model=model, max_tokens=max_tokens, temperature=temperature,
-                      seed=seed, dtype=dtype, kv_dtype=kv_dtype)
+    from minimill.engine.llm import LLM, load
+    from minimill.engine.params import EngineError, SamplingParams
+    from minimill.models.types import ModelError
+
+    err = Console(stderr=True)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+        with err.status(f"loading {model} ..."):
+            loaded, config = load(model, {"dtype": dtype, "kv_dtype": kv_dtype}, auto_pull=True)
+            llm = LLM(loaded, dtype=config.dtype, kv_dtype=config.kv_dtype)
+        out = llm.chat([[{"role": "user", "content": prompt}]], params)[0]
+    except (ModelError, EngineError) as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise SystemExit(1) from exc
+    print(out.text)
 
 
 @app.command()

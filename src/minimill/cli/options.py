@@ -107,3 +107,43 @@ def box_caps(memory_mb: int | None, processes: int | None, cpu_s: int | None,
     given = {"MEMORY_MB": memory_mb, "PROCESSES": processes, "CPU_S": cpu_s,
              "EXEC_S": exec_s, "DISK_MB": disk_mb}
     return {f"MINIMILL_BOX_MAX_{k}": str(v) for k, v in given.items() if v is not None}
+
+
+class PullBar:
+    """Draws a model pull (models/registry.py's PullProgress) on stderr: a line per step, a
+    bar for the bytes of a step that counts them."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+
+        self._console = Console(stderr=True)
+        self._bar: Any = None
+        self._task: Any = None
+        self._step: str | None = None
+
+    def __call__(self, step: str, done: int, total: int) -> None:
+        if total <= 0:
+            self.close()
+            self._console.print(step)
+            return
+        if step != self._step:
+            from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+            self.close()
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                                 console=self._console)
+            self._bar.start()
+            self._task = self._bar.add_task(step, total=total)
+            self._step = step
+        self._bar.update(self._task, completed=done)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+        self._bar, self._task, self._step = None, None, None
+
+    def __enter__(self) -> PullBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
