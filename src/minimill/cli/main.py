@@ -115,7 +115,7 @@ def generate(
     from rich.console import Console
 
     from minimill.engine.llm import LLM, load
-    from minimill.engine.params import EngineError, SamplingParams
+    from minimill.engine.params import EngineError, InvalidRequestError, SamplingParams
     from minimill.models.types import ModelError
 
     err = Console(stderr=True)
@@ -125,7 +125,7 @@ def generate(
             loaded, config = load(model, {"dtype": dtype, "kv_dtype": kv_dtype}, auto_pull=True)
             llm = LLM(loaded, dtype=config.dtype, kv_dtype=config.kv_dtype)
         out = llm.chat([[{"role": "user", "content": prompt}]], params)[0]
-    except (ModelError, EngineError) as exc:
+    except (ModelError, EngineError, InvalidRequestError) as exc:
         err.print(f"[red]error:[/red] {exc}")
         raise SystemExit(1) from exc
     print(out.text)
