@@ -377,7 +377,3 @@ def resume_box(store: Store, tenant_id: str, box_id: str) -> BoxRecord:
                          .values(status=BoxStatus.PENDING.value))
             box_idle.resumed(conn, box_id, row.limits, time.time())
     return get_box(store, tenant_id, box_id)
-
-
-def is_live(record: BoxRecord) -> bool:
-    return record.status.value in _LIVE

@@ -84,10 +84,6 @@ class Progress:
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.choices.values())
 
-    @property
-    def max_choice_tokens(self) -> int:
-        return max((c.num_tokens for c in self.choices.values()), default=0)
-
 
 def has_output(progress: dict[str, Any] | None) -> bool:
     """Whether a stored checkpoint holds any generated text or tokens."""
