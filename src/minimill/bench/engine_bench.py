@@ -155,8 +155,7 @@ def run_engine_bench(options: EngineBenchOptions) -> None:
 
 def _load(options: EngineBenchOptions) -> tuple[Any, Any, str]:
     """(LoadedModel, EngineConfig, what was measured)."""
-    from minimill.engine.config import EngineConfig
-    from minimill.engine.llm import load
+    from minimill.engine.config import EngineConfig, load_with_config
     from minimill.models.loader import load_model
     from minimill.models.shapes import NAMED_SHAPES, random_model, shape_from_hf_config
 
@@ -165,7 +164,7 @@ def _load(options: EngineBenchOptions) -> tuple[Any, Any, str]:
     if options.shape is None and options.config is None:
         if options.random_weights:
             raise ValueError("--random-weights needs --shape or --config")
-        loaded, config = load(options.model, overrides, auto_pull=True)
+        loaded, config = load_with_config(options.model, overrides, auto_pull=True)
         return loaded, config, options.model
     if not options.random_weights:
         raise ValueError("--shape and --config measure random weights: add --random-weights")

@@ -66,11 +66,12 @@ def run_kv_bench(options: KvBenchOptions) -> None:
 
 
 def _bench(options: KvBenchOptions, err: Any) -> dict[str, Any]:
+    from minimill.engine.config import load_with_config
     from minimill.engine.hardware import cpu_report
-    from minimill.engine.llm import LLM, load
+    from minimill.engine.llm import LLM
 
     quiet = options.json_out
-    loaded, config = load(options.model, {"dtype": options.dtype}, auto_pull=True)
+    loaded, config = load_with_config(options.model, {"dtype": options.dtype}, auto_pull=True)
     text_ids = loaded.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
     ppl_ids = text_ids[:options.perplexity_tokens]
     stride = max(1, (len(text_ids) - 96) // options.prompts)

@@ -114,7 +114,8 @@ def generate(
     """Generate one chat answer offline with the builtin engine and print it."""
     from rich.console import Console
 
-    from minimill.engine.llm import LLM, load
+    from minimill.engine.config import load_with_config
+    from minimill.engine.llm import LLM
     from minimill.engine.params import EngineError, InvalidRequestError, SamplingParams
     from minimill.models.types import ModelError
 
@@ -122,7 +123,8 @@ def generate(
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
         with err.status(f"loading {model} ..."):
-            loaded, config = load(model, {"dtype": dtype, "kv_dtype": kv_dtype}, auto_pull=True)
+            loaded, config = load_with_config(model, {"dtype": dtype, "kv_dtype": kv_dtype},
+                                              auto_pull=True)
             llm = LLM(loaded, dtype=config.dtype, kv_dtype=config.kv_dtype)
         out = llm.chat([[{"role": "user", "content": prompt}]], params)[0]
     except (ModelError, EngineError, InvalidRequestError) as exc:

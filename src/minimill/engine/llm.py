@@ -7,7 +7,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from minimill.engine.config import EngineConfig
+from minimill.engine.config import EngineConfig, load_with_config
 from minimill.engine.core import EngineCore
 from minimill.engine.params import (
     EngineError,
@@ -19,26 +19,11 @@ from minimill.models.tokenizer import Tokenizer
 from minimill.models.types import LoadedModel, ModelConfig
 
 
-def load(model: str | LoadedModel, overrides: dict[str, Any], *,
-         auto_pull: bool = False) -> tuple[LoadedModel, EngineConfig]:
-    """The loaded model and the engine config derived for it."""
-    from minimill.models.loader import load_model
-
-    probe = EngineConfig(**overrides)  # validates the overrides before a slow load
-    if isinstance(model, str):
-        loaded = load_model(model, probe.torch_dtype, auto_pull=auto_pull)
-        overrides = {**overrides, "model": model}
-    else:
-        loaded = model
-        overrides = {"model": loaded.name, **overrides}
-    return loaded, EngineConfig(**overrides, model_config=loaded.config)
-
-
 class LLM:
     """Generate for many prompts at once with the builtin engine."""
 
     def __init__(self, model: str | LoadedModel, **config_overrides: Any) -> None:
-        loaded, config = load(model, config_overrides)
+        loaded, config = load_with_config(model, config_overrides)
         self.engine = EngineCore(loaded, config)
         self._counter = 0
 
