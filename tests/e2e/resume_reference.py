@@ -32,7 +32,7 @@ from minimill.control.records import Kind, RequestStatus
 from minimill.control.render import render_choice
 from minimill.control.store import open_store
 from minimill.control.tables import requests
-from minimill.fleet.engines import open_engine
+from minimill.fleet.engine_factory import open_engine
 from minimill.fleet.held import HeldLease
 from minimill.fleet.kv_options import KvOptions
 from minimill.models.gguf_file import read_gguf_header

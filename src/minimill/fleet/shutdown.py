@@ -12,17 +12,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from minimill.fleet.held import HeldLease
+from minimill.fleet.releases import Releases
 from minimill.transport.client import FINAL_SEND_S, send_within
-
-if TYPE_CHECKING:
-    from minimill.fleet.loops import Worker
+from minimill.transport.protocol import CompletionItem
 
 log = logging.getLogger("minimill.worker")
 
 
-async def drain(worker: Worker) -> None:
+class Leaving(Protocol):
+    """What the way out needs of the worker (fleet/loops.py's Worker, which calls `drain`)."""
+
+    drain_timeout_s: float
+    hurry: asyncio.Event  # a second stop(): no waiting for running requests
+    held: dict[str, HeldLease]
+    outbox: dict[str, CompletionItem]  # finished results not yet delivered
+    releases: Releases
+
+    def hand_back(self, request_ids: list[str]) -> int: ...
+
+    async def wait(self, event: asyncio.Event, timeout: float) -> None: ...
+
+
+async def drain(worker: Leaving) -> None:
     deadline = time.monotonic() + worker.drain_timeout_s
     while (time.monotonic() < deadline and not worker.hurry.is_set()
            and any(h.result is None for h in worker.held.values())):

@@ -32,7 +32,8 @@ from minimill import event_loop
 from minimill.agents.runner import AgentRunner, RunnerStartError, open_runner
 from minimill.boxes.host import BoxHost
 from minimill.boxes.host_setup import BoxHostStartError, BoxOptions, open_box_host
-from minimill.fleet.engines import EngineStartError, open_engine
+from minimill.fleet.engine_factory import open_engine
+from minimill.fleet.engines import EngineStartError
 from minimill.fleet.kv_options import KvOptions
 from minimill.fleet.loops import Worker
 from minimill.fleet.startup import StartClock
