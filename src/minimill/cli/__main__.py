@@ -2,4 +2,7 @@
 
 from minimill.cli.main import app
 
-app()
+# Guarded: a process pool's worker (anyio.to_process, which serve's batch jobs use) runs the
+# parent's main module again under another name, and must not start the command a second time.
+if __name__ == "__main__":
+    app()
