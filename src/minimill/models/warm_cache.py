@@ -155,6 +155,9 @@ def load_gguf_warm(source: Path, dtype: torch.dtype, name: str, cache_dir: Path)
             return read(path, source, dtype, name)
         except WarmCacheMiss as exc:
             log.warning("ignoring the warm cache file %s: %s; rebuilding it", path, exc)
+    else:
+        log.info("first start of %s in %s: dequantizing it once; later starts map %s",
+                 source.name, _dtype_name(dtype), path)
     loaded = load_gguf(source, dtype, name=name)
     try:
         written = write(loaded, source, dtype, cache_dir)
