@@ -35,7 +35,7 @@ from minimill.cli.options import (
     print_table,
 )
 from minimill.cli.sites import sites_app
-from minimill.tenants_cli import tenants_app
+from minimill.cli.tenants import tenants_app
 
 if TYPE_CHECKING:
     from minimill.fleet.kv_options import KvOptions

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from minimill.client_env import API_KEY_VARS, BASE_URL_VARS, DEFAULT_BASE_URL
+from minimill.client.env import API_KEY_VARS, BASE_URL_VARS, DEFAULT_BASE_URL
 from minimill.models.registry import DEFAULT_MODEL
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ DTYPE_HELP = ("auto (bfloat16 where the chip computes it natively: GPUs, CPUs wi
 
 
 JsonOption = typer.Option(False, "--json", help="Print one JSON object.")
-# Every client command finds the server one way (client_env.py).
+# Every client command finds the server one way (client/env.py).
 BaseUrlOption = typer.Option(DEFAULT_BASE_URL, envvar=list(BASE_URL_VARS),
                              help="API base URL.", show_envvar=True)
 ApiKeyOption = typer.Option(..., envvar=list(API_KEY_VARS), help="API key.", show_envvar=True)

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import httpx
 
-from minimill import client_env
+from minimill.client import env as client_env
 
 DEFAULT_TIMEOUT_S = 600.0
 

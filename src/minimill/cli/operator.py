@@ -15,7 +15,7 @@ import httpx
 import typer
 
 from minimill.cli.options import error_line, open_store_or_exit
-from minimill.client_env import BASE_URL_VARS, DEFAULT_BASE_URL, OPERATOR_KEY_VAR, server_root
+from minimill.client.env import BASE_URL_VARS, DEFAULT_BASE_URL, OPERATOR_KEY_VAR, server_root
 
 if TYPE_CHECKING:
     from minimill.control.store import Store
