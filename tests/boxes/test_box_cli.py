@@ -53,7 +53,7 @@ def test_box_cli(box_env: ApiEnv, box_host: BoxHostProc, tmp_path: Path) -> None
 
 def test_box_cli_stream(box_env: ApiEnv, box_host: BoxHostProc) -> None:
     """`box exec --stream` prints each line as the command prints it."""
-    assert "as it comes" in _box(box_env, "exec", "--help").stdout
+    assert "as it comes" in " ".join(_box(box_env, "exec", "--help").stdout.split())
     with Boxes(box_env.v1, box_env.key) as client:
         box_id = client.create().id
     proc = subprocess.Popen(

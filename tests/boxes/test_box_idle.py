@@ -136,7 +136,7 @@ def test_server_default_and_a_hostless_box(tmp_path: Path) -> None:
 
 
 def test_box_create_idle_timeout_cli(box_env: ApiEnv, box_host: BoxHostProc) -> None:
-    helped = _box(box_env, "create", "--help").stdout
+    helped = " ".join(_box(box_env, "create", "--help").stdout.split())  # help wraps
     assert "--idle-timeout" in helped and "resumes it" in helped
     created = _box(box_env, "create", "--idle-timeout", "45")
     assert created.returncode == 0, created.stderr

@@ -74,9 +74,9 @@ def test_sigterm_two_seconds_into_a_first_start(tmp_path: Path, model_file: Path
 
 
 def test_a_first_start_says_what_it_is_doing(tmp_path: Path, model_file: Path) -> None:
-    """A start that dequantizes the model (as a first start does: here the warm cache, which
-    the test's homes share, is off) says so, and when it is done, before the worker is
-    ready."""
+    """It prints where the server is, under both names; a start that dequantizes the model
+    (as a first start does: here the warm cache, which the test's homes share, is off) says
+    so, and when it is done, before the worker is ready."""
     home = make_home(tmp_path, model_file.parent.parent)
     serve = Serve(home, extra_env={"MINIMILL_WARM_CACHE": "0"})
     try:
@@ -84,6 +84,10 @@ def test_a_first_start_says_what_it_is_doing(tmp_path: Path, model_file: Path) -
         log = serve.log_text()
     finally:
         serve.stop()
+    # Both names of the server and key, each read by every minimill command and SDK.
+    for name, value in (("BASE_URL", serve.base_url), ("API_KEY", serve.key)):
+        assert f"export OPENAI_{name}={value}\n" in log
+        assert f"export MINIMILL_{name}={value}\n" in log
     said = log.index(f"dequantizing {model_file.name} to float32")
     done = re.search(r"dequantizing \S+ to float32: done in [\d.]+s", log)
     assert done is not None

@@ -48,7 +48,8 @@ class MinimillApp(typer.Typer):
         try:
             return super().__call__(*args, **kwargs)
         except Exception as exc:
-            if _VERBOSE[0] or os.environ.get("MINIMILL_VERBOSE") == "1":
+            if (_VERBOSE[0] or os.environ.get("MINIMILL_VERBOSE") == "1"
+                    or _command_word() in LOGGING_COMMANDS):
                 raise
             from minimill.control.errors import ControlError
 
@@ -62,6 +63,13 @@ class MinimillApp(typer.Typer):
 
 
 _VERBOSE = [False]
+# Long-running processes whose output is a log read after the fact: a crash keeps its
+# traceback there.
+LOGGING_COMMANDS = ("serve", "worker")
+
+
+def _command_word() -> str | None:
+    return next((word for word in sys.argv[1:] if not word.startswith("-")), None)
 app = MinimillApp(
     help="minimill: a token factory serving open-weight LLMs for background agents.",
     no_args_is_help=True,

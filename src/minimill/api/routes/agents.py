@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field
 from minimill.api.deps import ConfigDep, StoreDep, TenantDep
 from minimill.api.errors import error_responses
 from minimill.control import agents, boxes
+from minimill.control.agent_logs import log_lines
 from minimill.control.errors import NotFoundError
 from minimill.control.tenant_limits import limits_for
 
@@ -100,7 +101,7 @@ def get_agent(agent_id: str, store: StoreDep, tenant: TenantDep) -> AgentObject:
 def agent_logs(agent_id: str, store: StoreDep, tenant: TenantDep) -> JournalObject:
     """What the harness recorded with ctx.log, the box execs that failed and how a failed
     agent ended, in order."""
-    lines = agents.log_lines(store, tenant.id, agent_id)
+    lines = log_lines(store, tenant.id, agent_id)
     return JournalObject(data=[{"key": key, "message": text} for key, text in lines])
 
 
