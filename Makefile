@@ -60,6 +60,7 @@ chromium:
 lint: install-test
 	$(BIN)/ruff check src tests scripts
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 
 # The documentation site, into site/: the reference pages (CLI, HTTP API) and the benchmarks
 # page are generated first; --strict makes a broken link or page fail the build.
@@ -73,6 +74,7 @@ test: install-test postgres-bin bwrap-bin chromium
 	$(BIN)/minimill pull $(MODEL)
 	$(BIN)/ruff check src tests scripts
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 	$(MAKE) --no-print-directory docs
 	$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder
 

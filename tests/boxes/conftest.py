@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from api_harness import ApiEnv, fresh_pg_database, start_env, stop_env
 from box_harness import BoxHostProc
 
-from minimill.boxes.client import Boxes
+from minimill.client.boxes import Boxes
 
 LEASE_TTL_S = 3.0
 

@@ -16,8 +16,8 @@ import pytest
 from api_harness import ApiEnv
 from box_harness import BoxHostProc
 
-from minimill.agents.client import Agents
-from minimill.boxes.client import Boxes
+from minimill.client.agents import Agents
+from minimill.client.boxes import Boxes
 
 SLOTS = 4
 HARNESS = '''

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from box_harness import BoxHostProc
 
-from minimill.boxes.client import BoxError, Boxes
+from minimill.client.boxes import BoxError, Boxes
 
 # Every test of this module runs against SQLite and PostgreSQL stores.
 pytestmark = pytest.mark.parametrize(

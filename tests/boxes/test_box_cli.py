@@ -12,7 +12,7 @@ from pathlib import Path
 from api_harness import ApiEnv
 from box_harness import BoxHostProc
 
-from minimill.boxes.client import Boxes
+from minimill.client.boxes import Boxes
 from minimill.control.records import SiteScope
 from minimill.control.sites import create_site
 

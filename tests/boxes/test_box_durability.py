@@ -12,8 +12,8 @@ from pathlib import Path
 from api_harness import ApiEnv
 from box_harness import BoxHostProc
 
-from minimill.boxes.client import BoxError, Boxes, ExecEvent, ExecResult
 from minimill.boxes.snapshots import RACY_NS
+from minimill.client.boxes import BoxError, Boxes, ExecEvent, ExecResult
 
 
 def _wait_for(path: Path, timeout_s: float) -> None:

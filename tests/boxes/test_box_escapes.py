@@ -12,8 +12,8 @@ import pytest
 from api_harness import ApiEnv
 from box_harness import BoxHostProc
 
-from minimill.boxes.client import Box, BoxError, Boxes
 from minimill.boxes.uids import BOX_UID_FIRST
+from minimill.client.boxes import Box, BoxError, Boxes
 
 SECRET = "s3cret-of-box-a"
 

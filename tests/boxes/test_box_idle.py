@@ -17,7 +17,7 @@ import pytest
 from api_harness import ApiEnv, start_env, stop_env
 from box_harness import BoxHostProc
 
-from minimill.boxes.client import Box, BoxError, Boxes
+from minimill.client.boxes import Box, BoxError, Boxes
 
 IDLE_S = 2.0
 
@@ -66,8 +66,10 @@ def test_an_idle_box_leaves_its_host_and_its_next_exec_brings_it_back(
         assert time.monotonic() < deadline, "the host kept the idle box's workspace"
         time.sleep(0.1)
 
-    # The boxes without a timeout outlived it, and stay.
-    time.sleep(IDLE_S)
+    # The boxes without a timeout outlived it, and stay: a box with the timeout, idle since
+    # after their last exec, is paused by a later pass of the janitor, which left them running.
+    witness = boxes.create(idle_timeout_s=IDLE_S)
+    wait_status(witness, "paused")
     for other in (never, default):
         assert other.refresh().status == "running"
         assert other.pause_reason is None

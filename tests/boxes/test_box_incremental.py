@@ -12,8 +12,8 @@ import pytest
 from api_harness import ApiEnv
 from box_harness import BoxHostProc
 
-from minimill.boxes.client import Box, Boxes
 from minimill.boxes.snapshots import RACY_NS
+from minimill.client.boxes import Box, Boxes
 from minimill.control.boxes import drop_archives
 
 # Every test of this module runs against SQLite and PostgreSQL stores.

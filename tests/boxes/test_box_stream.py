@@ -18,9 +18,9 @@ from box_harness import BoxHostProc
 from sqlalchemy import func, select
 
 from minimill.api.settings import Settings
-from minimill.box_protocol import BOX_FLEET_PREFIX, MAX_EXEC_OUTPUT_BYTES
-from minimill.boxes.client import Box, BoxError, Boxes, ExecEvent
+from minimill.client.boxes import Box, BoxError, Boxes, ExecEvent
 from minimill.control.tables import box_op_output, box_ops
+from minimill.transport.box_protocol import BOX_FLEET_PREFIX, MAX_EXEC_OUTPUT_BYTES
 
 # Every test of this module runs against SQLite and PostgreSQL stores.
 pytestmark = pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from minimill.models.prompt import render_chat_prompt
 from minimill.models.registry import resolve_model
 from minimill.models.tokenizer import Tokenizer
 from minimill.models.tokenizer_files import load_tokenizer
-from minimill.protocol import (
+from minimill.transport.protocol import (
     ChoiceProgress,
     CompleteRequest,
     CompletionItem,

@@ -10,7 +10,11 @@ import pytest
 from control_factory import CONFIG, MODEL, site, tenant
 from sqlalchemy import func, select
 
-from minimill.agent_protocol import (
+from minimill.control import agents
+from minimill.control.errors import ConflictError
+from minimill.control.store import Store
+from minimill.control.tables import harness_keys
+from minimill.transport.agent_protocol import (
     AgentFinish,
     AgentPollRequest,
     AgentRelease,
@@ -18,10 +22,6 @@ from minimill.agent_protocol import (
     JournalEntry,
     ReleasedAgent,
 )
-from minimill.control import agents
-from minimill.control.errors import ConflictError
-from minimill.control.store import Store
-from minimill.control.tables import harness_keys
 
 
 def lease_keys(store: Store, agent_id: str) -> int:

@@ -24,7 +24,7 @@ from minimill.control.leases import complete, lease
 from minimill.control.records import BatchRecord, BatchStatus, Tenant
 from minimill.control.store import Store, insert_many, open_store
 from minimill.control.tables import batches, files, requests
-from minimill.protocol import ChoiceProgress, CompleteRequest, CompletionItem, Usage
+from minimill.transport.protocol import ChoiceProgress, CompleteRequest, CompletionItem, Usage
 
 CHAT = "/v1/chat/completions"
 SMALL_GROUPS = dataclasses.replace(CONFIG, ingest_group_lines=25)

@@ -10,19 +10,19 @@ import pytest
 from control_factory import CONFIG, site, tenant
 from sqlalchemy import select
 
-from minimill.box_protocol import (
-    SNAPSHOT_PARENT_NOT_FOUND,
-    BoxLease,
-    BoxPollRequest,
-    BoxReleaseRequest,
-    HeldBox,
-)
 from minimill.control import box_hosts, box_uploads, boxes
 from minimill.control.box_records import SnapshotKind
 from minimill.control.errors import ConflictError, NotFoundError
 from minimill.control.records import Site
 from minimill.control.store import Store, open_store
 from minimill.control.tables import box_snapshots, file_chunks
+from minimill.transport.box_protocol import (
+    SNAPSHOT_PARENT_NOT_FOUND,
+    BoxLease,
+    BoxPollRequest,
+    BoxReleaseRequest,
+    HeldBox,
+)
 
 AUTO, MANUAL = SnapshotKind.AUTO, SnapshotKind.MANUAL
 LIMITS = {"cpu_s": 60, "memory_mb": 1024, "max_processes": 64, "disk_mb": 1024,

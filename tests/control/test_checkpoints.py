@@ -25,7 +25,7 @@ from minimill.control.requests import (
 )
 from minimill.control.store import Store
 from minimill.control.tables import checkpoint_chunks
-from minimill.protocol import (
+from minimill.transport.protocol import (
     Checkpoint,
     CheckpointDelta,
     ChoiceDelta,

@@ -24,7 +24,7 @@ from minimill.control.leases import complete, lease
 from minimill.control.site_view import list_sites
 from minimill.control.store import Store
 from minimill.control.tables import requests
-from minimill.protocol import LeaseRequest
+from minimill.transport.protocol import LeaseRequest
 
 T0 = 1_000_000.0
 

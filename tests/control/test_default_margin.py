@@ -4,7 +4,7 @@ negative margin."""
 
 from __future__ import annotations
 
-from minimill.cli_options import LOCAL_SITE_USD_PER_HOUR
+from minimill.cli.options import LOCAL_SITE_USD_PER_HOUR
 from minimill.control.metering import cost_usd_per_mtok
 from minimill.control.prices import DEFAULT_PRICE
 

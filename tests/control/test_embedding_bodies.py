@@ -18,7 +18,7 @@ from minimill.control.embeddings import (
 from minimill.control.errors import InvalidRequestError, NotFoundError
 from minimill.control.prompt_count import num_choices
 from minimill.control.records import Kind
-from minimill.protocol import ChoiceProgress
+from minimill.transport.protocol import ChoiceProgress
 
 SERVED = ("m",)
 

@@ -11,7 +11,6 @@ import pytest
 from control_factory import CONFIG, site, tenant
 from sqlalchemy import select
 
-from minimill.box_protocol import BoxOpResult, BoxPollRequest, BoxResultsRequest, HeldBox
 from minimill.control import box_hosts, box_idle, box_uploads, boxes
 from minimill.control.box_records import BoxRecord, SnapshotKind
 from minimill.control.errors import ConflictError
@@ -19,6 +18,7 @@ from minimill.control.janitor import tick
 from minimill.control.records import Site
 from minimill.control.store import Store
 from minimill.control.tables import box_activity, box_ops
+from minimill.transport.box_protocol import BoxOpResult, BoxPollRequest, BoxResultsRequest, HeldBox
 
 LIMITS = {"cpu_s": 60, "memory_mb": 1024, "max_processes": 64, "disk_mb": 1024,
           "timeout_s": 60.0}

@@ -24,7 +24,7 @@ from minimill.control.sites import (
 )
 from minimill.control.store import Store
 from minimill.control.tables import api_keys, sites
-from minimill.protocol import LeaseRequest
+from minimill.transport.protocol import LeaseRequest
 
 
 def test_keys_authenticate_their_tenant_and_are_stored_hashed(store: Store) -> None:

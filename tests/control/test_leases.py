@@ -34,7 +34,7 @@ from minimill.control.requests import cancel_request, checkpoint_of, get_request
 from minimill.control.site_view import list_sites
 from minimill.control.store import Store, open_store
 from minimill.control.tables import requests
-from minimill.protocol import (
+from minimill.transport.protocol import (
     Checkpoint,
     ChoiceProgress,
     CompleteRequest,
@@ -272,7 +272,7 @@ def test_absurd_worker_numbers_do_not_break_the_store(store: Store) -> None:
 def test_a_sessions_turn_goes_to_the_site_that_reported_it_and_cached_tokens_bill_less(
         store: Store) -> None:
     from minimill.control.prices import set_price
-    from minimill.protocol import session_tag
+    from minimill.transport.protocol import session_tag
 
     owner = tenant(store)
     a, b = site(store, "a"), site(store, "b")

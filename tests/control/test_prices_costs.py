@@ -31,7 +31,7 @@ from minimill.control.requests import get_request, submit
 from minimill.control.site_view import list_sites
 from minimill.control.sites import set_price_schedule, touch_site
 from minimill.control.store import Store
-from minimill.protocol import HeartbeatItem, HeartbeatRequest, LeaseRequest
+from minimill.transport.protocol import HeartbeatItem, HeartbeatRequest, LeaseRequest
 
 T0 = 1_000_000.0
 # The price list of these tests, $ per million tokens.

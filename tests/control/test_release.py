@@ -18,7 +18,7 @@ from minimill.control.site_view import list_sites
 from minimill.control.sites import add_outage, list_outages, remove_outage
 from minimill.control.store import Store
 from minimill.control.tables import requests
-from minimill.protocol import (
+from minimill.transport.protocol import (
     Checkpoint,
     ChoiceProgress,
     HeartbeatItem,

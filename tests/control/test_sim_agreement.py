@@ -17,10 +17,10 @@ from minimill.control.records import Kind
 from minimill.control.requests import submit
 from minimill.control.sites import authenticate_site, create_site
 from minimill.control.store import open_store
-from minimill.protocol import LeaseRequest
 from minimill.sim.engine import Simulation
 from minimill.sim.scenario import parse
 from minimill.sim.world import build
+from minimill.transport.protocol import LeaseRequest
 
 # name: ($/hour, tokens/s)
 SITES = {"x": (0.5, 1000.0), "y": (2.0, 1000.0), "z": (3.0, 5000.0)}

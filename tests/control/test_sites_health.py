@@ -17,7 +17,7 @@ from minimill.control.site_view import list_sites, site_states
 from minimill.control.sites import add_outage, touch_site
 from minimill.control.store import Store
 from minimill.control.tables import sites
-from minimill.protocol import HeartbeatItem, HeartbeatRequest, LeaseRequest
+from minimill.transport.protocol import HeartbeatItem, HeartbeatRequest, LeaseRequest
 
 T0 = 1_000_000.0
 TTL = CONFIG.lease_ttl_s  # 10 s: contact gaps up to this count as up

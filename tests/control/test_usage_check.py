@@ -10,7 +10,7 @@ import pytest
 from minimill.control.prompt_count import ModelCounter, count_prompts, counter_for
 from minimill.control.records import Kind
 from minimill.control.usage_check import TEXT_SLACK_TOKENS, Admitted, check
-from minimill.protocol import ChoiceProgress, CompletionItem, Usage
+from minimill.transport.protocol import ChoiceProgress, CompletionItem, Usage
 
 MODEL = "smollm2-135m"
 

@@ -32,14 +32,14 @@ from minimill.control.records import Kind, RequestStatus
 from minimill.control.render import render_choice
 from minimill.control.store import open_store
 from minimill.control.tables import requests
-from minimill.fleet.engines import open_engine
+from minimill.fleet.engine_factory import open_engine
 from minimill.fleet.held import HeldLease
 from minimill.fleet.kv_options import KvOptions
 from minimill.models.gguf_file import read_gguf_header
 from minimill.models.gguf_tokenizer import tokenizer_from_gguf
 from minimill.models.registry import resolve_model
 from minimill.models.tokenizer import Tokenizer
-from minimill.protocol import ChoiceProgress, Lease
+from minimill.transport.protocol import ChoiceProgress, Lease
 
 # Never in the output: while a request runs, its last len - 1 characters are held back.
 NEVER = ["<|never|>", "zzzz"]

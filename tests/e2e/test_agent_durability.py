@@ -8,7 +8,7 @@ from pathlib import Path
 
 from serve_process import Serve, Worker
 
-from minimill.agents.client import Agents
+from minimill.client.agents import Agents
 
 HARNESS = '''
 async def main(ctx, task):
@@ -49,12 +49,13 @@ def test_runner_killed_mid_run(serve: Serve, tmp_path: Path) -> None:
         with Agents(serve.base_url, serve.key) as agents:
             agent_id = agents.run(harness, {"items": items, "slow_steps": slow_steps},
                                   budget_tokens=100_000)
-            # Kill it once the fan-out is journaled and the slow steps are under way.
+            # Kill it once the fan-out is journaled and the slow steps are under way: the
+            # second of them (the context's own exec1; the subagents' keys have a prefix) is
+            # journaled, ten more are to come.
             deadline = time.monotonic() + 300
-            while "mapped 6" not in agents.logs(agent_id):
+            while not any(e["key"] == "exec1" for e in agents.journal(agent_id)):
                 assert time.monotonic() < deadline, agents.get(agent_id)
                 time.sleep(0.2)
-            time.sleep(1.5)
             first.kill9()
             second = start_runner(serve, "runner-b")
             agent = agents.wait(agent_id, timeout_s=300)

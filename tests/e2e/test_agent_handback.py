@@ -20,8 +20,8 @@ import pytest
 from serve_process import Serve, Worker
 from sqlalchemy import create_engine, text
 
-from minimill.agents.client import Agents
-from minimill.boxes.client import Boxes
+from minimill.client.agents import Agents
+from minimill.client.boxes import Boxes
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from serve_process import Serve, Worker
 from test_agent_durability import start_runner
 
-from minimill.agents.client import Agents
+from minimill.client.agents import Agents
 
 PROBE = '''
 import glob

@@ -17,7 +17,7 @@ from openai import AsyncOpenAI
 from pydantic import BaseModel, Field
 from serve_process import MODEL, Serve, Worker, free_port, read_jsonl
 
-from minimill.agents.client import Agents
+from minimill.client.agents import Agents
 from webhook_receiver import WebhookReceiver
 
 pytestmark = pytest.mark.slow

@@ -106,11 +106,11 @@ def test_split_steps_and_lanes_give_the_tokens_and_logprobs_of_whole_steps(
     if split.engine.runner.workers is None:
         pytest.skip(f"no split with kernels {split.engine.runner.kernels.name}")
     prompts, params = _mixed_requests(whole, 80)  # 80: enough for lanes on two cores
-    want = whole.generate(prompts, params, use_tqdm=False)
-    _assert_same(split.generate(prompts, params, use_tqdm=False), want)
+    want = whole.generate(prompts, params)
+    _assert_same(split.generate(prompts, params), want)
     split.close()
     lanes = make()
-    _assert_same(lanes.generate(prompts, params, use_tqdm=False), want)
+    _assert_same(lanes.generate(prompts, params), want)
     assert split.engine.runner.split_steps > 0 and split.engine.runner.lane_steps == 0
     assert whole.engine.runner.split_steps == 0 and whole.engine.runner.lane_steps == 0
     assert lanes.engine.runner.lane_steps > 0
@@ -127,8 +127,8 @@ def test_lanes_preempt_and_recompute_their_own_requests(smol_f32: LoadedModel) -
                 split_steps=False)
     prompts, params = _mixed_requests(roomy, 72)
     params = [dataclasses.replace(p, max_tokens=24) for p in params]
-    want = roomy.generate(prompts, params, use_tqdm=False)
-    got = tight.generate(prompts, params, use_tqdm=False)
+    want = roomy.generate(prompts, params)
+    got = tight.generate(prompts, params)
     _assert_same(got, want)
     assert tight.engine.runner.lane_steps > 0
     assert tight.engine.scheduler.num_preemptions > 0

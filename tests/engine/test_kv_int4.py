@@ -21,6 +21,7 @@ from minimill.engine.kv_int4 import (
     INT4_UNITS_PER_GROUP,
     dequantize_int4_k,
     dequantize_int4_v,
+    int4_step,
     paged_attention_int4_reference,
     quantize_int4,
     stage_layer_views,
@@ -86,7 +87,8 @@ class Int4Cache:
         """Write this many new tokens per sequence; returns (new k, new v, metadata)."""
         seq_lens = [len(k) + q for k, q in zip(self.k, query_lens, strict=True)]
         tables = [t[:n // G] for t, n in zip(self.tables, seq_lens, strict=True)]  # full
-        meta = build_metadata(query_lens, seq_lens, tables, G, CPU, self.units, self.stage)
+        int4 = int4_step(query_lens, seq_lens, tables, G, self.units, self.stage, CPU)
+        meta = build_metadata(query_lens, seq_lens, tables, G, CPU, int4)
         shape = (sum(query_lens), self.kv_heads, self.head_dim)
         k = torch.randn(shape, generator=self.g) + self.offsets
         v = torch.randn(shape, generator=self.g)

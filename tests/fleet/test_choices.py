@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from minimill.fleet.choices import BodyError, choice_jobs, derive_seed
-from minimill.protocol import Checkpoint, ChoiceProgress, Lease
+from minimill.transport.protocol import Checkpoint, ChoiceProgress, Lease
 
 
 def make_lease(body: dict[str, Any], kind: str = "chat", seed: int = 1234,

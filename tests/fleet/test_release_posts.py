@@ -4,7 +4,7 @@ checkpoints must not make one post too large to ever be taken."""
 from __future__ import annotations
 
 from minimill.fleet.releases import MAX_RELEASE_POST_BYTES, next_post
-from minimill.protocol import Checkpoint, ChoiceProgress, ReleaseItem
+from minimill.transport.protocol import Checkpoint, ChoiceProgress, ReleaseItem
 
 
 def release(n: int, tokens: int) -> ReleaseItem:

@@ -11,7 +11,7 @@ import platformdirs
 import pytest
 from typer.testing import CliRunner
 
-from minimill.cli import app
+from minimill.cli.main import app
 from minimill.models.registry import (
     KNOWN_MODELS,
     ModelPullError,

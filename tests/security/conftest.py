@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from api_harness import ApiEnv, start_env, stop_env
 from box_harness import BoxHostProc
 
-from minimill.boxes.client import Boxes
+from minimill.client.boxes import Boxes
 
 LEASE_TTL_S = 3.0
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from minimill.boxes.client import Box
+from minimill.client.boxes import Box
 
 
 def assert_healthy(*boxes: Box) -> None:

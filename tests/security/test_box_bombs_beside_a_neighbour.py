@@ -12,8 +12,8 @@ import subprocess
 from box_harness import BoxHostProc
 from security_harness import assert_healthy
 
-from minimill.boxes.client import Boxes
 from minimill.boxes.uids import BOX_UID_FIRST
+from minimill.client.boxes import Boxes
 
 FORK_BOMB = ("import os, time\nn = 0\ntry:\n    while n < 100000:\n"
              "        if os.fork() == 0:\n            time.sleep(20); os._exit(0)\n"

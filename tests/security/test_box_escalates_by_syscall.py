@@ -11,7 +11,7 @@ import pytest
 from box_harness import BoxHostProc
 from security_harness import assert_healthy
 
-from minimill.boxes.client import Boxes
+from minimill.client.boxes import Boxes
 
 # Each system call made directly (ctypes), so that no wrapper's own check answers first.
 SYSCALLS = r"""

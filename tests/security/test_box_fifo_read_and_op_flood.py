@@ -10,7 +10,7 @@ import pytest
 from box_harness import BoxHostProc
 from security_harness import assert_healthy
 
-from minimill.boxes.client import BoxError, Boxes
+from minimill.client.boxes import BoxError, Boxes
 
 
 def test_reading_a_fifo_is_refused_at_once(boxes: Boxes, box_host: BoxHostProc) -> None:

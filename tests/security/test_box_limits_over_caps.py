@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 from api_harness import ApiEnv, start_env, stop_env
 
-from minimill.boxes.client import BoxError, Boxes
+from minimill.client.boxes import BoxError, Boxes
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +65,6 @@ def test_within_the_caps_and_defaults_fit_under_them(capped: ApiEnv) -> None:
 
 def test_defaults_are_caps_unless_set() -> None:
     from minimill.api.settings import Settings
-    from minimill.box_protocol import DEFAULT_BOX_CAPS
+    from minimill.transport.box_protocol import DEFAULT_BOX_CAPS
 
     assert Settings().box_caps() == DEFAULT_BOX_CAPS

@@ -14,7 +14,7 @@ from api_harness import ApiEnv
 from box_harness import BoxHostProc
 from security_harness import assert_healthy
 
-from minimill.boxes.client import Box, Boxes
+from minimill.client.boxes import Box, Boxes
 
 PROBE = ("import socket, sys\n"
          "try:\n"

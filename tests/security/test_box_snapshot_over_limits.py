@@ -15,8 +15,8 @@ from api_harness import ApiEnv, start_env, stop_env
 from box_harness import BoxHostProc
 from security_harness import assert_healthy
 
-from minimill.box_protocol import SNAPSHOT_PART_BYTES
-from minimill.boxes.client import BoxError, Boxes
+from minimill.client.boxes import BoxError, Boxes
+from minimill.transport.box_protocol import SNAPSHOT_PART_BYTES
 
 MIB = 1024 * 1024
 

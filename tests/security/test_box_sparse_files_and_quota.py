@@ -11,7 +11,7 @@ from pathlib import Path
 from box_harness import BoxHostProc
 from security_harness import assert_healthy
 
-from minimill.boxes.client import Boxes
+from minimill.client.boxes import Boxes
 
 
 def test_a_sparse_file_counts_whole(boxes: Boxes, box_host: BoxHostProc) -> None:

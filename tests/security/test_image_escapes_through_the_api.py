@@ -17,7 +17,7 @@ from api_harness import ApiEnv
 from box_harness import BoxHostProc
 from security_harness import assert_healthy
 
-from minimill.boxes.client import BoxError, Boxes
+from minimill.client.boxes import BoxError, Boxes
 
 
 def _escape_image(target_dir: Path, marker: str) -> bytes:

@@ -10,7 +10,8 @@ from typing import Any
 
 import httpx
 
-from minimill.agent_protocol import (
+from minimill.agents.runtime import EffectFailed
+from minimill.transport.agent_protocol import (
     AGENT_FLEET_PREFIX,
     AgentFinish,
     AgentLease,
@@ -22,8 +23,7 @@ from minimill.agent_protocol import (
     JournalAppended,
     JournalEntry,
 )
-from minimill.agents.runtime import EffectFailed
-from minimill.fleet.client import (
+from minimill.transport.client import (
     Backoff,
     ControlPlaneUnavailable,
     SiteAuthError,

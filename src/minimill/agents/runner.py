@@ -23,7 +23,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from minimill.agent_protocol import (
+from minimill.agents.api_effects import ApiEffects, LeaseLost, RunnerClient
+from minimill.agents.harness_process import (
+    HarnessProcess,
+    HarnessStart,
+    check_harness_isolation,
+)
+from minimill.boxes.sandbox import IsolationUnavailable
+from minimill.transport.agent_protocol import (
     AgentFinish,
     AgentLease,
     AgentPollRequest,
@@ -33,15 +40,13 @@ from minimill.agent_protocol import (
     JournalAppend,
     ReleasedAgent,
 )
-from minimill.agents.api_effects import ApiEffects, LeaseLost, RunnerClient
-from minimill.agents.harness_process import (
-    HarnessProcess,
-    HarnessStart,
-    check_harness_isolation,
+from minimill.transport.client import (
+    Backoff,
+    ControlPlaneUnavailable,
+    retrying,
+    send_within,
+    sleep_backoff,
 )
-from minimill.boxes.sandbox import IsolationUnavailable
-from minimill.fleet.client import Backoff, ControlPlaneUnavailable, retrying, sleep_backoff
-from minimill.fleet.shutdown import send_within
 
 log = logging.getLogger("minimill.agents")
 POLL_WAIT_S = 2.0

@@ -6,8 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from minimill.box_protocol import BoxLimits
 from minimill.control.box_records import BoxRecord, SnapshotRecord
+from minimill.transport.box_protocol import BoxLimits
 
 MAX_INLINE_BYTES = 16 * 1024 * 1024
 MAX_IDLE_TIMEOUT_S = 365 * 24 * 3600.0

@@ -13,7 +13,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from minimill.protocol import FLEET_PREFIX
+from minimill.transport.protocol import FLEET_PREFIX
 
 # Multipart framing around the file (boundaries, part headers, the purpose field).
 MULTIPART_SLACK_BYTES = 64 * 1024

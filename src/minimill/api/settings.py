@@ -5,10 +5,11 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from minimill.box_protocol import DEFAULT_BOX_CAPS, BoxLimits
-from minimill.control.config import DEFAULT_MODEL, ControlConfig
+from minimill.control.config import ControlConfig
 from minimill.control.tenant_limits import TenantLimits
 from minimill.models.info import context_length
+from minimill.models.registry import DEFAULT_MODEL
+from minimill.transport.box_protocol import DEFAULT_BOX_CAPS, BoxLimits
 
 
 class Settings(BaseSettings):

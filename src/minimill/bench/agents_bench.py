@@ -50,7 +50,7 @@ class AgentRun:
     """One run of the example on the fleet, with a runner that may be killed."""
 
     def __init__(self, fleet: LocalFleet, corpus: Path, task: dict[str, Any]) -> None:
-        from minimill.agents.client import Agents
+        from minimill.client.agents import Agents
 
         self.fleet = fleet
         self.agents = Agents(fleet.base_url, fleet.key)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 import resource
 import time
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ from minimill.bench.steal import StealMeter
 if TYPE_CHECKING:
     from minimill.bench.sol import SpeedOfLight
     from minimill.engine.model_runner import StepShape
+    from minimill.engine.params import RequestOutput
 
 # The targets the engine is held to (issue: the bus at the speed of light).
 TARGET_SOL_FRACTION = 0.75
@@ -106,6 +108,29 @@ def read_workload(path: Path, limit: int | None) -> list[WorkItem]:
     return items
 
 
+@contextmanager
+def _progress_bar(total: int, err: Any, quiet: bool
+                  ) -> Iterator[Callable[[RequestOutput], None] | None]:
+    """A bar on stderr while a round runs: requests finished, and their output tokens."""
+    if quiet:
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    bar = Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[tokens]} tokens"), console=err)
+    task = bar.add_task("generate", total=total, tokens=0)
+    tokens = 0
+
+    def finished(out: RequestOutput) -> None:
+        nonlocal tokens
+        tokens += len(out.output_token_ids)
+        bar.update(task, advance=1, tokens=tokens)
+
+    with bar:
+        yield finished
+
+
 def run_engine_bench(options: EngineBenchOptions) -> None:
     """Run the workload through `LLM.generate` (ignore_eos, each request's max_tokens) and print
     one JSON object (or a table) with the figures beside the ones they are compared with."""
@@ -130,8 +155,7 @@ def run_engine_bench(options: EngineBenchOptions) -> None:
 
 def _load(options: EngineBenchOptions) -> tuple[Any, Any, str]:
     """(LoadedModel, EngineConfig, what was measured)."""
-    from minimill.engine.config import EngineConfig
-    from minimill.engine.llm import load
+    from minimill.engine.config import EngineConfig, load_with_config
     from minimill.models.loader import load_model
     from minimill.models.shapes import NAMED_SHAPES, random_model, shape_from_hf_config
 
@@ -140,7 +164,7 @@ def _load(options: EngineBenchOptions) -> tuple[Any, Any, str]:
     if options.shape is None and options.config is None:
         if options.random_weights:
             raise ValueError("--random-weights needs --shape or --config")
-        loaded, config = load(options.model, overrides, auto_pull=True)
+        loaded, config = load_with_config(options.model, overrides, auto_pull=True)
         return loaded, config, options.model
     if not options.random_weights:
         raise ValueError("--shape and --config measure random weights: add --random-weights")
@@ -187,7 +211,8 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
         runner.step_log = []
         with StealMeter() as steal:
             start = time.perf_counter()
-            outputs = llm.generate(prompts, params, use_tqdm=not quiet)
+            with _progress_bar(len(prompts), err, quiet) as on_finished:
+                outputs = llm.generate(prompts, params, on_finished=on_finished)
             seconds = time.perf_counter() - start
         runs.append(_Round(runner.step_log, seconds, steal.share,
                            sum(len(o.output_token_ids) for o in outputs)))

@@ -143,7 +143,7 @@ def run_fleet_bench(workload: Path, *, json_out: bool, kill_every_s: float,
     """Print goodput with kills beside the baseline without kills, plus loss figures."""
     from rich.console import Console
 
-    from minimill.cli_options import DEFAULT_MODEL
+    from minimill.models.registry import DEFAULT_MODEL
 
     err = Console(stderr=True)
     if not workload.is_file():

@@ -66,11 +66,12 @@ def run_kv_bench(options: KvBenchOptions) -> None:
 
 
 def _bench(options: KvBenchOptions, err: Any) -> dict[str, Any]:
+    from minimill.engine.config import load_with_config
     from minimill.engine.hardware import cpu_report
-    from minimill.engine.llm import LLM, load
+    from minimill.engine.llm import LLM
 
     quiet = options.json_out
-    loaded, config = load(options.model, {"dtype": options.dtype}, auto_pull=True)
+    loaded, config = load_with_config(options.model, {"dtype": options.dtype}, auto_pull=True)
     text_ids = loaded.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
     ppl_ids = text_ids[:options.perplexity_tokens]
     stride = max(1, (len(text_ids) - 96) // options.prompts)
@@ -135,7 +136,6 @@ def _perplexity(llm: Any, ids: list[int], window: int, chunk: int) -> float:
 
 
 def _window_nll(llm: Any, ids: list[int], chunk: int) -> tuple[float, int]:
-    from minimill.engine.attention import build_metadata
     from minimill.engine.params import SamplingParams
     from minimill.engine.sequence import Sequence
 
@@ -150,9 +150,8 @@ def _window_nll(llm: Any, ids: list[int], chunk: int) -> tuple[float, int]:
                 if not blocks.allocate_slots(seq, len(new)):
                     raise ValueError("the KV pool is too small for a perplexity window")
                 end = start + len(new)
-                meta = build_metadata([len(new)], [end], [seq.block_table],
-                                      blocks.block_size, runner.device, [seq.stage_units],
-                                      runner.kv_stage)
+                meta = runner.metadata([len(new)], [end], [seq.block_table],
+                                       [seq.stage_units])
                 logits = runner.model.forward(
                     torch.tensor(new, device=runner.device),
                     torch.arange(start, end, device=runner.device), meta, runner.kv_cache,

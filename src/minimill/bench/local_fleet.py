@@ -96,13 +96,13 @@ class LocalFleet:
 
     def __init__(self, model: str, dtype: str, *, local_worker: bool = True,
                  env: dict[str, str] | None = None, serve_args: tuple[str, ...] = ()) -> None:
-        from minimill.models.registry import KNOWN_MODELS, pull_model
+        from minimill.models.registry import KNOWN_MODELS, logged_progress, pull_model
 
         self.model, self.dtype = model, dtype
         self.home = Path(tempfile.mkdtemp(prefix="minimill-bench-"))
         (self.home / "models").mkdir()
         if model in KNOWN_MODELS:
-            source = pull_model(model, progress=True).parent
+            source = pull_model(model, progress=logged_progress).parent
             (self.home / "models" / source.name).symlink_to(source)
         self.port = free_port()
         self.env = {**os.environ, "MINIMILL_HOME": str(self.home), **(env or {})}

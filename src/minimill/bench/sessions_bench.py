@@ -175,10 +175,11 @@ def _served_run(options: SessionsBenchOptions, dtype: str, tiers: bool, flash_di
 
 def _probe(options: SessionsBenchOptions, flash_dir: Path) -> dict[str, Any]:
     """Restore vs recompute of one prompt's KV, the engine alone in this process."""
-    from minimill.engine.llm import LLM, load
+    from minimill.engine.config import load_with_config
+    from minimill.engine.llm import LLM
     from minimill.engine.params import SamplingParams
 
-    loaded, config = load(options.model, {"dtype": options.dtype}, auto_pull=True)
+    loaded, config = load_with_config(options.model, {"dtype": options.dtype}, auto_pull=True)
     ids = loaded.tokenizer.encode(" ".join(_words()[:options.probe_tokens]),
                                   add_special_tokens=False)[:options.probe_tokens]
     one = SamplingParams(max_tokens=1, temperature=0)

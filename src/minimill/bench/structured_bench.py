@@ -98,14 +98,15 @@ def run_structured_bench(options: StructuredBenchOptions) -> dict[str, Any]:
     import jsonschema
 
     from minimill.bench.engine_bench import read_workload
+    from minimill.engine.config import load_with_config
     from minimill.engine.hardware import cpu_report
-    from minimill.engine.llm import LLM, load
+    from minimill.engine.llm import LLM
     from minimill.engine.params import SamplingParams
     from minimill.models.grammar import GuidedDecoding
     from minimill.models.prompt import render_chat_prompt
 
     items = read_workload(options.workload, options.limit)
-    loaded, config = load(options.model, {"dtype": options.dtype}, auto_pull=True)
+    loaded, config = load_with_config(options.model, {"dtype": options.dtype}, auto_pull=True)
     llm = LLM(loaded, dtype=config.dtype)
     names = list(SCHEMAS)
     specs = {n: GuidedDecoding(json_schema=json.dumps(s)) for n, s in SCHEMAS.items()}

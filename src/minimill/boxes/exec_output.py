@@ -21,15 +21,15 @@ import functools
 import logging
 import threading
 
-from minimill.box_protocol import (
+from minimill.boxes.host_client import BoxHostClient, NotHeld
+from minimill.transport.box_protocol import (
     MAX_CHUNK_CHARS,
     BoxOp,
     BoxOutputChunk,
     BoxOutputRequest,
     OutputStream,
 )
-from minimill.boxes.host_client import BoxHostClient, NotHeld
-from minimill.fleet.client import SiteAuthError, retrying
+from minimill.transport.client import SiteAuthError, retrying
 
 log = logging.getLogger("minimill.boxes")
 FLUSH_INTERVAL_S = 0.25

@@ -35,7 +35,15 @@ from typing import Any, TypeVar
 
 import anyio
 
-from minimill.box_protocol import (
+from minimill.boxes import snapshots
+from minimill.boxes.archive import ArchiveBounds
+from minimill.boxes.exec_output import ExecOutput
+from minimill.boxes.host_client import BoxHostClient, NotHeld, ParentMissing, Refused
+from minimill.boxes.host_snapshots import Taken, download_chain, take, upload
+from minimill.boxes.ops import MUTATING, OpError, Workspace, run_op
+from minimill.boxes.uids import UidPool
+from minimill.boxes.workspace import PathError, usage_bytes
+from minimill.transport.box_protocol import (
     BoxLease,
     BoxLimits,
     BoxOp,
@@ -47,15 +55,7 @@ from minimill.box_protocol import (
     HeldBox,
     SnapshotStored,
 )
-from minimill.boxes import snapshots
-from minimill.boxes.archive import ArchiveBounds
-from minimill.boxes.exec_output import ExecOutput
-from minimill.boxes.host_client import BoxHostClient, NotHeld, ParentMissing, Refused
-from minimill.boxes.host_snapshots import Taken, download_chain, take, upload
-from minimill.boxes.ops import MUTATING, OpError, Workspace, run_op
-from minimill.boxes.uids import UidPool
-from minimill.boxes.workspace import PathError, usage_bytes
-from minimill.fleet.client import Backoff, ControlPlaneUnavailable, retrying, sleep_backoff
+from minimill.transport.client import Backoff, ControlPlaneUnavailable, retrying, sleep_backoff
 
 log = logging.getLogger("minimill.boxes")
 T = TypeVar("T")

@@ -1,7 +1,7 @@
 """A box host's HTTP client for the control plane's `/v1/fleet/boxes` routes.
 
 Network trouble raises ControlPlaneUnavailable (the caller retries with backoff:
-`fleet.client.retrying`);
+`transport.client.retrying`);
 a 401/403 raises SiteAuthError; a 404/409 (a snapshot upload, streamed output) means the box
 or the operation is no longer this host's, except an incremental snapshot's 409 saying that
 its parent is gone (ParentMissing); a 400/413/422 is a refusal for good (Refused), which
@@ -19,7 +19,7 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel
 
-from minimill.box_protocol import (
+from minimill.transport.box_protocol import (
     BOX_FLEET_PREFIX,
     SNAPSHOT_PARENT_NOT_FOUND,
     BoxOutputRequest,
@@ -32,7 +32,7 @@ from minimill.box_protocol import (
     BoxResultsResponse,
     SnapshotStored,
 )
-from minimill.fleet.client import (
+from minimill.transport.client import (
     ControlPlaneUnavailable,
     SiteAuthError,
 )

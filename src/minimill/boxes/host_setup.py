@@ -17,11 +17,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from minimill.box_protocol import BoxLimits
 from minimill.boxes import sandbox
 from minimill.boxes.host import BoxHost
 from minimill.boxes.host_client import BoxHostClient
 from minimill.boxes.uids import UidPool
+from minimill.transport.box_protocol import BoxLimits
 
 log = logging.getLogger("minimill.boxes")
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from minimill.box_protocol import SNAPSHOT_PART_BYTES, SnapshotStored
 from minimill.boxes import snapshots
 from minimill.boxes.host_client import BoxHostClient
-from minimill.fleet.client import retrying
+from minimill.transport.box_protocol import SNAPSHOT_PART_BYTES, SnapshotStored
+from minimill.transport.client import retrying
 
 # Runs a blocking call in a thread of the box's own.
 InThread = Callable[..., Awaitable[Any]]

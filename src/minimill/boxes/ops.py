@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minimill.box_protocol import BoxLimits
 from minimill.boxes import sandbox, workspace
 from minimill.boxes.layers import network_problem
+from minimill.transport.box_protocol import BoxLimits
 
 MAX_READ_BYTES = 16 * 1024 * 1024
 # The quota check walks the workspace: not more often than this while an exec runs.

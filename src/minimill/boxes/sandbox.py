@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from minimill.box_protocol import MAX_EXEC_OUTPUT_BYTES
 from minimill.boxes import seccomp
 from minimill.boxes.layers import (
     IsolationUnavailable,
@@ -45,6 +44,7 @@ from minimill.boxes.layers import (
     in_group,
     net_prefix,
 )
+from minimill.transport.box_protocol import MAX_EXEC_OUTPUT_BYTES
 
 # What a box sees of the host's /etc: enough for the dynamic linker and certificates. Its users
 # and groups are its own (BOX_PASSWD, BOX_GROUP), never the host's accounts; so is its

@@ -184,10 +184,3 @@ def usage_bytes(root: Path) -> int:
                 continue  # removed meanwhile
             total += st.st_size if stat.S_ISREG(st.st_mode) else st.st_blocks * 512
     return total
-
-
-def chown_tree(root: Path, owner: int) -> None:
-    os.chown(root, owner, owner)
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        for name in (*dirnames, *filenames):
-            os.chown(os.path.join(dirpath, name), owner, owner, follow_symlinks=False)

@@ -23,7 +23,14 @@ from typing import Any
 
 from sqlalchemy import Connection, func, insert, select, tuple_, update
 
-from minimill.agent_protocol import (
+from minimill.control import boxes, harness_keys, quotas
+from minimill.control.config import ControlConfig
+from minimill.control.errors import ConflictError, NotFoundError
+from minimill.control.records import Site, new_id
+from minimill.control.store import Store, retry_conflicts
+from minimill.control.tables import agent_journal, agents
+from minimill.control.tenant_limits import TenantLimits
+from minimill.transport.agent_protocol import (
     AgentFinish,
     AgentLease,
     AgentPollRequest,
@@ -34,13 +41,6 @@ from minimill.agent_protocol import (
     JournalAppended,
     JournalEntry,
 )
-from minimill.control import boxes, harness_keys, quotas
-from minimill.control.config import ControlConfig
-from minimill.control.errors import ConflictError, NotFoundError
-from minimill.control.records import Site, new_id
-from minimill.control.store import Store, retry_conflicts
-from minimill.control.tables import agent_journal, agents
-from minimill.control.tenant_limits import TenantLimits
 
 MAX_CODE_CHARS = 1_000_000
 # Most agents one poll is granted: each lease hands a site a harness credential and a

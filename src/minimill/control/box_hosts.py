@@ -1,4 +1,4 @@
-"""Boxes, the host's side (box_protocol.py): leases with fencing, operations, snapshots.
+"""Boxes, the host's side (transport/box_protocol.py): leases with fencing, operations, snapshots.
 
 - `poll`: extend the leases of the boxes a host still holds at their epochs (the rest are
   revoked), grant it pending boxes for its free slots (epoch bumped, `restarts` counted after
@@ -27,19 +27,6 @@ from typing import Any
 
 from sqlalchemy import Connection, case, func, select, tuple_, update
 
-from minimill.box_protocol import (
-    BoxLease,
-    BoxLimits,
-    BoxOp,
-    BoxOutputRequest,
-    BoxOutputResponse,
-    BoxPollRequest,
-    BoxPollResponse,
-    BoxReleaseRequest,
-    BoxReleaseResponse,
-    BoxResultsRequest,
-    BoxResultsResponse,
-)
 from minimill.control import box_idle, box_output, files
 from minimill.control.box_records import BoxStatus, OpStatus
 from minimill.control.box_uploads import drop_stale_uploads
@@ -55,6 +42,19 @@ from minimill.control.tables import (
     box_ops,
     boxes,
     sites,
+)
+from minimill.transport.box_protocol import (
+    BoxLease,
+    BoxLimits,
+    BoxOp,
+    BoxOutputRequest,
+    BoxOutputResponse,
+    BoxPollRequest,
+    BoxPollResponse,
+    BoxReleaseRequest,
+    BoxReleaseResponse,
+    BoxResultsRequest,
+    BoxResultsResponse,
 )
 
 MAX_OPS_PER_POLL = 256

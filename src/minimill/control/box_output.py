@@ -14,9 +14,9 @@ from collections.abc import Iterable, Sequence
 
 from sqlalchemy import Connection, and_, delete, func, insert, or_, select
 
-from minimill.box_protocol import MAX_EXEC_OUTPUT_BYTES, BoxOutputChunk
 from minimill.control.box_records import OutputChunk
 from minimill.control.tables import box_op_output
+from minimill.transport.box_protocol import MAX_EXEC_OUTPUT_BYTES, BoxOutputChunk
 
 # Ids per IN (...) list: well under every backend's limit on bound parameters.
 ID_GROUP = 500

@@ -14,13 +14,13 @@ from typing import Any
 
 from sqlalchemy import Connection, delete, func, insert, select, update
 
-from minimill.box_protocol import SNAPSHOT_PARENT_NOT_FOUND, SnapshotStored
 from minimill.control.box_records import BoxStatus, SnapshotKind
 from minimill.control.boxes import drop_unneeded, store_archive
 from minimill.control.errors import ConflictError, InvalidRequestError, PayloadTooLargeError
 from minimill.control.records import Site
 from minimill.control.store import Store, retry_conflicts
 from minimill.control.tables import box_snapshot_uploads, box_snapshots, boxes, file_chunks
+from minimill.transport.box_protocol import SNAPSHOT_PARENT_NOT_FOUND, SnapshotStored
 
 _RUNNING = BoxStatus.RUNNING.value
 # A snapshot upload not committed this long after its first part lost its host: dropped.

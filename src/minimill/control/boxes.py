@@ -22,7 +22,6 @@ from typing import Any
 
 from sqlalchemy import Connection, delete, func, insert, select, update
 
-from minimill.box_protocol import CAP_NAMES, BoxLimits
 from minimill.control import box_idle, box_output, files, quotas
 from minimill.control.box_records import (
     TERMINAL_OP_STATUSES,
@@ -42,6 +41,7 @@ from minimill.control.records import new_id
 from minimill.control.store import Store, retry_conflicts
 from minimill.control.tables import box_activity, box_ops, box_snapshots, boxes, file_chunks
 from minimill.control.tenant_limits import TenantLimits
+from minimill.transport.box_protocol import CAP_NAMES, BoxLimits
 
 _LIVE = (BoxStatus.PENDING.value, BoxStatus.RUNNING.value)
 _OPEN_OPS = (OpStatus.QUEUED.value, OpStatus.RUNNING.value)
@@ -388,7 +388,3 @@ def resume_box(store: Store, tenant_id: str, box_id: str) -> BoxRecord:
                          .values(status=BoxStatus.PENDING.value))
             box_idle.resumed(conn, box_id, row.limits, time.time())
     return get_box(store, tenant_id, box_id)
-
-
-def is_live(record: BoxRecord) -> bool:
-    return record.status.value in _LIVE

@@ -23,7 +23,7 @@ from sqlalchemy import Connection, bindparam, delete, insert, select, update
 from minimill.control.records import RequestStatus
 from minimill.control.store import JsonText
 from minimill.control.tables import checkpoint_chunks, requests
-from minimill.protocol import (
+from minimill.transport.protocol import (
     Checkpoint,
     CheckpointDelta,
     ChoiceDelta,
@@ -83,10 +83,6 @@ class Progress:
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.choices.values())
-
-    @property
-    def max_choice_tokens(self) -> int:
-        return max((c.num_tokens for c in self.choices.values()), default=0)
 
 
 def has_output(progress: dict[str, Any] | None) -> bool:

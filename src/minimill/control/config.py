@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from minimill.box_protocol import DEFAULT_BOX_CAPS, BoxLimits
 from minimill.control.tenant_limits import UNLIMITED, TenantLimits
-
-DEFAULT_MODEL = "smollm2-135m"
+from minimill.models.registry import DEFAULT_MODEL
+from minimill.transport.box_protocol import DEFAULT_BOX_CAPS, BoxLimits
 
 
 @dataclass(frozen=True, slots=True)

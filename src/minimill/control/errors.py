@@ -1,24 +1,10 @@
-"""Typed domain errors; the API turns each into an OpenAI error object with its HTTP status."""
+"""Typed domain errors; the API turns each into an OpenAI error object with its HTTP status.
+Their base and the 400 are minimill/errors.py's, which the engine raises too."""
 
 from __future__ import annotations
 
-
-class ControlError(Exception):
-    """Base class: `message`, OpenAI `type`, optional `param` and `code`, and an HTTP status."""
-
-    status_code = 400
-    error_type = "invalid_request_error"
-
-    def __init__(self, message: str, *, param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
-
-
-class InvalidRequestError(ControlError):
-    """The request is malformed or asks for something unsupported (400)."""
+from minimill.errors import InvalidRequestError as InvalidRequestError
+from minimill.errors import RequestError as ControlError
 
 
 class NotFoundError(ControlError):

@@ -20,7 +20,7 @@ from minimill.control.records import RequestStatus, Tier
 from minimill.control.release import remaining_tokens
 from minimill.control.tables import requests
 from minimill.control.tenant_limits import TenantLimits
-from minimill.protocol import session_tag
+from minimill.transport.protocol import session_tag
 
 _QUEUED = RequestStatus.QUEUED.value
 _LEASED = RequestStatus.LEASED.value

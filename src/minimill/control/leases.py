@@ -1,4 +1,4 @@
-"""Leases with fencing: the control plane's side of the worker protocol (protocol.py).
+"""Leases with fencing: the control plane's side of the worker protocol (transport/protocol.py).
 
 - `lease`: placement picks queued rows for the asking site from a snapshot (every site's state,
   the head of each tenant's queue with what fair share between tenants needs (lease_queue.py),
@@ -70,7 +70,7 @@ from minimill.control.site_view import site_states
 from minimill.control.sites import touch_site
 from minimill.control.store import JsonText, Store, retry_conflicts
 from minimill.control.tables import requests, sites
-from minimill.protocol import (
+from minimill.transport.protocol import (
     CompleteRequest,
     CompleteResponse,
     CompletionItem,

@@ -22,7 +22,7 @@ from minimill.control.site_view import site_states
 from minimill.control.sites import touch_site
 from minimill.control.store import JsonText, Store, retry_conflicts
 from minimill.control.tables import outages, requests
-from minimill.protocol import ReleaseItem, ReleaseRequest, ReleaseResponse
+from minimill.transport.protocol import ReleaseItem, ReleaseRequest, ReleaseResponse
 
 _QUEUED = RequestStatus.QUEUED.value
 _LEASED = RequestStatus.LEASED.value

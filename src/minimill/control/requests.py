@@ -25,7 +25,7 @@ from minimill.control.records import (
 from minimill.control.store import Store, retry_conflicts
 from minimill.control.tables import requests
 from minimill.control.tenant_limits import TenantLimits
-from minimill.protocol import Checkpoint
+from minimill.transport.protocol import Checkpoint
 
 _rng = random.SystemRandom()
 

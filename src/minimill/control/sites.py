@@ -25,7 +25,7 @@ from minimill.control.price_schedule import parse as parse_schedule
 from minimill.control.records import ALL_SITE_SCOPES, Site, SiteScope, new_id
 from minimill.control.store import Store
 from minimill.control.tables import outages, sites
-from minimill.protocol import MAX_PRICE_PER_HOUR
+from minimill.transport.protocol import MAX_PRICE_PER_HOUR
 
 TOKEN_PREFIX = "mms-"
 # What a site serves unless its operator says more: tokens only. Boxes run tenants' code and

@@ -17,7 +17,6 @@ import contextlib
 import functools
 import json
 import logging
-import os
 import threading
 import time
 import traceback
@@ -33,6 +32,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql.schema import ScalarElementColumnDefault
 
 from minimill.control.tables import metadata
+from minimill.models.registry import minimill_home
 
 SQLITE_BUSY_TIMEOUT_S = 30.0
 # A write transaction longer than this is logged (on SQLite it holds up every other writer).
@@ -82,18 +82,6 @@ def retry_conflicts(fn: Callable[P, R]) -> Callable[P, R]:
 
 class StoreError(Exception):
     """The store URL is unusable (unknown scheme, unreachable server): the message says which."""
-
-
-def minimill_home() -> Path:
-    """MINIMILL_HOME (models/registry.py owns the rule; this falls back to the same rule)."""
-    try:
-        from minimill.models.registry import minimill_home as registry_home
-    except ImportError:  # pragma: no cover - only while models/ is not installed
-        import platformdirs
-
-        env = os.environ.get("MINIMILL_HOME")
-        return Path(env).expanduser() if env else Path(platformdirs.user_cache_dir("minimill"))
-    return registry_home()
 
 
 def default_url() -> str:

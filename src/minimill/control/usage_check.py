@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from minimill.control.embeddings import check_vectors
 from minimill.control.prompt_count import ModelCounter
-from minimill.protocol import ChoiceProgress, CompletionItem
+from minimill.transport.protocol import ChoiceProgress, CompletionItem
 
 # A choice counted from its text may be reported this many tokens over the count, plus a
 # quarter of it, before the report is taken for inflated.

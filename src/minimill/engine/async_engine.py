@@ -17,11 +17,11 @@ import threading
 from collections import defaultdict, deque
 from typing import Any
 
-from minimill.engine.config import EngineConfig
+from minimill.engine.config import EngineConfig, load_with_config
 from minimill.engine.core import EngineCore
 from minimill.engine.frontend import AddRequest, Outcome, StreamFrontend
-from minimill.engine.llm import load
-from minimill.engine.params import EngineError, FinishReason, TokenDelta
+from minimill.engine.params import EngineError
+from minimill.engine.step_loop import apply_command, step_into
 from minimill.models.types import LoadedModel
 
 _IDLE_WAIT_S = 0.5
@@ -31,7 +31,7 @@ class AsyncEngine(StreamFrontend):
     """The builtin engine with its step loop in a thread of this process."""
 
     def __init__(self, model: str | LoadedModel, **config_overrides: Any) -> None:
-        loaded, config = load(model, config_overrides)
+        loaded, config = load_with_config(model, config_overrides)
         self._core = EngineCore(loaded, config)
         self.config: EngineConfig = config
         super().__init__(loaded.tokenizer, self._core.limits)
@@ -69,36 +69,3 @@ class AsyncEngine(StreamFrontend):
             self.step_counts = (core.num_steps, core.num_step_seqs)
             self.deliver(out)
         core.close()
-
-
-def apply_command(core: EngineCore, command: AddRequest | str,
-                  out: dict[str, list[Outcome]]) -> None:
-    """Admit or abort a request in the step loop's thread; results go to `out`."""
-    if isinstance(command, str):
-        delta = core.abort_request(command)
-        if delta is None:
-            # Aborted before admission or already done: end the stream if still open.
-            delta = TokenDelta(command, [], "", FinishReason.ABORT)
-        out[command].append(delta)
-        return
-    try:
-        core.add_request(command.request_id, command.prompt_token_ids, command.params,
-                         command.resume_token_ids, command.resume_text)
-    except Exception as exc:
-        out[command.request_id].append(exc)
-
-
-def step_into(core: EngineCore, out: dict[str, list[Outcome]]) -> None:
-    """One step; its deltas and per-request failures go to `out`."""
-    try:
-        result = core.step()
-    except Exception as exc:  # a fault outside any one request: fail them all
-        for request_id in list(core.scheduler.requests):
-            core.abort_request(request_id)
-            out[request_id].append(EngineError(f"the engine step failed: {exc}"))
-        return
-    for delta in result.deltas:
-        out[delta.request_id].append(delta)
-    for request_id, error in result.failures.items():
-        out[request_id].append(EngineError(f"request failed: {error}"))
-

@@ -25,13 +25,28 @@ seq_len - q_len + j and attends causally to keys 0..position.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from minimill.engine.kv_int4 import Int4Step
+
+@dataclass(slots=True)
+class Int4Step:
+    """What an int4 cache's writes and reads need beyond the metadata's block tables, built
+    by kv_int4.int4_step beside the metadata (indices into the step's tokens and the pool)."""
+
+    kv_stage: torch.Tensor  # stage_view: [blocks, S, layers, 2, kv_heads, unit elems]
+    stage_slots: torch.Tensor  # [num_seqs, G / U] int32: each sequence's units (-1: none)
+    stage_tokens: torch.Tensor  # [n] int64: tokens written into an open block's staging
+    stage_mapping: torch.Tensor  # [n] int64: unit block * INT4_STAGE_UNIT + offset in it
+    seal_blocks: torch.Tensor  # [m] int64: pool blocks that fill (and are sealed) this step
+    seal_stage: torch.Tensor  # [m, G / U] int64: the units holding their earlier tokens
+    seal_tokens: torch.Tensor  # [k] int64: this step's tokens that land in sealed blocks
+    seal_rows: torch.Tensor  # [k] int64: ... index into seal_blocks
+    seal_offsets: torch.Tensor  # [k] int64: ... offset in the block
+    open_seqs: torch.Tensor  # [o] int64: sequences whose last block is open after the writes
+    open_blocks: torch.Tensor  # [o] int64: ... its index (past the table's full blocks)
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -50,15 +65,14 @@ class AttentionMetadata:
 
 def build_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
                    block_size: int, device: torch.device,
-                   stage_units: list[list[int]] | None = None,
-                   kv_stage: torch.Tensor | None = None) -> AttentionMetadata:
+                   int4: Int4Step | None = None) -> AttentionMetadata:
     """Metadata for sequences with these new-token counts, total lengths and block tables
-    (for an int4 cache also their staging units and the pool's staging view)."""
+    (for an int4 cache with its placement of the step's tokens, kv_int4.int4_step)."""
     slots: list[int] = []
     # An int4 cache places tokens with its own indices (and its block tables hold full blocks
     # only): no slot mapping.
     for q_len, seq_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
-        if kv_stage is not None:
+        if int4 is not None:
             break
         for pos in range(seq_len - q_len, seq_len):
             slots.append(table[pos // block_size] * block_size + pos % block_size)
@@ -73,13 +87,6 @@ def build_metadata(query_lens: list[int], seq_lens: list[int], block_tables: lis
     starts = [0]
     for q_len in query_lens:
         starts.append(starts[-1] + q_len)
-    int4 = None
-    if kv_stage is not None:
-        assert stage_units is not None
-        from minimill.engine.kv_int4 import int4_step
-
-        int4 = int4_step(query_lens, seq_lens, block_tables, block_size, stage_units,
-                         kv_stage, device)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         block_tables=tables.to(device),

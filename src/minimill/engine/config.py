@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import InitVar, dataclass
+from typing import Any
 
 import torch
 
 from minimill.engine.hardware import auto_dtype
 from minimill.engine.kernels import KERNEL_CHOICES
 from minimill.engine.params import InvalidRequestError
-from minimill.models.types import ModelConfig
+from minimill.models.types import LoadedModel, ModelConfig
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 DTYPES: dict[str, torch.dtype] = {
@@ -172,3 +173,19 @@ class EngineConfig:
         except (ValueError, OSError):
             total = 8 << 30
         return int(min(_CPU_KV_MAX_BYTES, total * _CPU_KV_FRACTION))
+
+
+def load_with_config(model: str | LoadedModel, overrides: dict[str, Any], *,
+                     auto_pull: bool = False) -> tuple[LoadedModel, EngineConfig]:
+    """The loaded model and the engine config derived for it (what every front end starts
+    its EngineCore with)."""
+    from minimill.models.loader import load_model
+
+    probe = EngineConfig(**overrides)  # validates the overrides before a slow load
+    if isinstance(model, str):
+        loaded = load_model(model, probe.torch_dtype, auto_pull=auto_pull)
+        overrides = {**overrides, "model": model}
+    else:
+        loaded = model
+        overrides = {"model": loaded.name, **overrides}
+    return loaded, EngineConfig(**overrides, model_config=loaded.config)

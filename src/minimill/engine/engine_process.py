@@ -153,12 +153,12 @@ def _child_main(conn: Connection, model: str, overrides: dict[str, Any],
         phases.append((phase, now - last))
         last = now
 
+    from minimill.engine.config import load_with_config
     from minimill.engine.core import EngineCore
-    from minimill.engine.llm import load
 
     mark("engine imports")
     try:
-        loaded, config = load(model, overrides)
+        loaded, config = load_with_config(model, overrides)
         mark("model load")
         core = EngineCore(loaded, config)
         mark("engine")
@@ -186,7 +186,7 @@ def _yield_to_siblings() -> None:
 
 
 def _step_loop(conn: Connection, core: EngineCore, parent_pid: int) -> None:
-    from minimill.engine.async_engine import apply_command, step_into
+    from minimill.engine.step_loop import apply_command, step_into
 
     while True:
         out: dict[str, list[Outcome]] = defaultdict(list)

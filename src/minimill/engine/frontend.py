@@ -11,7 +11,7 @@ import threading
 from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from minimill.engine.params import EngineError, InvalidRequestError, SamplingParams, TokenDelta
 from minimill.models.tokenizer import Tokenizer
@@ -60,6 +60,32 @@ class AddRequest:
     params: SamplingParams
     resume_token_ids: list[int]
     resume_text: str | None
+
+
+class StreamEngine(Protocol):
+    """What a server holds of the builtin engine (fleet/builtin_engine.py): AsyncEngine and
+    ProcessEngine, whose step loop runs in a thread or in a child process."""
+
+    step_counts: tuple[int, int]  # (steps, sequences stepped) of the step loop so far
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def max_num_seqs(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    def recent_output_tok_s(self) -> float: ...
+
+    def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                 resume_token_ids: Seq[int] = (), resume_text: str | None = None
+                 ) -> AsyncIterator[TokenDelta]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class StreamFrontend:

@@ -31,12 +31,12 @@ shared.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from minimill.engine.attention import (
     AttentionMetadata,
+    Int4Step,
     attend_gathered,
     block_elems,
     unpacked_k,
@@ -54,24 +54,6 @@ INT4_GROUP = 64
 # kv's 48 MB: int4 ran 97 sequences at once with 8-token units, against bf16's 33.
 INT4_STAGE_UNIT = 4
 INT4_UNITS_PER_GROUP = INT4_GROUP // INT4_STAGE_UNIT
-
-
-@dataclass(slots=True)
-class Int4Step:
-    """What an int4 cache's writes and reads need beyond the metadata's block tables, built
-    with the metadata (indices into the step's tokens and the pool)."""
-
-    kv_stage: torch.Tensor  # stage_view: [blocks, S, layers, 2, kv_heads, unit elems]
-    stage_slots: torch.Tensor  # [num_seqs, G / U] int32: each sequence's units (-1: none)
-    stage_tokens: torch.Tensor  # [n] int64: tokens written into an open block's staging
-    stage_mapping: torch.Tensor  # [n] int64: unit block * INT4_STAGE_UNIT + offset in it
-    seal_blocks: torch.Tensor  # [m] int64: pool blocks that fill (and are sealed) this step
-    seal_stage: torch.Tensor  # [m, G / U] int64: the units holding their earlier tokens
-    seal_tokens: torch.Tensor  # [k] int64: this step's tokens that land in sealed blocks
-    seal_rows: torch.Tensor  # [k] int64: ... index into seal_blocks
-    seal_offsets: torch.Tensor  # [k] int64: ... offset in the block
-    open_seqs: torch.Tensor  # [o] int64: sequences whose last block is open after the writes
-    open_blocks: torch.Tensor  # [o] int64: ... its index (past the table's full blocks)
 
 
 def int4_step(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],

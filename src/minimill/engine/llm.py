@@ -1,13 +1,13 @@
-"""Offline front end: `LLM(model).generate(prompts, params)` runs a whole batch to completion,
-plus the `minimill generate` command's one-shot chat answer."""
+"""Offline front end: `LLM(model).generate(prompts, params)` runs a whole batch to completion.
+It prints nothing: a caller that shows progress passes `on_finished`."""
 
 from __future__ import annotations
 
-import sys
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from minimill.engine.config import EngineConfig
+from minimill.engine.config import EngineConfig, load_with_config
 from minimill.engine.core import EngineCore
 from minimill.engine.params import (
     EngineError,
@@ -19,26 +19,11 @@ from minimill.models.tokenizer import Tokenizer
 from minimill.models.types import LoadedModel, ModelConfig
 
 
-def load(model: str | LoadedModel, overrides: dict[str, Any], *,
-         auto_pull: bool = False) -> tuple[LoadedModel, EngineConfig]:
-    """The loaded model and the engine config derived for it."""
-    from minimill.models.loader import load_model
-
-    probe = EngineConfig(**overrides)  # validates the overrides before a slow load
-    if isinstance(model, str):
-        loaded = load_model(model, probe.torch_dtype, auto_pull=auto_pull)
-        overrides = {**overrides, "model": model}
-    else:
-        loaded = model
-        overrides = {"model": loaded.name, **overrides}
-    return loaded, EngineConfig(**overrides, model_config=loaded.config)
-
-
 class LLM:
     """Generate for many prompts at once with the builtin engine."""
 
     def __init__(self, model: str | LoadedModel, **config_overrides: Any) -> None:
-        loaded, config = load(model, config_overrides)
+        loaded, config = load_with_config(model, config_overrides)
         self.engine = EngineCore(loaded, config)
         self._counter = 0
 
@@ -62,8 +47,10 @@ class LLM:
                  params: SamplingParams | Seq[SamplingParams] | None = None, *,
                  resume_token_ids: Seq[Seq[int]] | None = None,
                  resume_texts: Seq[str | None] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of `prompts`.
+                 on_finished: Callable[[RequestOutput], None] | None = None,
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of `prompts`, and
+        each goes to `on_finished` (if given) as soon as it is finished.
 
         A text prompt is tokenized with the tokenizer's special tokens (e.g. BOS); a list of ids
         is used as is. `resume_token_ids[i]` continues prompt i after tokens it generated before:
@@ -84,7 +71,8 @@ class LLM:
             raise InvalidRequestError("resume_texts needs resume_token_ids, one per prompt")
         token_prompts = [self.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str)
                          else list(p) for p in prompts]
-        return self._run(token_prompts, per_prompt, resume_token_ids, resume_texts, use_tqdm)
+        return self._run(token_prompts, per_prompt, resume_token_ids, resume_texts,
+                         on_finished)
 
     def embed(self, prompts: Seq[str | list[int]]) -> list[list[float]]:
         """Each prompt's embedding: the final normed hidden state of its last token,
@@ -99,18 +87,19 @@ class LLM:
 
     def chat(self, conversations: Seq[list[dict[str, str]]],
              params: SamplingParams | Seq[SamplingParams] | None = None, *,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             on_finished: Callable[[RequestOutput], None] | None = None,
+             ) -> list[RequestOutput]:
         """Render each conversation with the chat template (adding the assistant turn's start)
         and generate the assistant's answer."""
         texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True)
                  for c in conversations]
         # The template already spells out any special tokens (BOS, turn markers).
         prompts = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
-        return self.generate(prompts, params, use_tqdm=use_tqdm)
+        return self.generate(prompts, params, on_finished=on_finished)
 
     def _run(self, prompts: list[list[int]], params: list[SamplingParams],
              resume: Seq[Seq[int]] | None, resume_texts: Seq[str | None] | None,
-             use_tqdm: bool) -> list[RequestOutput]:
+             on_finished: Callable[[RequestOutput], None] | None) -> list[RequestOutput]:
         engine = self.engine
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}
@@ -120,7 +109,6 @@ class LLM:
             # Validate all before running any, so a bad prompt fails the call up front.
             engine.check_request(prompt, list(resume[i]) if resume else [])
             ids.append(request_id)
-        progress: _Progress | None = None
         try:
             for i, request_id in enumerate(ids):
                 resumed = list(resume[i]) if resume else []
@@ -130,7 +118,6 @@ class LLM:
                 results[request_id] = RequestOutput(request_id, prompts[i], resumed, text, None,
                                                     seed, [] if _wants_logprobs(params[i])
                                                     else None)
-            progress = _progress(len(ids)) if use_tqdm else None
             while engine.has_unfinished:
                 step = engine.step()
                 if step.failures:
@@ -149,11 +136,9 @@ class LLM:
                         out.logprobs.extend(delta.logprobs)
                     if delta.finish_reason is not None:
                         out.finish_reason = delta.finish_reason
-                        if progress is not None:
-                            progress.update(1, len(out.output_token_ids))
+                        if on_finished is not None:
+                            on_finished(out)
         finally:
-            if progress is not None:
-                progress.close()
             for request_id in ids:
                 if not results.get(request_id) or not results[request_id].finished:
                     engine.abort_request(request_id)
@@ -162,49 +147,3 @@ class LLM:
 
 def _wants_logprobs(params: SamplingParams) -> bool:
     return params.logprobs or params.top_logprobs > 0
-
-
-class _Progress:
-    """A rich progress bar on stderr: requests done and output tokens."""
-
-    def __init__(self, total: int) -> None:
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-        self._tokens = 0
-        self._bar = Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
-                             TextColumn("{task.fields[tokens]} tokens"),
-                             console=Console(file=sys.stderr))
-        self._task = self._bar.add_task("generate", total=total, tokens=0)
-        self._bar.start()
-
-    def update(self, done: int, num_tokens: int) -> None:
-        self._tokens += num_tokens
-        self._bar.update(self._task, advance=done, tokens=self._tokens)
-
-    def close(self) -> None:
-        self._bar.stop()
-
-
-def _progress(total: int) -> _Progress:
-    return _Progress(total)
-
-
-def generate_chat_cli(prompt: str, *, model: str, max_tokens: int, temperature: float,
-                      seed: int | None, dtype: str, kv_dtype: str = "auto") -> None:
-    """`minimill generate`: answer one user message and print it."""
-    from rich.console import Console
-
-    from minimill.models.types import ModelError
-
-    err = Console(stderr=True)
-    try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-        with err.status(f"loading {model} ..."):
-            loaded, config = load(model, {"dtype": dtype, "kv_dtype": kv_dtype}, auto_pull=True)
-            llm = LLM(loaded, dtype=config.dtype, kv_dtype=config.kv_dtype)
-        out = llm.chat([[{"role": "user", "content": prompt}]], params)[0]
-    except (ModelError, EngineError) as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        raise SystemExit(1) from exc
-    print(out.text)

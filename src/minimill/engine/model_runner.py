@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from minimill.engine.attention import allocate_kv_cache, build_metadata
+from minimill.engine.attention import AttentionMetadata, allocate_kv_cache, build_metadata
 from minimill.engine.config import EngineConfig
 from minimill.engine.core_split import CoreWorkers, core_workers, plan_groups
 from minimill.engine.kernels import select_kernels
-from minimill.engine.kv_int4 import stage_view
+from minimill.engine.kv_int4 import int4_step, stage_view
 from minimill.engine.memory import keep_freed_memory
 from minimill.engine.model import DecoderModel
 from minimill.engine.sampler import sample
@@ -116,6 +116,15 @@ class ModelRunner:
         return plan_groups(costs, [e.num_new_tokens for e in entries], len(self.workers.cpus))
 
     @torch.inference_mode()
+    def metadata(self, query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
+                 stage_units: list[list[int]]) -> AttentionMetadata:
+        """The step's attention metadata over this runner's cache (an int4 cache also places
+        the step's tokens in its staging units)."""
+        block_size, dev = self.config.block_size, self.device
+        int4 = None if self.kv_stage is None else int4_step(
+            query_lens, seq_lens, tables, block_size, stage_units, self.kv_stage, dev)
+        return build_metadata(query_lens, seq_lens, tables, block_size, dev, int4)
+
     def execute(self, output: SchedulerOutput) -> ModelOutput:
         """Compute the scheduled tokens' KV and sample for sequences that reached their end."""
         entries = output.scheduled
@@ -172,8 +181,7 @@ class ModelRunner:
             if e.sample:
                 logits_rows.append(len(input_ids) - 1)
         dev = self.device
-        meta = build_metadata(query_lens, seq_lens, tables, self.config.block_size, dev,
-                              stage_units, self.kv_stage)
+        meta = self.metadata(query_lens, seq_lens, tables, stage_units)
         ends = [e for e in entries if e.sample]
         pooled = [k for k, e in enumerate(ends) if e.seq.params.embed]
         logits = self.model.forward(

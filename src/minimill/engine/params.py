@@ -5,15 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+# Re-exported: the engine's callers import it from here, beside the parameters it checks.
+from minimill.errors import InvalidRequestError as InvalidRequestError
 from minimill.models.grammar import GuidedDecoding
 
 
 class EngineError(Exception):
-    """Base class for errors raised to a caller of the engine."""
-
-
-class InvalidRequestError(EngineError, ValueError):
-    """Bad input: empty prompt, max_tokens <= 0, prompt longer than the context, bad params."""
+    """The engine failed (its process died, it was closed): not the request's fault. A bad
+    request raises InvalidRequestError (minimill/errors.py), which the API answers with 400."""
 
 
 class FinishReason(str, Enum):  # noqa: UP042 (str() of members is relied on as is)

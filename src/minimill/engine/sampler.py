@@ -26,14 +26,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from minimill.engine.params import SamplingParams
-
-if TYPE_CHECKING:
-    from minimill.engine.kernels import TorchKernels
 
 _MASK64 = (1 << 64) - 1
 _BITS = torch.arange(32, dtype=torch.int32)
@@ -96,8 +93,20 @@ def adjustments_for(params: SamplingParams, counts: Mapping[int, int] | None) ->
     return sorted(deltas.items())
 
 
+class SamplingKernels(Protocol):
+    """What sampling needs of the engine's kernels (kernels.py's TorchKernels and CpuKernels,
+    which run this module's references or a compiled equivalent)."""
+
+    def sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+               top_p: torch.Tensor, u: torch.Tensor, adjustments: list[Adjustments],
+               masks: TokenMasks | None = None) -> torch.Tensor: ...
+
+    def token_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, num_top: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
 def sample(logits: torch.Tensor, params: Seq[SamplingParams], seeds: Seq[int],
-           output_indices: Seq[int], kernels: TorchKernels,
+           output_indices: Seq[int], kernels: SamplingKernels,
            output_counts: Seq[Mapping[int, int] | None] | None = None,
            masks: Seq[torch.Tensor | None] | None = None,
            ) -> tuple[list[int], list[SampledLogprob | None]]:

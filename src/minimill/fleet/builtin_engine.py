@@ -10,6 +10,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
+from minimill.engine.frontend import StreamEngine
 from minimill.engine.params import EngineError, InvalidRequestError, TokenLogprob
 from minimill.fleet.choices import ChoiceJob
 from minimill.fleet.engines import (
@@ -54,7 +55,7 @@ def flatten_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 class BuiltinEngineAdapter:
     """Runs every choice as one request of a shared engine (continuous batching)."""
 
-    def __init__(self, engine: Any, model_names: list[str]) -> None:
+    def __init__(self, engine: StreamEngine, model_names: list[str]) -> None:
         self._engine = engine
         self._models = model_names
         self._tokenizer = engine.tokenizer
@@ -88,13 +89,13 @@ class BuiltinEngineAdapter:
 
     @property
     def capacity(self) -> int:
-        return int(self._engine.max_num_seqs)
+        return self._engine.max_num_seqs
 
     @property
     def default_max_tokens(self) -> int:
         # The engine stops with "length" when the context is full, so the context is the limit.
-        value = getattr(self._engine, "max_model_len", None)
-        return value if isinstance(value, int) and value > 0 else _FALLBACK_CONTEXT
+        value = self._engine.max_model_len
+        return value if value > 0 else _FALLBACK_CONTEXT
 
     @property
     def tool_format(self) -> ToolFormat | None:
@@ -211,7 +212,7 @@ async def _in_daemon_thread(fn: Callable[..., _T], *args: Any) -> _T:
 
 
 def _start_engine(model: str, dtype: str, options: dict[str, Any], in_process: bool,
-                  clock: StartClock) -> Any:
+                  clock: StartClock) -> StreamEngine:
     if not in_process:
         from minimill.engine.engine_process import ProcessEngine
 

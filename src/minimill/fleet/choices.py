@@ -13,7 +13,7 @@ from typing import Any, Literal
 from minimill.engine.params import InvalidRequestError, SamplingParams
 from minimill.fleet.output_rules import OutputRules, RulesError, guided_decoding, read_rules
 from minimill.models.tool_calls import ToolFormat
-from minimill.protocol import ChoiceProgress, Lease, ToolFormatName
+from minimill.transport.protocol import ChoiceProgress, Lease, ToolFormatName
 
 # Seeds are kept inside a signed 63-bit range so every engine and JSON consumer can hold them.
 _SEED_MASK = (1 << 63) - 1

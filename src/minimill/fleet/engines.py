@@ -1,4 +1,4 @@
-"""The engine adapter interface a worker drives, and the factory that picks one.
+"""The engine adapter interface a worker drives (engine_factory.py picks one by name).
 
 An adapter turns a `ChoiceJob` into a stream of `ChoiceUpdate`s. Two adapters exist: the builtin
 engine (token ids; checkpoints carry ids and text) and any OpenAI-compatible server over HTTP
@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from minimill.fleet.choices import ChoiceJob
-from minimill.fleet.startup import StartClock
 from minimill.models.tool_calls import ToolFormat
 
 
@@ -100,27 +99,3 @@ class EngineAdapter(Protocol):
     async def close(self) -> None:
         """Release the engine (stop its loop, close connections)."""
         ...
-
-
-async def open_engine(engine: str, *, model: str, dtype: str, capacity: int,
-                      clock: StartClock | None = None,
-                      engine_options: dict[str, Any] | None = None) -> EngineAdapter:
-    """'builtin' loads `model` into the builtin engine (with `engine_options`, EngineConfig
-    fields); an http(s) URL uses that server; 'fake' or 'fake:RATE' is a test double that
-    loads nothing and makes up tokens (fake_engine.py)."""
-    if engine == "builtin":
-        from minimill.fleet.builtin_engine import BuiltinEngineAdapter
-
-        return await BuiltinEngineAdapter.start(model=model, dtype=dtype, clock=clock,
-                                                options=engine_options)
-    if engine.startswith(("http://", "https://")):
-        from minimill.fleet.http_engine import HttpEngineAdapter
-
-        return await HttpEngineAdapter.start(engine, model=model, capacity=capacity)
-    if engine == "fake" or engine.startswith("fake:"):
-        from minimill.fleet.fake_engine import FakeEngineAdapter
-
-        return FakeEngineAdapter.start(engine, model=model, capacity=capacity)
-    raise EngineStartError(
-        f"--engine must be 'builtin', an OpenAI-compatible base URL, 'none' or 'fake:RATE', "
-        f"got {engine!r}")

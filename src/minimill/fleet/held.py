@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from minimill.fleet.choices import BodyError, ChoiceJob, choice_jobs, resumed_token_count
 from minimill.fleet.engines import EngineAdapter, EngineUnavailableError, JobError
-from minimill.protocol import (
+from minimill.transport.protocol import (
     Checkpoint,
     CheckpointDelta,
     ChoiceDelta,

@@ -1,4 +1,4 @@
-"""The worker's loops over the leases it holds (see fleet/worker.py for the process around them).
+"""The worker's loops over the leases it holds (see site/worker.py for the process around them).
 
 The lease loop asks for as many requests as the engine has free sequences; the heartbeat loop
 extends every lease each ttl/3 and sends checkpoints every lease's checkpoint_interval_s (the
@@ -23,19 +23,19 @@ import asyncio
 import logging
 import time
 
-from minimill.fleet.client import (
+from minimill.fleet.engines import EngineAdapter
+from minimill.fleet.held import HeldLease, SentCheckpoint, Tally, approx_bytes
+from minimill.fleet.releases import Releases
+from minimill.fleet.sessions import HeldSessions
+from minimill.fleet.shutdown import drain
+from minimill.transport.client import (
     Backoff,
     ControlPlaneClient,
     ControlPlaneUnavailable,
     PayloadTooLarge,
     sleep_backoff,
 )
-from minimill.fleet.engines import EngineAdapter
-from minimill.fleet.held import HeldLease, SentCheckpoint, Tally, approx_bytes
-from minimill.fleet.releases import Releases
-from minimill.fleet.sessions import HeldSessions
-from minimill.fleet.shutdown import drain
-from minimill.protocol import (
+from minimill.transport.protocol import (
     CompleteRequest,
     CompletionItem,
     ErrorInfo,

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import logging
 
-from minimill.fleet.client import ControlPlaneClient
 from minimill.fleet.held import HeldLease
-from minimill.protocol import Checkpoint, Lease, ReleaseItem, ReleaseRequest
+from minimill.transport.client import ControlPlaneClient
+from minimill.transport.protocol import Checkpoint, Lease, ReleaseItem, ReleaseRequest
 
 log = logging.getLogger("minimill.worker")
 MAX_RELEASES_PER_POST = 256

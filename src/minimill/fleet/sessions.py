@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from minimill.protocol import MAX_HELD_SESSIONS, session_tag
+from minimill.transport.protocol import MAX_HELD_SESSIONS, session_tag
 
 
 class HeldSessions:

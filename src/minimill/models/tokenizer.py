@@ -74,9 +74,6 @@ class Tokenizer:
         """Readable text of one token (as a streamed delta would show it, specials included)."""
         return self.decode([token_id], skip_special_tokens=False)
 
-    def is_special(self, token_id: int) -> bool:
-        return token_id in self.special_token_ids
-
     def apply_chat_template(self, messages: list[dict[str, str]],
                             add_generation_prompt: bool = True, **extra: Any) -> str:
         """The prompt text for a conversation, rendered with the model's chat template."""

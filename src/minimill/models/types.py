@@ -5,26 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+# Re-exported: callers import the model errors with the types they concern.
+from minimill.models.errors import ModelError as ModelError
+from minimill.models.errors import ModelFileError as ModelFileError
+from minimill.models.errors import ModelNotPulledError as ModelNotPulledError
+from minimill.models.errors import UnknownModelError as UnknownModelError
+
 if TYPE_CHECKING:
     import torch
 
     from minimill.models.tokenizer import Tokenizer
-
-
-class ModelError(Exception):
-    """Base class for model-resolution and model-loading errors (message names the file)."""
-
-
-class UnknownModelError(ModelError):
-    """A model name that is neither a known name, a pulled model, nor a path on disk."""
-
-
-class ModelNotPulledError(ModelError):
-    """A known model name whose files are not in the model cache yet (run `minimill pull`)."""
-
-
-class ModelFileError(ModelError):
-    """A model file that is missing, truncated or corrupt; the message names the file."""
 
 
 @dataclass(frozen=True, slots=True)

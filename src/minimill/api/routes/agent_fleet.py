@@ -1,4 +1,4 @@
-"""The runner protocol's server side (agent_protocol.py): poll, journal appends, finish,
+"""The runner protocol's server side (transport/agent_protocol.py): poll, journal appends, finish,
 release. Authenticated with the token of a site registered for agents (`--serves agents`; any
 other site token is answered 403)."""
 
@@ -10,7 +10,11 @@ from typing import Annotated
 import anyio
 from fastapi import APIRouter, Depends
 
-from minimill.agent_protocol import (
+from minimill.api.box_wakeup import HOST_RECHECK_S, BoxWakeups, box_wakeups
+from minimill.api.deps import AgentSiteDep, ConfigDep, StoreDep
+from minimill.api.errors import error_responses
+from minimill.control import agents
+from minimill.transport.agent_protocol import (
     AGENT_FLEET_PREFIX,
     AgentFinish,
     AgentFinished,
@@ -21,10 +25,6 @@ from minimill.agent_protocol import (
     JournalAppend,
     JournalAppended,
 )
-from minimill.api.box_wakeup import HOST_RECHECK_S, BoxWakeups, box_wakeups
-from minimill.api.deps import AgentSiteDep, ConfigDep, StoreDep
-from minimill.api.errors import error_responses
-from minimill.control import agents
 
 router = APIRouter(prefix=AGENT_FLEET_PREFIX, tags=["fleet"],
                    responses=error_responses(400, 401, 403))

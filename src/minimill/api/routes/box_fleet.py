@@ -19,7 +19,12 @@ from minimill.api.box_wakeup import HOST_RECHECK_S, BoxWakeups, box_wakeups
 from minimill.api.deps import BoxSiteDep, ConfigDep, StoreDep
 from minimill.api.errors import error_responses
 from minimill.api.routes.boxes import body_chunks
-from minimill.box_protocol import (
+from minimill.boxes import snapshots
+from minimill.control import box_hosts, box_uploads
+from minimill.control.box_records import SnapshotKind
+from minimill.control.errors import InvalidRequestError
+from minimill.control.store import Store
+from minimill.transport.box_protocol import (
     BOX_FLEET_PREFIX,
     SNAPSHOT_PART_BYTES,
     SNAPSHOT_UPLOAD_ID,
@@ -33,11 +38,6 @@ from minimill.box_protocol import (
     BoxResultsResponse,
     SnapshotStored,
 )
-from minimill.boxes import snapshots
-from minimill.control import box_hosts, box_uploads
-from minimill.control.box_records import SnapshotKind
-from minimill.control.errors import InvalidRequestError
-from minimill.control.store import Store
 
 router = APIRouter(prefix=BOX_FLEET_PREFIX, tags=["fleet"],
                    responses=error_responses(400, 401, 403))

@@ -32,7 +32,7 @@ from minimill.control.config import ControlConfig
 from minimill.control.records import Site
 from minimill.control.sites import add_outage, list_outages, remove_outage
 from minimill.control.store import Store
-from minimill.protocol import (
+from minimill.transport.protocol import (
     FLEET_PREFIX,
     CompleteRequest,
     CompleteResponse,

@@ -11,9 +11,9 @@ from typing import Any
 
 import typer
 
-from minimill.agents.client import TERMINAL, Agents
-from minimill.box_cli import ApiKey, BaseUrl, api_errors
-from minimill.cli_options import JsonOption, print_table
+from minimill.cli.box import ApiKey, BaseUrl, api_errors
+from minimill.cli.options import JsonOption, print_table
+from minimill.client.agents import TERMINAL, Agents
 
 agent_app = typer.Typer(help="Durable agents: harnesses that survive the loss of their "
                         "runner.", no_args_is_help=True)

@@ -33,16 +33,17 @@ from minimill import event_loop
 from minimill.agents.runner import AgentRunner, RunnerStartError, open_runner
 from minimill.boxes.host import BoxHost
 from minimill.boxes.host_setup import BoxHostStartError, BoxOptions, open_box_host
-from minimill.fleet.client import (
-    ControlPlaneClient,
-    SiteAuthError,
-)
-from minimill.fleet.engines import EngineStartError, open_engine
+from minimill.fleet.engine_factory import open_engine
+from minimill.fleet.engines import EngineStartError
 from minimill.fleet.kv_options import KvOptions
 from minimill.fleet.loops import Worker
 from minimill.fleet.startup import StartClock
 from minimill.lifetime import STOP_SIGNALS, die_with_parent, stop_reason
-from minimill.protocol import MAX_CHIP_CHARS
+from minimill.transport.client import (
+    ControlPlaneClient,
+    SiteAuthError,
+)
+from minimill.transport.protocol import MAX_CHIP_CHARS
 
 log = logging.getLogger("minimill.worker")
 NO_ENGINE = "none"  # --engine none: a box host that serves no tokens

@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import httpx
 from pydantic import BaseModel
 
-from minimill.protocol import (
+from minimill.transport.protocol import (
     FLEET_PREFIX,
     CompleteRequest,
     CompleteResponse,
@@ -31,6 +32,9 @@ from minimill.protocol import (
 log = logging.getLogger("minimill.worker")
 R = TypeVar("R", bound=BaseModel)
 T = TypeVar("T")
+# How long a leaving site keeps trying to deliver what it still holds (final checkpoints,
+# hand-backs, results) before it gives up and lets the leases expire.
+FINAL_SEND_S = 5.0
 
 
 class SiteAuthError(RuntimeError):
@@ -121,3 +125,19 @@ async def retrying(call: Callable[[], Awaitable[T]], what: str) -> T:
             return await call()
         except ControlPlaneUnavailable as exc:
             await sleep_backoff(backoff, what, exc)
+
+
+async def send_within(send: Callable[[], Awaitable[None]], what: str,
+                      limit_s: float = FINAL_SEND_S) -> None:
+    """`send`, tried again every half second until it succeeds or `limit_s` is over."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            await asyncio.wait_for(send(), max(deadline - time.monotonic(), 0.01))
+            return
+        except (ControlPlaneUnavailable, TimeoutError) as exc:
+            left = deadline - time.monotonic()
+            if left <= 0.1:
+                log.warning("%s not delivered: %s", what, exc)
+                return
+            await asyncio.sleep(min(0.5, left))

@@ -1,4 +1,4 @@
-"""`minimill batch ...`: a tenant's Batch API jobs through the HTTP API (batch_client.py)."""
+"""`minimill batch ...`: a tenant's Batch API jobs through the HTTP API (client/batches.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from minimill.cli_options import ApiKeyOption, BaseUrlOption
+from minimill.cli.options import ApiKeyOption, BaseUrlOption
 
 batch_app = typer.Typer(help="Submit and follow Batch API jobs.", no_args_is_help=True)
 
@@ -22,7 +22,7 @@ def batch_submit(
     wait: bool = typer.Option(True, help="Follow progress until the batch ends."),
 ) -> None:
     """Upload FILE, create a batch, show progress until done, download the results."""
-    from minimill.batch_client import submit
+    from minimill.client.batches import submit
 
     submit(file, base_url=base_url, api_key=api_key, output=output, wait=wait)
 
@@ -31,7 +31,7 @@ def batch_submit(
 def batch_status(batch_id: str, base_url: str = BaseUrlOption,
                  api_key: str = ApiKeyOption) -> None:
     """Show a batch's status and request counts."""
-    from minimill.batch_client import status
+    from minimill.client.batches import status
 
     status(batch_id, base_url=base_url, api_key=api_key)
 
@@ -40,7 +40,7 @@ def batch_status(batch_id: str, base_url: str = BaseUrlOption,
 def batch_results(batch_id: str, base_url: str = BaseUrlOption, api_key: str = ApiKeyOption,
                   output: Path | None = typer.Option(None, help="Write here, not stdout.")) -> None:
     """Download a batch's output and error files."""
-    from minimill.batch_client import results
+    from minimill.client.batches import results
 
     results(batch_id, base_url=base_url, api_key=api_key, output=output)
 
@@ -49,6 +49,6 @@ def batch_results(batch_id: str, base_url: str = BaseUrlOption, api_key: str = A
 def batch_cancel(batch_id: str, base_url: str = BaseUrlOption,
                  api_key: str = ApiKeyOption) -> None:
     """Cancel a batch; finished results are kept."""
-    from minimill.batch_client import cancel
+    from minimill.client.batches import cancel
 
     cancel(batch_id, base_url=base_url, api_key=api_key)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import typer
 
-from minimill.cli_options import (
+from minimill.cli.operator import OperatorKeyOption, ServerOption, call, fleet_store
+from minimill.cli.options import (
     DbOption,
     JsonOption,
     money,
@@ -15,7 +16,6 @@ from minimill.cli_options import (
     open_store_or_exit,
     print_table,
 )
-from minimill.operator_client import OperatorKeyOption, ServerOption, call, fleet_store
 
 sites_app = typer.Typer(help="Sites of the fleet (mini mills).", no_args_is_help=True)
 outage_app = typer.Typer(help="Planned or forecast outages of a site.", no_args_is_help=True)

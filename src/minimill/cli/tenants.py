@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from minimill.cli_options import DbOption, JsonOption, open_store_or_exit, print_table
+from minimill.cli.options import DbOption, JsonOption, open_store_or_exit, print_table
 
 if TYPE_CHECKING:
     from minimill.control.tenant_limits import TenantLimits, TenantLimitsView

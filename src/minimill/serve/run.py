@@ -43,10 +43,10 @@ class _Server(uvicorn.Server):
 
 
 def _model_path(model: str) -> str:
-    from minimill.models.registry import KNOWN_MODELS, pull_model, resolve_model
+    from minimill.models.registry import KNOWN_MODELS, logged_progress, pull_model, resolve_model
 
     if model in KNOWN_MODELS:
-        return str(pull_model(model, progress=True))
+        return str(pull_model(model, progress=logged_progress))
     return str(resolve_model(model))
 
 

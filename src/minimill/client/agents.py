@@ -1,6 +1,6 @@
 """Start, follow and cancel durable agents over `/v1/agents`.
 
-    from minimill.agents.client import Agents
+    from minimill.client.agents import Agents
     agents = Agents("http://127.0.0.1:8000/v1", api_key)
     agent_id = agents.run("harness.py", task={"question": "..."}, box_image="./corpus")
     print(agents.wait(agent_id)["result"])
@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from minimill.boxes.client import Boxes
+from minimill.client.boxes import Boxes
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 

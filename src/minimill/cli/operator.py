@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import typer
 
-from minimill.cli_options import error_line, open_store_or_exit
-from minimill.client_env import BASE_URL_VARS, DEFAULT_BASE_URL, OPERATOR_KEY_VAR, server_root
+from minimill.cli.options import error_line, open_store_or_exit
+from minimill.client.env import BASE_URL_VARS, DEFAULT_BASE_URL, OPERATOR_KEY_VAR, server_root
 
 if TYPE_CHECKING:
     from minimill.control.store import Store
@@ -71,7 +71,7 @@ def store_url(db: str | None) -> str:
     path only: nothing is created)."""
     if db:
         return db
-    from minimill.control.store import minimill_home
+    from minimill.models.registry import minimill_home
 
     return f"sqlite:///{minimill_home() / 'data' / 'minimill.db'}"
 

@@ -1,4 +1,4 @@
-"""`minimill box ...`: boxes from the command line, over the SDK (boxes/client.py)."""
+"""`minimill box ...`: boxes from the command line, over the SDK (client/boxes.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any, Literal
 import httpx
 import typer
 
-from minimill.boxes.client import Box, BoxError, Boxes, ExecEvent, ExecResult
-from minimill.cli_options import ApiKeyOption, BaseUrlOption, error_line
+from minimill.cli.options import ApiKeyOption, BaseUrlOption, error_line
+from minimill.client.boxes import Box, BoxError, Boxes, ExecEvent, ExecResult
 
 box_app = typer.Typer(help="Boxes: sandboxes without a lifetime limit (exec, files, "
                       "snapshots).", no_args_is_help=True)

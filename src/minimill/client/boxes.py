@@ -1,6 +1,6 @@
 """The Python SDK for boxes: `Boxes(base_url, api_key)` over `/v1/boxes`.
 
-    from minimill.boxes.client import Boxes
+    from minimill.client.boxes import Boxes
     boxes = Boxes("http://127.0.0.1:8000/v1", api_key)
     box = boxes.create(image="./project")        # a directory, a .tar/.tar.gz, or nothing
     box.write("hello.py", "print('hi')")
@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import httpx
 
-from minimill import client_env
+from minimill.client import env as client_env
 
 DEFAULT_TIMEOUT_S = 600.0
 

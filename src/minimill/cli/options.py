@@ -1,5 +1,5 @@
-"""Options and helpers the `minimill` command groups share (cli.py, admin_cli.py,
-bench_cli.py, sites_cli.py): --json, model and dtype options, the store a command opens, and
+"""Options and helpers the `minimill` command groups share (main.py, admin.py,
+bench.py, sites.py): --json, model and dtype options, the store a command opens, and
 tables."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from minimill.client_env import API_KEY_VARS, BASE_URL_VARS, DEFAULT_BASE_URL
+from minimill.client.env import API_KEY_VARS, BASE_URL_VARS, DEFAULT_BASE_URL
+from minimill.models.registry import DEFAULT_MODEL
 
 if TYPE_CHECKING:
     from minimill.control.store import Store
 
-DEFAULT_MODEL = "smollm2-135m"
 # What serve's local site costs by default: the machine one already has, drawing ~100 W at
 # $0.10/kWh. At the default model's single-stream rate on a CPU (~20 output tokens/s) that is
 # ~$0.14 per million output tokens, below the built-in background price (control/prices.py's
@@ -29,7 +29,7 @@ DTYPE_HELP = ("auto (bfloat16 where the chip computes it natively: GPUs, CPUs wi
 
 
 JsonOption = typer.Option(False, "--json", help="Print one JSON object.")
-# Every client command finds the server one way (client_env.py).
+# Every client command finds the server one way (client/env.py).
 BaseUrlOption = typer.Option(DEFAULT_BASE_URL, envvar=list(BASE_URL_VARS),
                              help="API base URL.", show_envvar=True)
 ApiKeyOption = typer.Option(..., envvar=list(API_KEY_VARS), help="API key.", show_envvar=True)
@@ -140,3 +140,43 @@ def box_caps(memory_mb: int | None, processes: int | None, cpu_s: int | None,
     given = {"MEMORY_MB": memory_mb, "PROCESSES": processes, "CPU_S": cpu_s,
              "EXEC_S": exec_s, "DISK_MB": disk_mb}
     return {f"MINIMILL_BOX_MAX_{k}": str(v) for k, v in given.items() if v is not None}
+
+
+class PullBar:
+    """Draws a model pull (models/registry.py's PullProgress) on stderr: a line per step, a
+    bar for the bytes of a step that counts them."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+
+        self._console = Console(stderr=True)
+        self._bar: Any = None
+        self._task: Any = None
+        self._step: str | None = None
+
+    def __call__(self, step: str, done: int, total: int) -> None:
+        if total <= 0:
+            self.close()
+            self._console.print(step)
+            return
+        if step != self._step:
+            from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+            self.close()
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                                 console=self._console)
+            self._bar.start()
+            self._task = self._bar.add_task(step, total=total)
+            self._step = step
+        self._bar.update(self._task, completed=done)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+        self._bar, self._task, self._step = None, None, None
+
+    def __enter__(self) -> PullBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

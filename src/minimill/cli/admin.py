@@ -1,7 +1,7 @@
 """The operator's commands: `minimill keys ...`, `minimill prices ...` and
 `minimill webhooks ...`. Keys and prices go to the running server with --operator-key, else
 they open the store directly (--db), so they work whether or not `serve` is running; each says
-which it used (operator_client.py)."""
+which it used (cli/operator.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import json
 
 import typer
 
-from minimill.cli_options import DbOption, JsonOption, open_store_or_exit, print_table
-from minimill.operator_client import OperatorKeyOption, ServerOption, call, fleet_store
+from minimill.cli.operator import OperatorKeyOption, ServerOption, call, fleet_store
+from minimill.cli.options import DbOption, JsonOption, open_store_or_exit, print_table
 
 keys_app = typer.Typer(help="API keys: tenants' and operators'.", no_args_is_help=True)
 prices_app = typer.Typer(help="The price list: what tenants are billed per model and tier.",

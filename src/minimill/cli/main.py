@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from minimill.admin_cli import keys_app, prices_app, webhooks_app
-from minimill.agent_cli import agent_app
-from minimill.batch_cli import batch_app
-from minimill.bench_cli import bench_app
-from minimill.box_cli import box_app
-from minimill.cli_options import (
+from minimill.cli.admin import keys_app, prices_app, webhooks_app
+from minimill.cli.agent import agent_app
+from minimill.cli.batch import batch_app
+from minimill.cli.bench import bench_app
+from minimill.cli.box import box_app
+from minimill.cli.options import (
     DEFAULT_MODEL,
     DTYPE_HELP,
     LOCAL_SITE_USD_PER_HOUR,
@@ -34,8 +34,8 @@ from minimill.cli_options import (
     box_caps,
     print_table,
 )
-from minimill.sites_cli import sites_app
-from minimill.tenants_cli import tenants_app
+from minimill.cli.sites import sites_app
+from minimill.cli.tenants import tenants_app
 
 if TYPE_CHECKING:
     from minimill.fleet.kv_options import KvOptions
@@ -135,11 +135,13 @@ def _kv_options(cache_gb: float | None, host_gb: float, flash_dir: str | None,
 @app.command()
 def pull(name: str = typer.Argument(DEFAULT_MODEL, help="Model name, e.g. smollm2-135m.")) -> None:
     """Fetch a model into the model cache (MINIMILL_HOME)."""
+    from minimill.cli.options import PullBar
     from minimill.models.registry import pull_model
     from minimill.models.types import ModelError
 
     try:
-        path = pull_model(name, progress=True)
+        with PullBar() as bar:
+            path = pull_model(name, progress=bar)
     except ModelError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
@@ -157,10 +159,25 @@ def generate(
     kv_dtype: str = KvDtypeOption,
 ) -> None:
     """Generate one chat answer offline with the builtin engine and print it."""
-    from minimill.engine.llm import generate_chat_cli
+    from rich.console import Console
 
-    generate_chat_cli(prompt, model=model, max_tokens=max_tokens, temperature=temperature,
-                      seed=seed, dtype=dtype, kv_dtype=kv_dtype)
+    from minimill.engine.config import load_with_config
+    from minimill.engine.llm import LLM
+    from minimill.engine.params import EngineError, InvalidRequestError, SamplingParams
+    from minimill.models.types import ModelError
+
+    err = Console(stderr=True)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+        with err.status(f"loading {model} ..."):
+            loaded, config = load_with_config(model, {"dtype": dtype, "kv_dtype": kv_dtype},
+                                              auto_pull=True)
+            llm = LLM(loaded, dtype=config.dtype, kv_dtype=config.kv_dtype)
+        out = llm.chat([[{"role": "user", "content": prompt}]], params)[0]
+    except (ModelError, EngineError, InvalidRequestError) as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise SystemExit(1) from exc
+    print(out.text)
 
 
 @app.command()
@@ -218,7 +235,7 @@ def serve(
         "NAME --share-prefix-cache`)."),
 ) -> None:
     """Serve the OpenAI-compatible API (control plane) plus one local worker process."""
-    from minimill.api.serve import run_serve
+    from minimill.serve.run import run_serve
 
     kv = _kv_options(kv_cache_gb, kv_host_gb, kv_flash_dir, kv_flash_gb, prefix_caching,
                      kv_dtype, kv_prefault)
@@ -362,9 +379,9 @@ def worker(
     kv_prefault: bool = KvPrefaultOption,
 ) -> None:
     """Join a fleet: pull work from the control plane under leases and run it."""
-    from minimill.box_protocol import DEFAULT_BOX_CAPS, BoxLimits
     from minimill.boxes.host_setup import BoxOptions
-    from minimill.fleet.worker import run_worker
+    from minimill.site.worker import run_worker
+    from minimill.transport.box_protocol import DEFAULT_BOX_CAPS, BoxLimits
 
     kv = _kv_options(kv_cache_gb, kv_host_gb, kv_flash_dir, kv_flash_gb, prefix_caching,
                      kv_dtype, kv_prefault)

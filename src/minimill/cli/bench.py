@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from minimill.cli_options import (
+from minimill.cli.options import (
     DEFAULT_MODEL,
     EngineDtypeOption,
     JsonOption,
@@ -119,14 +119,14 @@ def bench_structured(
     from rich.console import Console
 
     from minimill.bench.structured_bench import StructuredBenchOptions, run_structured_bench
-    from minimill.engine.params import EngineError
+    from minimill.engine.params import EngineError, InvalidRequestError
     from minimill.models.types import ModelError
 
     try:
         report = run_structured_bench(StructuredBenchOptions(
             workload=workload, json_out=json_out, model=model, dtype=dtype, limit=limit,
             rounds=rounds))
-    except (EngineError, ModelError, OSError) as exc:
+    except (EngineError, InvalidRequestError, ModelError, OSError) as exc:
         Console(stderr=True).print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from None
     if json_out:
