@@ -84,3 +84,29 @@ def test_sites_list_against_a_server(env: ApiEnv, tmp_path: Path) -> None:
         local = minimill(tmp_path, *args)
         assert local.returncode == 1 and "error: no store at" in local.stderr, local
     assert not (tmp_path / "data" / "minimill.db").exists()
+
+
+def test_tenants_limits_over_the_server(env: ApiEnv, tmp_path: Path) -> None:
+    env.new_key("tenant-http")
+    ask = {"MINIMILL_BASE_URL": env.v1, "MINIMILL_OPERATOR_KEY": env.operator_key}
+    done = minimill(tmp_path, "tenants", "set", "tenant-http", "--max-boxes", "3",
+                    "--weight", "2", "--json", **ask)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == f"server: {env.base_url}"
+    [shown] = json.loads(minimill(tmp_path, "tenants", "show", "tenant-http", "--json",
+                                  **ask).stdout)
+    assert (shown["max_boxes"], shown["weight"]) == (3, 2.0)
+    assert set(shown["overrides"]) == {"max_boxes", "weight"}
+    listed = minimill(tmp_path, "tenants", "list", **ask)
+    assert listed.returncode == 0 and "tenant-http" in listed.stdout, listed.stderr
+    # The change is in the server's store, read the same way without the server.
+    [stored] = json.loads(minimill(tmp_path, "tenants", "show", "tenant-http", "--json",
+                                   "--db", env.db_url).stdout)
+    assert stored["max_boxes"] == 3
+    reset = minimill(tmp_path, "tenants", "set", "tenant-http", "--max-boxes", "default",
+                     "--json", **ask)
+    assert "max_boxes" not in json.loads(reset.stdout)[0]["overrides"]
+    missing = minimill(tmp_path, "tenants", "show", "nobody", **ask)
+    assert missing.returncode == 1 and len(missing.stderr.strip().splitlines()) <= 2
+    assert minimill(tmp_path, "tenants", "list").returncode == 1  # no store, no server: said
+    assert not (tmp_path / "data" / "minimill.db").exists()

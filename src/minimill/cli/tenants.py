@@ -1,6 +1,7 @@
-"""`minimill tenants ...`: the operator's view of tenants' limits, and their overrides. The
-commands open the store directly (--db), so they work whether or not `serve` is running; a
-running control plane reads a change at the tenant's next request."""
+"""`minimill tenants ...`: the operator's view of tenants' limits, and their overrides. With
+--operator-key the commands ask the running server (its /v1/tenants routes); otherwise they
+open the store (--db), which works whether or not `serve` is running: a running control plane
+reads a change at the tenant's next request. Each says which server or store it used."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from minimill.cli.options import DbOption, JsonOption, open_store_or_exit, print_table
+from minimill.cli.operator import OperatorKeyOption, ServerOption, call, fleet_store
+from minimill.cli.options import DbOption, JsonOption, print_table
 
 if TYPE_CHECKING:
     from minimill.control.tenant_limits import TenantLimits, TenantLimitsView
@@ -26,50 +28,73 @@ def _defaults() -> TenantLimits:
     return Settings().tenant_limits()
 
 
-def _show(views: list[TenantLimitsView], json_out: bool) -> None:
-    from minimill.control.tenant_limits import FIELD_NAMES, as_dict
+def _as_dict(view: TenantLimitsView) -> dict[str, Any]:
+    """A view as the /v1/tenants routes answer it."""
+    from minimill.control.tenant_limits import as_dict
+
+    return {"tenant": view.tenant, **as_dict(view.limits), "overrides": view.overrides}
+
+
+def _show(found: list[dict[str, Any]], json_out: bool) -> None:
+    from minimill.control.tenant_limits import FIELD_NAMES
 
     if json_out:
-        typer.echo(json.dumps([{"tenant": v.tenant, **as_dict(v.limits),
-                                "overrides": v.overrides} for v in views], indent=2))
+        typer.echo(json.dumps([{k: v for k, v in t.items() if k != "object"} for t in found],
+                              indent=2))
+        return
+    if not found:
+        typer.echo("no tenants (minimill keys create NAME)")
         return
 
-    def cell(view: TenantLimitsView, name: str) -> str:
-        value = getattr(view.limits, name)
+    def cell(tenant: dict[str, Any], name: str) -> str:
+        value = tenant[name]
         text = "-" if value is None else (("yes" if value else "no") if isinstance(value, bool)
                                           else f"{value:g}")
-        return text + ("*" if name in view.overrides else "")
+        return text + ("*" if name in tenant["overrides"] else "")
 
     print_table("minimill tenants (- unlimited, * the tenant's own)",
                 ("tenant", "rpm", "tpm", "realtime", "boxes", "agents", "stored bytes",
                  "weight", "share prefixes"),
-                [(v.tenant, *(cell(v, n) for n in FIELD_NAMES)) for v in views],
+                [(t["tenant"], *(cell(t, n) for n in FIELD_NAMES)) for t in found],
                 left=("tenant",))
 
 
 @tenants_app.command("list")
-def tenants_list(json_out: bool = JsonOption, db: str | None = DbOption) -> None:
+def tenants_list(json_out: bool = JsonOption, db: str | None = DbOption,
+                 operator_key: str | None = OperatorKeyOption,
+                 server: str = ServerOption) -> None:
     """Every tenant's limits in effect ('-': unlimited; '*': its own, not the default)."""
     from minimill.control.tenant_limits import list_views
 
-    with open_store_or_exit(db) as store:
-        views = list_views(store, _defaults())
-    _show(views, json_out)
+    if operator_key:
+        found = call(server, operator_key, "GET", "/v1/tenants")["data"]
+    else:
+        with fleet_store(db, reading=True) as store:
+            found = [_as_dict(v) for v in list_views(store, _defaults())]
+    _show(found, json_out)
 
 
 @tenants_app.command("show")
 def tenants_show(name: str = typer.Argument(..., help="The tenant's name."),
-                 json_out: bool = JsonOption, db: str | None = DbOption) -> None:
+                 json_out: bool = JsonOption, db: str | None = DbOption,
+                 operator_key: str | None = OperatorKeyOption,
+                 server: str = ServerOption) -> None:
     """One tenant's limits in effect, and which are its own."""
+    from urllib.parse import quote
+
     from minimill.control.errors import ControlError
     from minimill.control.tenant_limits import view
 
-    with open_store_or_exit(db) as store:
+    if operator_key:
+        _show([call(server, operator_key, "GET", f"/v1/tenants/{quote(name, safe='')}/limits")],
+              json_out)
+        return
+    with fleet_store(db, reading=True) as store:
         try:
             found = view(store, name, _defaults())
         except ControlError as exc:
             raise SystemExit(f"error: {exc.message}") from None
-    _show([found], json_out)
+    _show([_as_dict(found)], json_out)
 
 
 def _limit_value(option: str, text: str) -> Any:
@@ -109,8 +134,12 @@ def tenants_set(
         "keep them its own (the default)."),
     json_out: bool = JsonOption,
     db: str | None = DbOption,
+    operator_key: str | None = OperatorKeyOption,
+    server: str = ServerOption,
 ) -> None:
     """Give a tenant its own limits; 'default' hands one back to the operator's default."""
+    from urllib.parse import quote
+
     from minimill.control.errors import ControlError
     from minimill.control.tenant_limits import set_overrides
 
@@ -133,9 +162,13 @@ def tenants_set(
         changes["share_prefix_cache"] = share_prefix_cache
     if not changes and not reset:
         raise SystemExit("error: give at least one limit to set (see --help)")
-    with open_store_or_exit(db) as store:
+    if operator_key:
+        _show([call(server, operator_key, "POST", f"/v1/tenants/{quote(name, safe='')}/limits",
+                    json={**changes, "reset": reset})], json_out)
+        return
+    with fleet_store(db, reading=False) as store:
         try:
             found = set_overrides(store, name, changes, reset, _defaults())
         except ControlError as exc:
             raise SystemExit(f"error: {exc.message}") from None
-    _show([found], json_out)
+    _show([_as_dict(found)], json_out)
