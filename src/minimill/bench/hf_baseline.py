@@ -74,7 +74,7 @@ def flops_per_token(config: ModelConfig, context_len: int = 0) -> float:
     """Forward FLOPs for one token: 2 per weight, plus attention over `context_len` tokens."""
     # QK^T and AV: each 2 * heads * head_dim FLOPs per context token per layer.
     attention = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
-    return 2.0 * config.num_params + attention * context_len
+    return 2.0 * config.num_active_params + attention * context_len
 
 
 def measure_matmul_flops(dtype: torch.dtype, seconds: float = 3.0, m: int = 256, n: int = 1536,

@@ -226,8 +226,10 @@ def write_kv_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Te
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [num_tokens, heads, head_dim] -> [num_tokens, heads * head_dim].
+                              meta: AttentionMetadata, scale: float,
+                              window: int | None = None) -> torch.Tensor:
+    """q: [num_tokens, heads, head_dim] -> [num_tokens, heads * head_dim]; with a `window`,
+    each query sees only keys within the last `window` positions (its own included).
 
     Gathers every sequence's blocks into a padded batch and runs one SDPA with a causal,
     length-aware mask: simple and obviously right, not fast.
@@ -247,11 +249,12 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         num_seqs, kv_heads, -1, head_dim).to(compute)
     values = unpacked_v(v_cache[tables], block_size).transpose(1, 2).reshape(
         num_seqs, kv_heads, -1, head_dim).to(compute)
-    return attend_gathered(q, keys, values, meta, scale)
+    return attend_gathered(q, keys, values, meta, scale, window)
 
 
 def attend_gathered(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float,
+                    window: int | None = None) -> torch.Tensor:
     """Causal, length-aware SDPA of the step's queries over keys and values gathered per
     sequence ([seqs, kv_heads, width * block_size, d], in the compute dtype)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -270,6 +273,8 @@ def attend_gathered(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     k_pos = torch.arange(width * block_size, device=q.device)
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :]
                                                          < seq_lens[:, None, None])
+    if window is not None:
+        mask &= k_pos[None, None, :] > q_pos[:, :, None] - window
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None],
                                          scale=scale, enable_gqa=True)
     out = out.transpose(1, 2).reshape(num_seqs, meta.max_query_len, num_heads * head_dim)
