@@ -32,6 +32,7 @@ from minimill.cli_options import (
     box_caps,
     print_table,
 )
+from minimill.models_cli import models_app
 from minimill.sites_cli import sites_app
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ app.add_typer(bench_app, name="bench")
 app.add_typer(sites_app, name="sites")
 app.add_typer(prices_app, name="prices")
 app.add_typer(webhooks_app, name="webhooks")
+app.add_typer(models_app, name="models")
 
 
 KvCacheGbOption = typer.Option(None, "--kv-cache-gb", help="Builtin engine: the device KV pool "
@@ -86,17 +88,28 @@ def _kv_options(cache_gb: float | None, host_gb: float, flash_dir: str | None,
 
 
 @app.command()
-def pull(name: str = typer.Argument(DEFAULT_MODEL, help="Model name, e.g. smollm2-135m.")) -> None:
-    """Fetch a model into the model cache (MINIMILL_HOME)."""
-    from minimill.models.registry import pull_model
+def pull(name: str = typer.Argument(DEFAULT_MODEL, help="Model name, e.g. smollm2-135m, or "
+                                    "the path of an HF model directory."),
+         as_name: str | None = typer.Option(None, "--name", help="The name an HF directory "
+                                            "is cached under (default: the directory's).")
+         ) -> None:
+    """Fetch a model into the model cache (MINIMILL_HOME); an HF directory is checked and
+    linked there, so that `--model NAME` serves it."""
+    from minimill.models.catalog import pull_path
+    from minimill.models.registry import KNOWN_MODELS, pull_model
     from minimill.models.types import ModelError
 
     try:
-        path = pull_model(name, progress=True)
+        if name in KNOWN_MODELS or not Path(name).expanduser().exists():
+            if as_name is not None:
+                raise typer.BadParameter("--name is for an HF directory given by path")
+            typer.echo(str(pull_model(name, progress=True)))
+            return
+        cached_name, link = pull_path(Path(name), as_name)
     except ModelError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
-    typer.echo(str(path))
+    typer.echo(f"{cached_name}: {link} -> {link.resolve()}")
 
 
 @app.command()

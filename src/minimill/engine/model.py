@@ -9,8 +9,8 @@ engine's kernels (kernels.py). What newer families add is per layer and optional
 their own rotary base (Gemma 3), routed experts in place of the MLP (moe.py).
 
 Activations are [num_tokens, hidden] for the whole step (every request's new tokens back to
-back); positions and the attention metadata say where each token sits. Arithmetic follows HF transformers (norms in float32, residuals in the model dtype) so
-float32 runs match it closely.
+back); positions and the attention metadata say where each token sits. Arithmetic follows HF
+transformers (norms in float32, residuals in the model dtype) so float32 runs match it closely.
 """
 
 from __future__ import annotations
@@ -66,8 +66,6 @@ class DecoderModel:
         # Gemma multiplies the embeddings by sqrt(hidden), rounded to the model dtype as HF does.
         self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item()
                             if config.scale_embeddings else None)
-        self.act_and_mul = (self.kernels.gelu_tanh_and_mul if config.hidden_act == "gelu_tanh"
-                            else self.kernels.silu_and_mul)
 
         def w(name: str) -> torch.Tensor:
             tensor = weights.pop(name, None) if release_weights else weights.get(name)
@@ -148,7 +146,10 @@ class DecoderModel:
             return experts_forward(ops, x, layer.experts, self.config.num_experts_per_tok,
                                    self.config.norm_topk_prob)
         assert layer.gate_up is not None and layer.down is not None
-        return ops.linear(self.act_and_mul(ops.linear(x, layer.gate_up)), layer.down)
+        gate_up = ops.linear(x, layer.gate_up)
+        act = (ops.gelu_tanh_and_mul(gate_up) if self.config.hidden_act == "gelu_tanh"
+               else ops.silu_and_mul(gate_up))
+        return ops.linear(act, layer.down)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor,
