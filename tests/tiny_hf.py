@@ -28,6 +28,10 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
     "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 48,
                   "norm_topk_prob": True, "mlp_only_layers": [1]},
+    "gpt_oss": {"num_local_experts": 8, "num_experts_per_tok": 3, "sliding_window": WINDOW,
+                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                # Low enough that random activations reach the clamp.
+                "swiglu_limit": 1.0},
 }
 
 
@@ -36,7 +40,8 @@ def _classes(arch: str) -> tuple[Any, Any]:
 
     return {"qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
             "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
-            "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM)}[arch]
+            "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+            "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM)}[arch]
 
 
 def save_tiny(arch: str, directory: Path, tokenizer_from: LoadedModel, seed: int = 0) -> Any:
@@ -44,7 +49,8 @@ def save_tiny(arch: str, directory: Path, tokenizer_from: LoadedModel, seed: int
     config_cls, model_cls = _classes(arch)
     torch.manual_seed(seed)
     config = config_cls(**COMMON, **ARCHITECTURES[arch])
-    config._attn_implementation = "eager" if arch == "gemma3" else "sdpa"
+    # transformers' own choice for these two (sinks need eager; Gemma recommends it).
+    config._attn_implementation = "eager" if arch in ("gemma3", "gpt_oss") else "sdpa"
     model = model_cls(config).eval()
     with torch.no_grad():
         # Norms start at 1 (Gemma: at 0, scaled by 1 + w): random ones catch a norm applied

@@ -32,14 +32,16 @@ def test_pull_a_directory_then_list_and_load_it_by_name(arch: str, tmp_path: Pat
     assert set(models) == {"smollm2-135m", f"my-{arch}"}
     entry = models[f"my-{arch}"]
     assert entry["architecture"] == arch and entry["format"] == "safetensors"
-    # transformers counts every parameter once (norms included; ours leaves norms out).
-    norms = sum(p.numel() for n, p in hf.named_parameters() if "norm" in n)
-    assert entry["params_total"] == sum(p.numel() for p in hf.parameters()) - norms
-    if arch == "qwen3_moe":
+    # Ours counts the matrices (transformers' count has norms, biases and sinks too).
+    assert entry["params_total"] == sum(
+        p.numel() for n, p in hf.named_parameters()
+        if not ("norm" in n or "bias" in n or n.endswith("sinks")))
+    if arch in ("qwen3_moe", "gpt_oss"):
         c = ARCHITECTURES[arch]
-        idle = c["num_experts"] - c["num_experts_per_tok"]
-        moe_layers = COMMON["num_hidden_layers"] - len(c["mlp_only_layers"])
-        expert = 3 * COMMON["hidden_size"] * c["moe_intermediate_size"]
+        idle = c.get("num_experts", c.get("num_local_experts", 0)) - c["num_experts_per_tok"]
+        moe_layers = COMMON["num_hidden_layers"] - len(c.get("mlp_only_layers", []))
+        width = c.get("moe_intermediate_size", COMMON["intermediate_size"])
+        expert = 3 * COMMON["hidden_size"] * width
         assert entry["params_active"] == entry["params_total"] - moe_layers * idle * expert
     else:
         assert entry["params_active"] == entry["params_total"]

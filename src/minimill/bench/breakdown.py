@@ -24,7 +24,8 @@ from minimill.engine.attention import AttentionMetadata
 from minimill.engine.kernels import TorchKernels
 from minimill.engine.model_runner import ModelRunner
 
-_TIMED = ("rms_norm", "add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_kv_write",
+_TIMED = ("rms_norm", "add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "clamped_swiglu",
+          "rotary_kv_write",
           "rotary_kv_write_int4", "sample", "token_logprobs")
 
 
@@ -66,10 +67,10 @@ class TimedKernels:
         return "paged_attention." + ("decode" if meta.max_query_len == 1 else "with_prompts")
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float,
-                        window: int | None = None) -> torch.Tensor:
+                        meta: AttentionMetadata, scale: float, window: int | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
         return self._timed(self._attention_name(meta), self._inner.paged_attention, q,
-                           k_cache, v_cache, meta, scale, window)
+                           k_cache, v_cache, meta, scale, window, sinks)
 
     def paged_attention_int4(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                              k_cache: torch.Tensor, v_cache: torch.Tensor,

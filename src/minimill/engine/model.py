@@ -24,7 +24,12 @@ import torch.nn.functional as F
 from minimill.engine.attention import AttentionMetadata, layer_views
 from minimill.engine.kernels import TorchKernels
 from minimill.engine.kv_int4 import stage_layer_views
-from minimill.engine.moe import ExpertWeights, experts_forward, load_experts
+from minimill.engine.moe import (
+    ExpertWeights,
+    experts_forward,
+    load_experts,
+    load_gpt_oss_experts,
+)
 from minimill.engine.rope import RotaryEmbedding
 from minimill.models.types import ModelConfig, ModelFileError
 
@@ -36,6 +41,7 @@ class LayerWeights:
     qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
     qkv_bias: torch.Tensor | None
     o: torch.Tensor  # [hidden, heads * head_dim]
+    o_bias: torch.Tensor | None
     post_norm: torch.Tensor  # [hidden]: the norm before the MLP
     gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None where experts run
     down: torch.Tensor | None  # [hidden, intermediate]
@@ -45,6 +51,7 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None = None  # [hidden], Gemma: the attention output's norm
     mlp_out_norm: torch.Tensor | None = None  # [hidden], Gemma: the MLP output's norm
     window: int | None = None  # a sliding-window layer's window
+    sinks: torch.Tensor | None = None  # float32 [heads], gpt-oss's attention sinks
     rotary: int = 0  # index into DecoderModel.rotaries
 
 
@@ -99,10 +106,13 @@ class DecoderModel:
                 qkv=pack(torch.cat([w(a + f"{n}_proj.weight") for n in "qkv"])),
                 qkv_bias=bias,
                 o=pack(w(a + "o_proj.weight")),
+                o_bias=w(a + "o_proj.bias").contiguous() if config.o_proj_bias else None,
                 post_norm=norm(p + ("pre_feedforward_layernorm.weight" if config.gemma_norms
                                     else "post_attention_layernorm.weight")),
                 gate_up=None, down=None)
-            if config.is_moe(i):
+            if config.is_moe(i) and config.expert_style == "gpt_oss":
+                layer.experts = load_gpt_oss_experts(m, w, pack)
+            elif config.is_moe(i):
                 layer.experts = load_experts(m, config.num_experts, w, pack)
             else:
                 layer.gate_up = pack(torch.cat([w(m + "gate_proj.weight"),
@@ -114,6 +124,8 @@ class DecoderModel:
             if config.gemma_norms:
                 layer.attn_out_norm = norm(p + "post_attention_layernorm.weight")
                 layer.mlp_out_norm = norm(p + "post_feedforward_layernorm.weight")
+            if config.attention_sinks:
+                layer.sinks = w(a + "sinks").float().contiguous()
             if config.is_sliding(i):
                 layer.window = config.sliding_window
                 layer.rotary = 1 if config.sliding_rope_theta is not None else 0
@@ -142,9 +154,12 @@ class DecoderModel:
 
     def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         ops = self.kernels
+        c = self.config
         if layer.experts is not None:
-            return experts_forward(ops, x, layer.experts, self.config.num_experts_per_tok,
-                                   self.config.norm_topk_prob)
+            swiglu = ((c.swiglu_alpha, c.swiglu_limit) if c.expert_style == "gpt_oss"
+                      else None)
+            return experts_forward(ops, x, layer.experts, c.num_experts_per_tok,
+                                   c.norm_topk_prob, swiglu)
         assert layer.gate_up is not None and layer.down is not None
         gate_up = ops.linear(x, layer.gate_up)
         act = (ops.gelu_tanh_and_mul(gate_up) if self.config.hidden_act == "gelu_tanh"
@@ -182,8 +197,9 @@ class DecoderModel:
                 q = ops.rotary_kv_write(qkv, positions, cos_sin, k_cache, v_cache,
                                         meta.slot_mapping, self.num_heads, self.num_kv_heads,
                                         meta.block_size)
-                attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, layer.window)
-            hidden = ops.linear(attn, layer.o)
+                attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, layer.window,
+                                           layer.sinks)
+            hidden = ops.linear(attn, layer.o, layer.o_bias)
             if layer.attn_out_norm is not None:
                 hidden = ops.rms_norm(hidden, layer.attn_out_norm, eps)
             x, residual = ops.add_rms_norm(hidden, residual, layer.post_norm, eps)

@@ -19,10 +19,11 @@ HF_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma3ForCausalLM": "gemma3",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # Defaults of the corresponding transformers config classes, for keys a config.json omits.
 _MAX_POSITIONS_DEFAULT = {"llama": 2048, "qwen2": 32768, "qwen3": 40960, "qwen3_moe": 40960,
-                          "gemma3": 131072}
+                          "gemma3": 131072, "gpt_oss": 131072}
 _ROPE_THETA_DEFAULT = {"gemma3": 1_000_000.0}
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 _LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
@@ -75,13 +76,14 @@ def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int, path: Path
                  ) -> tuple[int | None, tuple[str, ...]]:
     """(sliding_window, per-layer "sliding"/"full"), or (None, ()) for all-global models."""
     window = cfg.get("sliding_window")
-    if arch == "gemma3":
+    if arch in ("gemma3", "gpt_oss"):
         if cfg.get("use_bidirectional_attention"):
             raise ModelFileError(f"{path}: use_bidirectional_attention is not supported")
         names = cfg.get("layer_types")
         if names is None:
             pattern = int(cfg.get("sliding_window_pattern")
-                          or cfg.get("_sliding_window_pattern") or 6)
+                          or cfg.get("_sliding_window_pattern")
+                          or (6 if arch == "gemma3" else 2))
             names = ["sliding_attention" if (i + 1) % pattern else "full_attention"
                      for i in range(num_layers)]
         try:
@@ -106,6 +108,13 @@ def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int, path: Path
 
 
 def _moe(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
+    if arch == "gpt_oss":  # every layer routes; experts are intermediate_size wide
+        return {"num_experts": int(cfg["num_local_experts"]),
+                "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+                "moe_intermediate_size": int(cfg["intermediate_size"]),
+                "o_proj_bias": True, "attention_sinks": True, "expert_style": "gpt_oss",
+                "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)),
+                "swiglu_limit": float(cfg.get("swiglu_limit", 7.0))}
     if arch != "qwen3_moe":
         return {}
     step = int(cfg.get("decoder_sparse_step", 1))
@@ -131,6 +140,13 @@ def _check_unsupported(cfg: dict[str, Any], arch: str, path: Path) -> str:
     for field in ("attn_logit_softcapping", "final_logit_softcapping"):
         if cfg.get(field) is not None:
             raise ModelFileError(f"{path}: {field} is not supported")
+    quantization = cfg.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        # gpt-oss's MXFP4 experts are dequantized at load; no other scheme is read.
+        if not (arch == "gpt_oss" and method == "mxfp4"):
+            raise ModelFileError(f"{path}: quantization {method!r} is not supported for "
+                                 f"{arch} (an unquantized checkpoint or GGUF is)")
     return _ACTIVATIONS[act_name]
 
 

@@ -37,6 +37,37 @@ def _special_ids(cfg: dict[str, Any], tokenizer: Tokenizer, generation_eos: list
     return tuple(dict.fromkeys(eos_ids)), bos
 
 
+# The values of the 16 FP4 (e2m1) codes of MXFP4, low nibble first in each byte.
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_dequantized(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+                      ) -> torch.Tensor:
+    """gpt-oss's MXFP4 experts as the [experts, in, out] tensor of its unquantized checkpoints.
+
+    blocks: uint8 [experts, out, groups, 16], two 4-bit codes per byte (32 values a group);
+    scales: uint8 [experts, out, groups], a power of two per group biased by 127."""
+    if blocks.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
+        raise ModelFileError(f"MXFP4 blocks {tuple(blocks.shape)} and scales "
+                             f"{tuple(scales.shape)} do not fit together")
+    table = torch.tensor(_FP4_VALUES, dtype=torch.float32)
+    values = torch.stack([table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]], dim=-1)
+    values = values.flatten(-2)  # [experts, out, groups, 32]
+    values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
+    return values.flatten(-2).transpose(1, 2).contiguous().to(dtype)
+
+
+def _dequantize_mxfp4(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """Replace every `X_blocks` / `X_scales` pair by the dequantized `X`, in place."""
+    for name in [n for n in weights if n.endswith("_blocks")]:
+        base = name[:-len("_blocks")]
+        scales = weights.pop(base + "_scales", None)
+        if scales is None:
+            raise ModelFileError(f"weight {name!r} has no {base + '_scales'!r} beside it")
+        weights[base] = mxfp4_dequantized(weights.pop(name), scales, dtype)
+
+
 def _shard_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.exists():
@@ -62,7 +93,10 @@ def _load_weights(directory: Path, dtype: torch.dtype) -> dict[str, torch.Tensor
         for name, tensor in tensors.items():
             if name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints kept
                 continue
-            weights[name] = tensor.to(dtype)
+            # MXFP4 codes and scales stay bytes until they are dequantized below.
+            quantized = name.endswith(("_blocks", "_scales")) and tensor.dtype == torch.uint8
+            weights[name] = tensor if quantized else tensor.to(dtype)
+    _dequantize_mxfp4(weights, dtype)
     return weights
 
 
@@ -83,8 +117,9 @@ def load_hf_dir(directory: str | Path, dtype: torch.dtype = torch.bfloat16,
         weights.pop("lm_head.weight", None)  # same tensor as the embedding; keep one layout
     last = f"model.layers.{config.num_hidden_layers - 1}."
     required = ["model.embed_tokens.weight", "model.norm.weight",
-                last + ("mlp.gate.weight" if config.is_moe(config.num_hidden_layers - 1)
-                        else "mlp.down_proj.weight")]
+                last + ("mlp.down_proj.weight" if not config.is_moe(config.num_hidden_layers - 1)
+                        else "mlp.router.weight" if config.expert_style == "gpt_oss"
+                        else "mlp.gate.weight")]
     if not config.tie_word_embeddings:
         required.append("lm_head.weight")
     missing = [key for key in required if key not in weights]

@@ -72,6 +72,18 @@ NAMED_SHAPES: dict[str, ModelConfig] = {
         scale_embeddings=True, attention_scale=256 ** -0.5, sliding_window=512,
         layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(26)),
         sliding_rope_theta=10000.0),
+    "gpt-oss-20b": ModelConfig(
+        architecture="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+        rms_norm_eps=1e-5, rope_theta=150000.0, max_position_embeddings=131072,
+        tie_word_embeddings=False, attention_bias=True,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                      "beta_slow": 1.0, "original_max_position_embeddings": 4096,
+                      "truncate": False},
+        sliding_window=128,
+        layer_types=tuple("sliding" if i % 2 == 0 else "full" for i in range(24)),
+        num_experts=32, num_experts_per_tok=4, moe_intermediate_size=2880,
+        o_proj_bias=True, attention_sinks=True, expert_style="gpt_oss"),
 }
 
 
@@ -103,7 +115,15 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
         })
-        if config.is_moe(layer):
+        if config.is_moe(layer) and config.expert_style == "gpt_oss":
+            e, m = config.num_experts, config.moe_intermediate_size
+            x = p + "mlp."
+            shapes.update({x + "router.weight": (e, h), x + "router.bias": (e,),
+                           x + "experts.gate_up_proj": (e, h, 2 * m),
+                           x + "experts.gate_up_proj_bias": (e, 2 * m),
+                           x + "experts.down_proj": (e, m, h),
+                           x + "experts.down_proj_bias": (e, h)})
+        elif config.is_moe(layer):
             e, m = config.num_experts, config.moe_intermediate_size
             shapes[p + "mlp.gate.weight"] = (e, h)
             for expert in range(e):
@@ -122,6 +142,10 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
+        if config.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if config.attention_sinks:
+            shapes[p + "self_attn.sinks"] = (config.num_attention_heads,)
     return shapes
 
 

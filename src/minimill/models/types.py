@@ -28,7 +28,7 @@ class ModelFileError(ModelError):
 
 
 # Architectures the engine runs, by the name ModelConfig.architecture carries.
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "gpt_oss")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +82,14 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     dense_layers: tuple[int, ...] = ()
+    # gpt-oss: a bias on o_proj too, one attention-sink logit per head, and experts in its
+    # own style ("gpt_oss": a router with bias whose top-k logits are softmaxed, experts with
+    # biases and the clamped SwiGLU) rather than Qwen3's ("qwen3").
+    o_proj_bias: bool = False
+    attention_sinks: bool = False
+    expert_style: str = "qwen3"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding"

@@ -512,8 +512,8 @@ template <typename T, int NQ, int DV>
 void attend_group(const Queries& qs, const int64_t* q_pos, float scale, float* out,
                   const T* k_base, const T* v_base, int64_t k_block_stride,
                   int64_t v_block_stride, const int32_t* block_table, int64_t seq_len,
-                  int64_t block_size, int64_t head_dim, int64_t window, float* scores,
-                  float* unpack) {
+                  int64_t block_size, int64_t head_dim, int64_t window, const float* sinks,
+                  float* scores, float* unpack) {
   int64_t max_pos = q_pos[0], min_pos = q_pos[0];
   for (int i = 1; i < NQ; ++i) {
     max_pos = std::max(max_pos, q_pos[i]);
@@ -630,7 +630,10 @@ void attend_group(const Queries& qs, const int64_t* q_pos, float scale, float* o
     }
   }
   for (int i = 0; i < NQ; ++i) {
-    const fVec inv(l[i] > 0.f ? 1.f / l[i] : 0.f);
+    // An attention sink (gpt-oss) is one more logit per head with no value: it only adds
+    // exp(sink) to the softmax's denominator.
+    const float denom = sinks ? l[i] + std::exp(sinks[i] - m[i]) : l[i];
+    const fVec inv(denom > 0.f ? 1.f / denom : 0.f);
     for (int64_t v = 0; v < dvecs; ++v) (acc[i][v] * inv).store(out + i * head_dim + v * kVec);
   }
 }
@@ -638,7 +641,7 @@ void attend_group(const Queries& qs, const int64_t* q_pos, float scale, float* o
 template <typename T>
 using AttendFn = void (*)(const Queries&, const int64_t*, float, float*, const T*, const T*,
                           int64_t, int64_t, const int32_t*, int64_t, int64_t, int64_t, int64_t,
-                          float*, float*);
+                          const float*, float*, float*);
 
 template <typename T, int DV>
 AttendFn<T> attend_for_dv(int64_t n) {
@@ -682,7 +685,8 @@ template <typename T, typename C>
 void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& block_tables,
                           const at::Tensor& query_start, const at::Tensor& seq_lens,
-                          double scale, int64_t block_size, int64_t window) {
+                          double scale, int64_t block_size, int64_t window,
+                          const float* head_sinks) {
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1);
   const int64_t group = num_heads / num_kv_heads;
@@ -723,6 +727,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
     std::vector<float> qbuf(max_vectors * head_dim), obuf(max_vectors * head_dim);
     std::vector<uint32_t> qpairs(max_vectors * head_dim / 2);
     std::vector<int64_t> qpos(max_vectors), out_row(max_vectors), out_head(max_vectors);
+    std::vector<float> qsink(head_sinks ? max_vectors : 0);
     std::vector<float> scores(kQGroup * kPartKeys);
     std::vector<float> unpack(std::is_same_v<C, BFloat16> ? block_size * head_dim : 0);
     // The blocks are scattered over the pool: while one item computes, the first blocks of
@@ -760,6 +765,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
             qpos[n] = seq_len - q_len + r;
             out_row[n] = row;
             out_head[n] = h;
+            if (head_sinks) qsink[n] = head_sinks[h];
             ++n;
           }
         }
@@ -770,7 +776,8 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
           attend_for<C>(count, head_dim)(queries, qpos.data() + first, static_cast<float>(scale),
                                obuf.data() + first * head_dim, kp + g * kh, vp + g * vh, kb, vb,
                                tables + s * table_stride, seq_len, block_size, head_dim,
-                               window, scores.data(), unpack.data());
+                               window, head_sinks ? qsink.data() + first : nullptr,
+                               scores.data(), unpack.data());
         }
         for (int64_t i = 0; i < n; ++i) {
           T* dst = op + out_row[i] * o_stride + out_head[i] * head_dim;
@@ -786,9 +793,13 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
 
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                      at::Tensor block_tables, at::Tensor query_start, at::Tensor seq_lens,
-                     double scale, int64_t block_size, std::optional<int64_t> window) {
+                     double scale, int64_t block_size, std::optional<int64_t> window,
+                     const std::optional<at::Tensor>& sinks) {
   check_cpu(q, "q");
   TORCH_CHECK(!window || *window > 0, "window must be positive");
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                         sinks->dim() == 1 && sinks->size(0) == q.size(1)),
+              "sinks must be contiguous float32 [heads]");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q must be [tokens, heads, head_dim] with contiguous rows");
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(1) == q.size(1) * q.size(2),
@@ -812,7 +823,8 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   dispatch_kv(q, k_cache, "paged_attention", [&](auto t, auto c) {
     paged_attention_impl<decltype(t), decltype(c)>(out, q, k_cache, v_cache, block_tables,
                                                    query_start, seq_lens, scale, block_size,
-                                                   window.value_or(std::numeric_limits<int64_t>::max() / 2));
+                                                   window.value_or(std::numeric_limits<int64_t>::max() / 2),
+                                                   sinks ? sinks->data_ptr<float>() : nullptr);
   });
 }
 
