@@ -3,9 +3,9 @@ and their outputs are summed with the router's weights.
 
 Tokens are grouped by expert, so each expert that any token chose runs one GEMM for its gate
 and up (fused) and one for its down projection, on prepacked weights, over all of its tokens
-at once: the loop is over the step's active experts, never over tokens. A token's sum adds
-its experts in expert order whatever else is in the batch, and each GEMM row is
-batch-invariant (kernels.linear), so a sequence's numbers do not depend on its batch.
+at once: the loop is over the step's active experts (a PyTorch loop; a step's few GEMMs per
+expert dominate it), never over tokens. A token's sum adds its experts in the order the router
+ranked them whatever else is in the batch, and each GEMM row is batch-invariant (kernels.linear), so a sequence's numbers do not depend on its batch.
 """
 
 from __future__ import annotations
@@ -93,23 +93,30 @@ def experts_forward(ops: TorchKernels, x: torch.Tensor, weights: ExpertWeights, 
     else:
         experts, routing = route(x, weights.router, top_k, normalize)
     flat = experts.flatten()  # token t's j-th choice at t * top_k + j
-    # Every (token, choice) pair in expert order; stable, so tokens keep their order.
+    # Every (token, choice) pair in expert order; stable, so tokens keep their order. The rows
+    # are gathered once, so each expert's rows are a slice of one tensor.
     order = flat.argsort(stable=True)
     counts = torch.bincount(flat, minlength=len(weights.gate_up)).tolist()
-    flat_weights = routing.flatten()
-    out = torch.zeros_like(x)
+    rows = x[order // top_k]
+    outputs = torch.empty_like(rows)
     start = 0
     for expert, count in enumerate(counts):
         if not count:
             continue
-        pairs = order[start:start + count]
-        start += count
-        tokens = pairs // top_k
-        gate_up = ops.linear(x[tokens], weights.gate_up[expert],
+        end = start + count
+        gate_up = ops.linear(rows[start:end], weights.gate_up[expert],
                              weights.gate_up_bias[expert] if weights.gate_up_bias else None)
         act = (ops.silu_and_mul(gate_up) if swiglu is None
                else ops.clamped_swiglu(gate_up, *swiglu))
-        hidden = ops.linear(act, weights.down[expert],
-                            weights.down_bias[expert] if weights.down_bias else None)
-        out.index_add_(0, tokens, hidden * flat_weights[pairs, None])
+        outputs[start:end] = ops.linear(act, weights.down[expert],
+                                        weights.down_bias[expert] if weights.down_bias else None)
+        start = end
+    # Back to (token, choice) order, weighted, and each token's choices summed one after the
+    # other: the same additions in the same order whatever else is in the batch.
+    weighted = torch.empty_like(outputs)
+    weighted[order] = outputs * routing.flatten()[order, None]
+    per_choice = weighted.view(x.shape[0], top_k, -1)
+    out = per_choice[:, 0].clone()
+    for choice in range(1, top_k):
+        out += per_choice[:, choice]
     return out
