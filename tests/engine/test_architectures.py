@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 import torch
 from engine_helpers import assert_greedy_close, engine_logits
-from tiny_hf import ARCHITECTURES, VOCAB, WINDOW, hf_greedy, save_tiny
 
 from minimill.engine.llm import LLM
 from minimill.engine.params import SamplingParams
 from minimill.models.loader import load_model
 from minimill.models.types import LoadedModel
+from tiny_hf import ARCHITECTURES, VOCAB, WINDOW, hf_greedy, save_tiny
 
 WHY = "the engine's matmul and attention shapes differ from HF's"
 
@@ -69,3 +69,16 @@ def test_a_sequence_computes_the_same_alone_or_in_a_batch(tiny: tuple[str, Path,
     crowded = engine_logits(llm, [second, first, second[:7]])[1]
     # Bit for bit: what makes a resumed request continue exactly (experts included).
     assert torch.equal(alone, crowded), arch
+
+
+def test_the_benchmark_s_transformers_model_is_the_checkpoint_s(tiny: tuple[str, Path, Any]
+                                                                ) -> None:
+    """bench engine compares with transformers on a model it builds from the engine's config
+    and weights (random-weight shapes have no checkpoint): it must be the same model."""
+    from minimill.bench.hf_baseline import build_hf_model
+
+    arch, directory, hf = tiny
+    rebuilt = build_hf_model(load_model(str(directory), torch.float32), torch.float32)
+    prompt = torch.tensor([_prompts()[0]])
+    with torch.inference_mode():
+        torch.testing.assert_close(rebuilt(prompt).logits, hf(prompt).logits)
