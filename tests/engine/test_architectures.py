@@ -77,7 +77,7 @@ def test_the_benchmark_s_transformers_model_is_the_checkpoint_s(tiny: tuple[str,
     and weights (random-weight shapes have no checkpoint): it must be the same model."""
     from minimill.bench.hf_baseline import build_hf_model
 
-    arch, directory, hf = tiny
+    _, directory, hf = tiny
     rebuilt = build_hf_model(load_model(str(directory), torch.float32), torch.float32)
     prompt = torch.tensor([_prompts()[0]])
     with torch.inference_mode():

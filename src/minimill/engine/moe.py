@@ -5,7 +5,8 @@ Tokens are grouped by expert, so each expert that any token chose runs one GEMM 
 and up (fused) and one for its down projection, on prepacked weights, over all of its tokens
 at once: the loop is over the step's active experts (a PyTorch loop; a step's few GEMMs per
 expert dominate it), never over tokens. A token's sum adds its experts in the order the router
-ranked them whatever else is in the batch, and each GEMM row is batch-invariant (kernels.linear), so a sequence's numbers do not depend on its batch.
+ranked them whatever else is in the batch, and each GEMM row is batch-invariant
+(kernels.linear), so a sequence's numbers do not depend on its batch.
 """
 
 from __future__ import annotations
