@@ -125,7 +125,9 @@ def read(path: Path, source: Path, dtype: torch.dtype, name: str) -> LoadedModel
         raise WarmCacheMiss("tensors of another dtype")
     try:
         raw = json.loads(meta["config"])
-        config = ModelConfig(**{**raw, "eos_token_ids": tuple(raw["eos_token_ids"])})
+        # JSON gave lists back for the config's tuples.
+        config = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v
+                                for k, v in raw.items()})
         specials = json.loads(meta["special_tokens"])
         chat_template = json.loads(meta["chat_template"])
         tokenizer = Tokenizer(tokenizers.Tokenizer.from_str(meta["tokenizer"]),
