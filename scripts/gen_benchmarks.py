@@ -34,6 +34,10 @@ BENCHES = {
                  "the official openai client, every turn appending tool output, over a KV pool "
                  "far below their contexts: prefix reuse and the host/flash tiers on, then "
                  "off."),
+    "fairness": ("Fair share between tenants", "A light tenant's batch through `serve`, "
+                 "alone and beside a tenant submitting ten times its load: its p50 finish "
+                 "time beside the heavy tenant over its p50 alone (target 1.5), and the share "
+                 "of the site's slots kept busy meanwhile."),
     "fleet": ("A fleet with failures", "Three workers on one machine, one killed every 10 s: "
               "goodput against the same fleet with no kills; nothing lost or duplicated."),
 }
@@ -56,6 +60,10 @@ LABELS = {
     "turn5_prompt_tokens_on_flash_after_restart": "turn 5 after a restart: prompt tokens on flash",
     "turn5_prompt_tokens": "turn 5: prompt tokens", "prompt_tokens_fewer_x":
     "prompt tokens computed, times fewer", "faster_x": "times faster",
+    "light_p50_alone_s": "light p50 alone, s",
+    "light_p50_beside_heavy_s": "light p50 beside heavy, s", "p50_ratio": "beside / alone",
+    "ratio_target": "target", "busy_share_beside": "site busy share",
+    "light_share_of_slots_beside": "light tenant's share of slots",
 }
 
 

@@ -1,14 +1,17 @@
-"""The operator's store commands: `minimill keys ...`, `minimill prices ...` and
-`minimill webhooks ...`. They open the store directly (--db), so they work whether or not
-`serve` is running."""
+"""The operator's commands: `minimill keys ...`, `minimill prices ...` and
+`minimill webhooks ...`. Keys and prices go to the running server with --operator-key, else
+they open the store directly (--db), so they work whether or not `serve` is running; each says
+which it used (operator_client.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import typer
 
 from minimill.cli_options import DbOption, JsonOption, open_store_or_exit, print_table
+from minimill.operator_client import OperatorKeyOption, ServerOption, call, fleet_store
 
 keys_app = typer.Typer(help="API keys: tenants' and operators'.", no_args_is_help=True)
 prices_app = typer.Typer(help="The price list: what tenants are billed per model and tier.",
@@ -23,6 +26,8 @@ def keys_create(
     operator: bool = typer.Option(False, "--operator",
                                   help="An operator key: sites, outages, prices, keys."),
     db: str | None = DbOption,
+    operator_key: str | None = OperatorKeyOption,
+    server: str = ServerOption,
 ) -> None:
     """Create an API key for a tenant, or an operator key, and print it (works whether or not
     serve is running)."""
@@ -30,7 +35,11 @@ def keys_create(
 
     if operator == (tenant is not None):
         raise SystemExit("error: give --tenant NAME or --operator")
-    with open_store_or_exit(db) as store:
+    if operator_key:
+        typer.echo(call(server, operator_key, "POST", "/v1/keys",
+                        json={"tenant": tenant, "operator": operator})["key"])
+        return
+    with fleet_store(db, reading=False) as store:
         typer.echo(create_operator_key(store) if tenant is None else create_key(store, tenant))
 
 
@@ -63,7 +72,7 @@ def keys_list(
 
     from minimill.control.keys import list_keys
 
-    with open_store_or_exit(db) as store:
+    with fleet_store(db, reading=True) as store:
         records = list_keys(store, tenant)
     if json_out:
         typer.echo(json.dumps([asdict(r) for r in records], indent=2))
@@ -87,53 +96,71 @@ def prices_set(
         None, "--cached-input", help="$ per million cached input tokens (default: --input)."),
     tier: str = TierOption,
     db: str | None = DbOption,
+    operator_key: str | None = OperatorKeyOption,
+    server: str = ServerOption,
 ) -> None:
     """Set what tenants are billed for a model and tier (create or replace the entry)."""
     from minimill.control.prices import set_price
 
-    with open_store_or_exit(db) as store:
-        quoted = set_price(store, model, tier, input_price, output_price, cached_input)
-    p = quoted.price
-    typer.echo(f"{quoted.model} {quoted.tier}: input {p.input_usd_per_mtok:g}, cached input "
-               f"{p.cached_input_usd_per_mtok:g}, output {p.output_usd_per_mtok:g} $/Mtok")
+    if operator_key:
+        p = call(server, operator_key, "POST", "/v1/prices", json={
+            "model": model, "tier": tier, "input_usd_per_mtok": input_price,
+            "output_usd_per_mtok": output_price, "cached_input_usd_per_mtok": cached_input})
+    else:
+        with fleet_store(db, reading=False) as store:
+            quoted = set_price(store, model, tier, input_price, output_price, cached_input)
+        p = {"model": quoted.model, "tier": quoted.tier.value,
+             **dataclasses.asdict(quoted.price)}
+    typer.echo(f"{p['model']} {p['tier']}: input {p['input_usd_per_mtok']:g}, cached input "
+               f"{p['cached_input_usd_per_mtok']:g}, output {p['output_usd_per_mtok']:g} $/Mtok")
 
 
 @prices_app.command("delete")
 def prices_delete(model: str = typer.Argument(..., help="Model name, or '*'."),
-                  tier: str = TierOption, db: str | None = DbOption) -> None:
+                  tier: str = TierOption, db: str | None = DbOption,
+                  operator_key: str | None = OperatorKeyOption,
+                  server: str = ServerOption) -> None:
     """Remove an entry: the model and tier fall back to the next rule (see prices list)."""
     from minimill.control.prices import delete_price
 
-    with open_store_or_exit(db) as store:
-        delete_price(store, model, tier)
+    if operator_key:
+        call(server, operator_key, "DELETE", "/v1/prices", params={"model": model, "tier": tier})
+    else:
+        with fleet_store(db, reading=False) as store:
+            delete_price(store, model, tier)
     typer.echo(f"{model} {tier}: entry removed")
 
 
 @prices_app.command("list")
-def prices_list(db: str | None = DbOption,
-                json_out: bool = JsonOption) -> None:
+def prices_list(db: str | None = DbOption, operator_key: str | None = OperatorKeyOption,
+                server: str = ServerOption, json_out: bool = JsonOption) -> None:
     """Show what tenants are billed: the default entry and each listed model, both tiers."""
     from minimill.api.settings import Settings
     from minimill.control.prices import read_price_list
 
-    factor = Settings().background_price_factor
-    with open_store_or_exit(db) as store:
-        table = read_price_list(store).table(factor)
+    if operator_key:
+        answer = call(server, operator_key, "GET", "/v1/prices")
+        factor, table = answer["background_price_factor"], answer["data"]
+    else:
+        factor = Settings().background_price_factor
+        with fleet_store(db, reading=True) as store:
+            quoted = read_price_list(store).table(factor)
+        table = [{"model": q.model, "tier": q.tier.value, "entry": q.entry,
+                  "discounted": q.discounted, **dataclasses.asdict(q.price)} for q in quoted]
     if json_out:
-        typer.echo(json.dumps([{"model": q.model, "tier": q.tier.value, "entry": q.entry,
-                                "discounted": q.discounted,
-                                "input_usd_per_mtok": q.price.input_usd_per_mtok,
-                                "cached_input_usd_per_mtok": q.price.cached_input_usd_per_mtok,
-                                "output_usd_per_mtok": q.price.output_usd_per_mtok}
-                               for q in table], indent=2))
+        typer.echo(json.dumps([{k: q[k] for k in PRICE_FIELDS} for q in table], indent=2))
         return
-    rows = [(q.model, q.tier.value, f"{q.price.input_usd_per_mtok:g}",
-             f"{q.price.cached_input_usd_per_mtok:g}", f"{q.price.output_usd_per_mtok:g}",
-             q.source + (f" x {factor:g}" if q.discounted else ""))
+    rows = [(q["model"], q["tier"], f"{q['input_usd_per_mtok']:g}",
+             f"{q['cached_input_usd_per_mtok']:g}", f"{q['output_usd_per_mtok']:g}",
+             (q["entry"] or "built-in") + (f" x {factor:g}" if q["discounted"] else ""))
             for q in table]
     print_table("minimill prices ($ per million tokens)",
            ("model", "tier", "input", "cached input", "output", "from entry"), rows,
            left=("model", "tier", "from entry"))
+
+
+PRICE_FIELDS = ("model", "tier", "entry", "discounted", "input_usd_per_mtok",
+                "cached_input_usd_per_mtok", "output_usd_per_mtok")
 
 
 @webhooks_app.command("create")
@@ -174,7 +201,7 @@ def webhooks_list(db: str | None = DbOption,
     from minimill.control.webhook_events import delivery_counts
     from minimill.control.webhooks import EVENT_TYPES, all_endpoints
 
-    with open_store_or_exit(db) as store:
+    with fleet_store(db, reading=True) as store:
         endpoints, counts = all_endpoints(store), delivery_counts(store)
     if json_out:
         typer.echo(json.dumps([

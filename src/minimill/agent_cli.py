@@ -13,6 +13,7 @@ import typer
 
 from minimill.agents.client import TERMINAL, Agents
 from minimill.box_cli import ApiKey, BaseUrl, api_errors
+from minimill.cli_options import JsonOption, print_table
 
 agent_app = typer.Typer(help="Durable agents: harnesses that survive the loss of their "
                         "runner.", no_args_is_help=True)
@@ -60,17 +61,34 @@ def run(file: Path = typer.Argument(..., exists=True, dir_okay=False,
             if agent["status"] in TERMINAL:
                 break
             time.sleep(1.0)
-    typer.echo(json.dumps(agent["result"] if agent["status"] == "succeeded" else agent,
-                          indent=2))
     if agent["status"] != "succeeded":
+        _show_agent(agent)
         raise typer.Exit(1)
+    typer.echo(json.dumps(agent["result"], indent=2))
+
+
+def _show_agent(agent: dict[str, Any]) -> None:
+    """The agent's record as JSON, its error's message (a traceback of the harness's own
+    frames) printed as the text it is rather than one string of escaped newlines."""
+    error = agent.get("error")
+    shown = {**agent, "error": "(below)"} if isinstance(error, dict) else agent
+    typer.echo(json.dumps(shown, indent=2))
+    if isinstance(error, dict):
+        typer.echo(f"error ({error.get('code') or 'unknown'}):")
+        typer.echo(str(error.get("message") or "").rstrip())
 
 
 @agent_app.command("status")
-def status(agent_id: str, base_url: str = BaseUrl, api_key: str = ApiKey) -> None:
-    """The agent: status, restarts, journaled/replayed/repeated effects, result."""
+def status(agent_id: str, as_json: bool = JsonOption, base_url: str = BaseUrl,
+           api_key: str = ApiKey) -> None:
+    """The agent: status, restarts, journaled/replayed/repeated effects, result, and how a
+    failed one failed."""
     with _agents(base_url, api_key) as agents:
-        typer.echo(json.dumps(agents.get(agent_id), indent=2))
+        agent = agents.get(agent_id)
+    if as_json:
+        typer.echo(json.dumps(agent, indent=2))
+    else:
+        _show_agent(agent)
 
 
 @agent_app.command("list")
@@ -81,15 +99,21 @@ def list_agents(status: str | None = typer.Option(
                 base_url: str = BaseUrl, api_key: str = ApiKey) -> None:
     """Your agents, newest first: id, status, restarts, effects, created."""
     with _agents(base_url, api_key) as agents:
-        for a in agents.list_agents(limit, status):
-            created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(a["created_at"]))
-            typer.echo(f"{a['id']}  {a['status']:<9}  restarts {a['restarts']}  effects "
-                       f"{a['journaled_effects']}  {created}Z  {a['filename']}")
+        listed = agents.list_agents(limit, status)
+    if not listed:
+        typer.echo("no agents" + (f" {status}" if status else ""))
+        return
+    rows = [(a["id"], a["status"], str(a["restarts"]), str(a["journaled_effects"]),
+             time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(a["created_at"])), a["filename"])
+            for a in listed]
+    print_table("", ("id", "status", "restarts", "effects", "created", "file"), rows,
+                left=("id", "status", "created", "file"))
 
 
 @agent_app.command("logs")
 def logs(agent_id: str, base_url: str = BaseUrl, api_key: str = ApiKey) -> None:
-    """What the harness recorded with ctx.log."""
+    """What the harness recorded with ctx.log, its box execs that failed (exit code, stderr
+    tail) and, for a failed agent, its error."""
     with _agents(base_url, api_key) as agents:
         for line in agents.logs(agent_id):
             typer.echo(line)

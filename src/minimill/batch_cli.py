@@ -6,12 +6,11 @@ from pathlib import Path
 
 import typer
 
+from minimill.cli_options import ApiKeyOption, BaseUrlOption
+
 batch_app = typer.Typer(help="Submit and follow Batch API jobs.", no_args_is_help=True)
 
 
-BaseUrlOption = typer.Option("http://127.0.0.1:8000/v1", envvar="MINIMILL_BASE_URL",
-                             help="API base URL.")
-ApiKeyOption = typer.Option(..., envvar="MINIMILL_API_KEY", help="API key.")
 
 
 @batch_app.command("submit")

@@ -49,12 +49,12 @@ def _api_errors(base_url: str, what: str) -> Iterator[None]:
     except openai.APIConnectionError:
         _fail(f"cannot reach {base_url} (is `minimill serve` running there?)")
     except openai.AuthenticationError:
-        _fail("the API key was rejected (HTTP 401): check --api-key / MINIMILL_API_KEY "
-              "(`minimill keys create --tenant NAME` makes one)")
+        _fail("the API key was rejected (HTTP 401): check --api-key / MINIMILL_API_KEY or "
+              "OPENAI_API_KEY (`minimill keys create --tenant NAME` makes one)")
     except openai.NotFoundError as exc:
-        _fail(f"{what}: not found ({_message(exc)})")
+        _fail(f"{what}: not found ({_message(exc)}; request {exc.request_id})")
     except openai.APIStatusError as exc:
-        _fail(f"{what}: HTTP {exc.status_code}: {_message(exc)}")
+        _fail(f"{what}: HTTP {exc.status_code}: {_message(exc)} (request {exc.request_id})")
     except BatchClientError as exc:
         _fail(str(exc))
 

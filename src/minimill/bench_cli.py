@@ -233,3 +233,40 @@ def bench_agents(
 
     run_agents_bench(model=model, dtype=dtype, json_out=json_out, docs=docs,
                      docs_per_subagent=docs_per_subagent)
+
+
+@bench_app.command("fairness")
+def bench_fairness(
+    json_out: bool = JsonOption,
+    model: str = typer.Option(DEFAULT_MODEL, help="Model to serve."),
+    dtype: str = EngineDtypeOption,
+    engine: str = typer.Option("fake", help="The worker's engine: 'fake' (at --rate; measures "
+                               "placement in seconds) or 'builtin' (the real model)."),
+    light_requests: int = typer.Option(8, min=1, help="Requests in the light tenant's batch."),
+    heavy_factor: int = typer.Option(10, min=1, help="The heavy tenant's batch is this many "
+                                     "times the light one's."),
+    capacity: int = typer.Option(16, min=2, help="Requests the worker runs at once."),
+    rate: float = typer.Option(320.0, min=1.0, help="Fake engine: output tokens/s of a full "
+                               "batch (a request takes max_tokens x capacity / rate s)."),
+    max_tokens: int = typer.Option(32, min=1, help="max_tokens of the light tenant's "
+                                   "requests (the heavy tenant's vary around it)."),
+) -> None:
+    """A light tenant's batch p50 finish time alone and beside a tenant submitting 10x its
+    load, their ratio beside the target 1.5, and how busy the site stays."""
+    import json
+
+    from minimill.bench.fairness_bench import FairnessBenchOptions, run_fairness_bench
+    from minimill.bench.local_fleet import BenchError
+
+    try:
+        report = run_fairness_bench(FairnessBenchOptions(
+            model=model, dtype=dtype, engine=engine, light_requests=light_requests,
+            heavy_factor=heavy_factor, capacity=capacity, rate=rate, max_tokens=max_tokens))
+    except (BenchError, RuntimeError, TimeoutError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    if json_out:
+        typer.echo(json.dumps(report))
+        return
+    for key, value in report.items():
+        typer.echo(f"{key:>36}: {value}")

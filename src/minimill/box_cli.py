@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,13 +13,19 @@ from typing import Any, Literal
 import httpx
 import typer
 
-from minimill.boxes.client import BoxError, Boxes, ExecEvent, ExecResult
+from minimill.boxes.client import Box, BoxError, Boxes, ExecEvent, ExecResult
+from minimill.cli_options import ApiKeyOption, BaseUrlOption, error_line
 
 box_app = typer.Typer(help="Boxes: sandboxes without a lifetime limit (exec, files, "
                       "snapshots).", no_args_is_help=True)
-BaseUrl = typer.Option("http://127.0.0.1:8000/v1", envvar=["MINIMILL_BASE_URL",
-                       "OPENAI_BASE_URL"], help="API base URL.")
-ApiKey = typer.Option(..., envvar=["MINIMILL_API_KEY", "OPENAI_API_KEY"], help="API key.")
+BaseUrl = BaseUrlOption
+ApiKey = ApiKeyOption
+WaitOption = typer.Option(60.0, "--wait-s", help="How long to wait for a host slot when "
+                          "the box is pending.")
+# What a pending box waits for: every box host's slots are held by other boxes (or no host
+# is connected yet).
+NO_ROOM = "pending: no box host has room"
+PLACED_POLL_S = 0.5
 
 
 @contextmanager
@@ -28,7 +35,8 @@ def api_errors() -> Iterator[None]:
     try:
         yield
     except BoxError as exc:
-        typer.echo(f"error: {exc.message} ({exc.code})", err=True)
+        typer.echo(f"error: {error_line(exc.message, exc.status, exc.code, exc.request_id)}",
+                   err=True)
         raise typer.Exit(1) from None
     except (OSError, httpx.TransportError) as exc:  # unreachable server, missing image
         typer.echo(f"error: {exc}", err=True)
@@ -58,6 +66,8 @@ def create(image: Path | None = typer.Option(None, help="A directory or archive 
                "snapshotted and leaves its host; its next exec or file operation resumes it, "
                "same id, same files). 'never': no idle pause. Default: the server's "
                "(MINIMILL_BOX_IDLE_TIMEOUT_S)."),
+           wait_s: float = typer.Option(10.0, "--wait-s", help="How long to wait for a host "
+                                        "to take the box before printing it."),
            base_url: str = BaseUrl, api_key: str = ApiKey) -> None:
     """Create a box; prints it (its id is what the other commands take)."""
     idle: float | Literal["default"] | None = (
@@ -66,7 +76,14 @@ def create(image: Path | None = typer.Option(None, help="A directory or archive 
         box = boxes.create(image, snapshot=snapshot, network=network,
                            limits={"disk_mb": disk_mb, "timeout_s": timeout_s},
                            idle_timeout_s=idle)
+        deadline = time.monotonic() + wait_s
+        while box.status == "pending" and time.monotonic() < deadline:
+            time.sleep(PLACED_POLL_S)
+            box = boxes.get(box.id)
         _show(box.data)
+        if box.status == "pending":
+            typer.echo(f"{box.id}: {NO_ROOM} yet; it starts once a host frees a slot "
+                       "(minimill box list shows which boxes hold one)", err=True)
 
 
 def _idle_seconds(text: str) -> float | None:
@@ -84,33 +101,78 @@ def _idle_seconds(text: str) -> float | None:
 
 @box_app.command("list")
 def list_boxes(base_url: str = BaseUrl, api_key: str = ApiKey) -> None:
-    """The tenant's boxes, one per line: id, status, latest snapshot."""
+    """The tenant's boxes, one per line: id, status, whether it holds a host slot, latest
+    snapshot."""
     with _boxes(base_url, api_key) as boxes:
-        for box in boxes.list():
-            typer.echo(f"{box.id}\t{box.status}\t{box.data.get('latest_snapshot') or '-'}")
+        listed = boxes.list()
+    if not listed:
+        typer.echo("no boxes")
+        return
+    typer.echo("ID\tSTATUS\tHOST SLOT\tLATEST SNAPSHOT")
+    for box in listed:
+        slot = {"running": "held", "pending": "waiting"}.get(box.status, "-")
+        typer.echo(f"{box.id}\t{box.status}\t{slot}\t{box.data.get('latest_snapshot') or '-'}")
 
 
 @box_app.command("exec", context_settings={"allow_interspersed_args": False})
 def exec_(box_id: str = typer.Argument(..., help="The box."),
-          command: list[str] = typer.Argument(..., help="The command and its arguments."),
+          command: list[str] = typer.Argument(..., help="One argument: a shell command line "
+                                              "(run by /bin/sh -c). Several, or any after "
+                                              "--: the program and its arguments."),
           timeout_s: float | None = typer.Option(None, help="Wall clock for this exec."),
           stdin: bool = typer.Option(False, "--stdin", help="Send this program's stdin."),
           stream: bool = typer.Option(False, "--stream", help="Print the command's output "
                                       "as it comes, not once it has ended."),
+          wait_s: float = WaitOption,
           base_url: str = BaseUrl, api_key: str = ApiKey) -> None:
-    """Run a command in the box; its output and exit code become this command's."""
+    """Run a command in the box; its output and exit code become this command's.
+
+    minimill box exec BOX "ls -l && cat notes.txt"   (a shell command line)
+
+    minimill box exec BOX -- python3 -c "print(1)"   (argv, no shell)"""
+    argv = exec_command(command)
     with _boxes(base_url, api_key) as boxes:
         box = boxes.get(box_id)
+        if box.status == "pending":
+            box = _wait_placed(boxes, box_id, wait_s)
         data = sys.stdin.read() if stdin else ""
         if stream:
-            result = _print_stream(box.exec_stream(command, timeout_s=timeout_s, stdin=data))
+            result = _print_stream(box.exec_stream(argv, timeout_s=timeout_s, stdin=data))
         else:
-            result = box.exec(command, timeout_s=timeout_s, stdin=data)
+            result = box.exec(argv, timeout_s=timeout_s, stdin=data)
             sys.stdout.write(result.stdout)
             sys.stderr.write(result.stderr)
     if result.error:
         typer.echo(f"error: {result.error}", err=True)
     raise typer.Exit(result.exit_code)
+
+
+def exec_command(words: list[str]) -> str | list[str]:
+    """The command as the API takes it: one word is a shell command line (a string, run by
+    /bin/sh -c, as the SDK's box.exec("...") does); several words, or any after `--`, are
+    argv. Click leaves `--` in place once options end, so it is taken out here."""
+    if words and words[0] == "--":
+        if len(words) == 1:
+            raise typer.BadParameter("no command after --", param_hint="COMMAND")
+        return words[1:]
+    return words[0] if len(words) == 1 else words
+
+
+def _wait_placed(boxes: Boxes, box_id: str, wait_s: float) -> Box:
+    """Wait (saying so) for a pending box to be taken by a host, at most `wait_s`."""
+    typer.echo(f"{box_id} is {NO_ROOM}; waiting up to {wait_s:g} s for a host slot "
+               "(minimill box list shows which boxes hold one)", err=True)
+    deadline = time.monotonic() + wait_s
+    while True:
+        box = boxes.get(box_id)
+        if box.status != "pending":
+            return box
+        if time.monotonic() >= deadline:
+            typer.echo(f"error: {box_id} is still {NO_ROOM} after {wait_s:g} s; free a slot "
+                       "with `minimill box rm ID` or `minimill box pause ID`, or try later",
+                       err=True)
+            raise typer.Exit(1)
+        time.sleep(PLACED_POLL_S)
 
 
 def _print_stream(events: Iterator[ExecEvent]) -> ExecResult:
@@ -154,7 +216,12 @@ def read(box_id: str, path: str = typer.Argument(..., help="Path in the workspac
 def ls(box_id: str, path: str = typer.Argument(".", help="Directory in the workspace."),
        base_url: str = BaseUrl, api_key: str = ApiKey) -> None:
     """List a directory of the box: type, size, name."""
-    for entry in _one(lambda b: b.get(box_id).list_files(path), base_url, api_key):
+    entries = _one(lambda b: b.get(box_id).list_files(path), base_url, api_key)
+    if not entries:
+        typer.echo(f"{path}: empty")
+        return
+    typer.echo(f"{'TYPE':<8}{'BYTES':>12}  NAME")
+    for entry in entries:
         typer.echo(f"{entry['type']:<8}{entry['bytes']:>12}  {entry['name']}")
 
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -20,6 +21,7 @@ from minimill.box_cli import box_app
 from minimill.cli_options import (
     DEFAULT_MODEL,
     DTYPE_HELP,
+    LOCAL_SITE_USD_PER_HOUR,
     BoxMaxCpuOption,
     BoxMaxDiskOption,
     BoxMaxExecOption,
@@ -34,15 +36,51 @@ from minimill.cli_options import (
 )
 from minimill.models_cli import models_app
 from minimill.sites_cli import sites_app
+from minimill.tenants_cli import tenants_app
 
 if TYPE_CHECKING:
     from minimill.fleet.kv_options import KvOptions
 
-app = typer.Typer(
+class MinimillApp(typer.Typer):
+    """The `minimill` command: an error it did not expect ends it with one line, the
+    traceback only with --verbose (or MINIMILL_VERBOSE=1)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except Exception as exc:
+            if _VERBOSE[0] or os.environ.get("MINIMILL_VERBOSE") == "1":
+                raise
+            from minimill.control.errors import ControlError
+
+            if isinstance(exc, ControlError):  # a refusal that explains itself
+                print(f"error: {' '.join(exc.message.split())}", file=sys.stderr)
+            else:
+                message = " ".join(str(exc).split()) or type(exc).__name__
+                print(f"error: {message} ({type(exc).__name__}; --verbose shows the "
+                      "traceback)", file=sys.stderr)
+            raise SystemExit(1) from None
+
+
+_VERBOSE = [False]
+app = MinimillApp(
     help="minimill: a token factory serving open-weight LLMs for background agents.",
     no_args_is_help=True,
     add_completion=False,
+    pretty_exceptions_enable=False,
+    # Plain click help: it rewraps descriptions to the terminal and never cuts an option name
+    # (rich panels cut names at 80 columns).
+    rich_markup_mode=None,
+    # Help reads at 80 columns: option names are never cut, descriptions wrap.
+    context_settings={"max_content_width": 100},
 )
+
+
+@app.callback()
+def root(verbose: bool = typer.Option(False, "--verbose", help="Print the traceback of an "
+                                      "error minimill did not expect.")) -> None:
+    """minimill: a token factory serving open-weight LLMs for background agents."""
+    _VERBOSE[0] = verbose
 app.add_typer(keys_app, name="keys")
 app.add_typer(box_app, name="box")
 app.add_typer(agent_app, name="agent")
@@ -51,6 +89,7 @@ app.add_typer(bench_app, name="bench")
 app.add_typer(sites_app, name="sites")
 app.add_typer(prices_app, name="prices")
 app.add_typer(webhooks_app, name="webhooks")
+app.add_typer(tenants_app, name="tenants")
 app.add_typer(models_app, name="models")
 
 
@@ -139,8 +178,8 @@ def serve(
     kv_dtype: str = KvDtypeOption,
     local_worker: bool = typer.Option(True, help="Start one local worker process."),
     price_per_hour: float = typer.Option(
-        0.10, help="What the local site costs in $/hour (cost only; tenants are billed by "
-        "`minimill prices`)."),
+        LOCAL_SITE_USD_PER_HOUR, help="What the local site costs in $/hour (cost only; "
+        "tenants are billed by `minimill prices`)."),
     boxes: int = typer.Option(4, min=0, help="Boxes (sandboxes) the local worker holds at "
                               "once; none where bubblewrap isolation is unavailable."),
     insecure_no_sandbox: bool = typer.Option(
@@ -163,6 +202,25 @@ def serve(
     webhook_allow_private: bool = typer.Option(
         False, "--webhook-allow-private", help="Let webhooks reach loopback, link-local and "
         "private addresses (refused by default; also MINIMILL_WEBHOOK_ALLOW_PRIVATE=1)."),
+    tenant_requests_per_minute: int | None = typer.Option(
+        None, min=0, help="Every tenant's requests per minute, unless `minimill tenants set` "
+        "gives it its own (default: unlimited; also MINIMILL_TENANT_REQUESTS_PER_MINUTE)."),
+    tenant_tokens_per_minute: int | None = typer.Option(
+        None, min=0, help="Every tenant's tokens per minute (prompt plus max_tokens; "
+        "MINIMILL_TENANT_TOKENS_PER_MINUTE)."),
+    tenant_max_concurrent_realtime: int | None = typer.Option(
+        None, min=0, help="Realtime requests a tenant may have in progress at once "
+        "(MINIMILL_TENANT_MAX_CONCURRENT_REALTIME)."),
+    tenant_max_boxes: int | None = typer.Option(
+        None, min=0, help="Boxes a tenant may keep (MINIMILL_TENANT_MAX_BOXES)."),
+    tenant_max_agents: int | None = typer.Option(
+        None, min=0, help="Unfinished agents a tenant may have (MINIMILL_TENANT_MAX_AGENTS)."),
+    tenant_max_stored_bytes: int | None = typer.Option(
+        None, min=0, help="Bytes of files a tenant may keep (MINIMILL_TENANT_MAX_STORED_BYTES)."),
+    tenant_share_prefix_cache: bool = typer.Option(
+        False, "--tenant-share-prefix-cache", help="Let every tenant's cached prompt prefixes "
+        "serve other tenants (off: each tenant's are its own unless `minimill tenants set "
+        "NAME --share-prefix-cache`)."),
 ) -> None:
     """Serve the OpenAI-compatible API (control plane) plus one local worker process."""
     from minimill.api.serve import run_serve
@@ -172,6 +230,15 @@ def serve(
     # The control plane's settings and the local worker both read the caps from here.
     os.environ.update(box_caps(box_max_memory_mb, box_max_processes, box_max_cpu_s,
                                box_max_exec_s, box_max_disk_mb))
+    tenant_defaults = {
+        "REQUESTS_PER_MINUTE": tenant_requests_per_minute,
+        "TOKENS_PER_MINUTE": tenant_tokens_per_minute,
+        "MAX_CONCURRENT_REALTIME": tenant_max_concurrent_realtime,
+        "MAX_BOXES": tenant_max_boxes, "MAX_AGENTS": tenant_max_agents,
+        "MAX_STORED_BYTES": tenant_max_stored_bytes,
+        "SHARE_PREFIX_CACHE": 1 if tenant_share_prefix_cache else None}
+    os.environ.update({f"MINIMILL_TENANT_{k}": str(v) for k, v in tenant_defaults.items()
+                       if v is not None})
     run_serve(host=host, port=port, db=db, model=model, dtype=dtype, local_worker=local_worker,
               price_per_hour=price_per_hour, kv=kv, boxes=boxes,
               insecure_no_sandbox=insecure_no_sandbox, agents=agents,

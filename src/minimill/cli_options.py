@@ -10,10 +10,18 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from minimill.client_env import API_KEY_VARS, BASE_URL_VARS, DEFAULT_BASE_URL
+
 if TYPE_CHECKING:
     from minimill.control.store import Store
 
 DEFAULT_MODEL = "smollm2-135m"
+# What serve's local site costs by default: the machine one already has, drawing ~100 W at
+# $0.10/kWh. At the default model's single-stream rate on a CPU (~20 output tokens/s) that is
+# ~$0.14 per million output tokens, below the built-in background price (control/prices.py's
+# DEFAULT_PRICE): the first dashboard shows no negative margin (tests/control/
+# test_default_margin.py holds the two together).
+LOCAL_SITE_USD_PER_HOUR = 0.01
 
 
 DTYPE_HELP = ("auto (bfloat16 where the chip computes it natively: GPUs, CPUs with AVX-512 BF16 "
@@ -21,6 +29,11 @@ DTYPE_HELP = ("auto (bfloat16 where the chip computes it natively: GPUs, CPUs wi
 
 
 JsonOption = typer.Option(False, "--json", help="Print one JSON object.")
+# Every client command finds the server one way (client_env.py).
+BaseUrlOption = typer.Option(DEFAULT_BASE_URL, envvar=list(BASE_URL_VARS),
+                             help="API base URL.", show_envvar=True)
+ApiKeyOption = typer.Option(..., envvar=list(API_KEY_VARS), help="API key.", show_envvar=True)
+
 ModelOption = typer.Option(DEFAULT_MODEL, help="Model name or path.")
 EngineDtypeOption = typer.Option("auto", help="Engine dtype: " + DTYPE_HELP)
 
@@ -63,6 +76,27 @@ def open_store_or_exit(db: str | None) -> Iterator[Store]:
         store.close()
 
 
+def error_line(message: str, status: int | None = None, code: str | None = None,
+               request_id: str | None = None) -> str:
+    """An API error in one line: the message, then what names it (HTTP status, code, the
+    request id the server logged it under)."""
+    named = [f"HTTP {status}" if status else "", code or "",
+             f"request {request_id}" if request_id else ""]
+    text = " ".join(message.split())  # one line, whatever the server put in it
+    shown = ", ".join(n for n in named if n)
+    return f"{text} ({shown})" if shown else text
+
+
+def money(usd: float) -> str:
+    """Dollars for people: cents where the sum is a dollar or more, else four significant
+    digits (the API keeps exact values)."""
+    from decimal import Decimal
+
+    if abs(usd) >= 1:
+        return f"{usd:,.2f}"
+    return format(Decimal(f"{usd:.4g}"), "f")  # 6.650000000000001e-06 -> 0.00000665
+
+
 def number_or_dash(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -74,7 +108,7 @@ def print_table(title: str, columns: tuple[str, ...], rows: Sequence[Sequence[st
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=title)
+    table = Table(title=title or None)
     for column in columns:
         table.add_column(column, no_wrap=True, justify="left" if column in left else "right")
     for row in rows:

@@ -142,6 +142,9 @@ class Lease(BaseModel):
     # The conversation the request belongs to (a Responses chain's root id, or the client's
     # prompt_cache_key): requests sharing it share a prompt prefix. None: no session.
     session_key: str | None = None
+    # Mixed into the KV prefix cache's block hashes (SamplingParams.cache_salt): the request's
+    # tenant's own, unless it shares its prefixes with other tenants (None).
+    cache_salt: str | None = None
 
 
 class LeaseResponse(BaseModel):

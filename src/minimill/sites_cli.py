@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import typer
 
 from minimill.cli_options import (
     DbOption,
     JsonOption,
+    money,
     number_or_dash,
     open_store_or_exit,
     print_table,
 )
-
-if TYPE_CHECKING:
-    from minimill.control.site_view import SiteStatus
+from minimill.operator_client import OperatorKeyOption, ServerOption, call, fleet_store
 
 sites_app = typer.Typer(help="Sites of the fleet (mini mills).", no_args_is_help=True)
 outage_app = typer.Typer(help="Planned or forecast outages of a site.", no_args_is_help=True)
@@ -48,36 +46,45 @@ def sites_create(
 
 
 @sites_app.command("list")
-def sites_list(db: str | None = DbOption,
-               json_out: bool = JsonOption) -> None:
-    """Show every site: health, throughput (reported and measured), cost, billed, margin."""
+def sites_list(db: str | None = DbOption, operator_key: str | None = OperatorKeyOption,
+               server: str = ServerOption, json_out: bool = JsonOption) -> None:
+    """Show every site: health, throughput (reported and measured), cost, billed, margin;
+    from the running server with --operator-key, else from the store."""
     import time
     from dataclasses import asdict
 
     from minimill.control.site_view import list_sites
 
-    with open_store_or_exit(db) as store:
-        statuses = list_sites(store, time.time())
+    if operator_key:
+        statuses = call(server, operator_key, "GET", "/v1/sites")["data"]
+    else:
+        with fleet_store(db, reading=True) as store:
+            statuses = [asdict(s) for s in list_sites(store, time.time())]
     if json_out:
-        typer.echo(json.dumps([asdict(s) for s in statuses], indent=2))
+        typer.echo(json.dumps(statuses, indent=2))
+        return
+    if not statuses:
+        typer.echo("no sites registered (minimill sites create NAME)")
         return
     columns = ("site", "status", "chip", "serves", "$/h now", "tok/s said", "tok/s measured",
                "uptime", "cost $/Mtok", "eff $/Mtok", "in flight", "free", "leases", "expired",
                "stale", "usage refused", "wasted tok", "billed $", "cost $", "margin $",
                "next outage (UTC)")
-    rows = [(s.name, s.status, s.chip, s.serves, f"{s.price_now:.4f}",
-             number_or_dash(s.tokens_per_s, ".1f"),
-             number_or_dash(s.measured_tokens_per_s, ".1f"), number_or_dash(s.uptime, ".1%"),
-             number_or_dash(s.cost_usd_per_mtok, ".4f"), f"{s.effective_usd_per_mtok:.4f}",
-             str(s.in_flight), str(s.free_capacity), str(s.leases_granted),
-             str(s.leases_expired), str(s.stale_completions),
-             str(s.usage_rejections), str(s.wasted_tokens),
-             f"{s.billed_usd:.6f}", f"{s.cost_usd:.6f}", f"{s.margin_usd:.6f}", _next_outage(s))
+    rows = [(s["name"], s["status"], s["chip"], s["serves"], f"{s['price_now']:.4f}",
+             number_or_dash(s["tokens_per_s"], ".1f"),
+             number_or_dash(s["measured_tokens_per_s"], ".1f"),
+             number_or_dash(s["uptime"], ".1%"), number_or_dash(s["cost_usd_per_mtok"], ".4f"),
+             f"{s['effective_usd_per_mtok']:.4f}", str(s["in_flight"]),
+             str(s["free_capacity"]), str(s["leases_granted"]), str(s["leases_expired"]),
+             str(s["stale_completions"]), str(s["usage_rejections"]), str(s["wasted_tokens"]),
+             money(s["billed_usd"]), money(s["cost_usd"]), money(s["margin_usd"]),
+             _next_outage(s["outages"]))
             for s in statuses]
     print_table("minimill sites", columns, rows, left=("site", "status", "chip", "serves",
                                                    "next outage (UTC)"))
-    billed, cost = sum(s.billed_usd for s in statuses), sum(s.cost_usd for s in statuses)
-    typer.echo(f"billed ${billed:.6f}, cost ${cost:.6f}, margin ${billed - cost:.6f}")
+    billed = sum(s["billed_usd"] for s in statuses)
+    cost = sum(s["cost_usd"] for s in statuses)
+    typer.echo(f"billed ${money(billed)}, cost ${money(cost)}, margin ${money(billed - cost)}")
 
 
 @outage_app.command("add")
@@ -86,12 +93,19 @@ def outage_add(
     start: str = typer.Option(..., "--from", help="Start, ISO 8601."),
     end: str = typer.Option(..., "--to", help="End, ISO 8601."),
     db: str | None = DbOption,
+    operator_key: str | None = OperatorKeyOption,
+    server: str = ServerOption,
 ) -> None:
     """Announce a planned or forecast outage of a site."""
     from minimill.control.sites import add_outage, parse_time
 
-    with open_store_or_exit(db) as store:
-        outage_id = add_outage(store, site, parse_time(start, "from"), parse_time(end, "to"))
+    start_at, end_at = parse_time(start, "from"), parse_time(end, "to")
+    if operator_key:
+        outage_id = call(server, operator_key, "POST", f"/v1/sites/{site}/outages",
+                         json={"start_at": start_at, "end_at": end_at})["id"]
+    else:
+        with fleet_store(db, reading=False) as store:
+            outage_id = add_outage(store, site, start_at, end_at)
     typer.echo(f"outage {outage_id} of {site} from {start} to {end} recorded")
 
 
@@ -134,6 +148,8 @@ def outage_list(
     include_past: bool = typer.Option(False, "--all", help="Past outages too."),
     json_out: bool = JsonOption,
     db: str | None = DbOption,
+    operator_key: str | None = OperatorKeyOption,
+    server: str = ServerOption,
 ) -> None:
     """List announced outages (those not over yet) with their ids."""
     import time
@@ -141,15 +157,25 @@ def outage_list(
 
     from minimill.control.sites import list_outages
 
-    with open_store_or_exit(db) as store:
-        records = list_outages(store, time.time(), site, include_past=include_past)
+    if operator_key:
+        if site is None:
+            raise typer.BadParameter("with --operator-key, name the SITE", param_hint="SITE")
+        records = call(server, operator_key, "GET", f"/v1/sites/{site}/outages",
+                       params={"include_past": include_past})["data"]
+    else:
+        with fleet_store(db, reading=True) as store:
+            records = [asdict(r) for r in list_outages(store, time.time(), site,
+                                                       include_past=include_past)]
     if json_out:
-        typer.echo(json.dumps([asdict(r) for r in records], indent=2))
+        typer.echo(json.dumps(records, indent=2))
         return
     if not records:
         typer.echo("no outages announced" + (f" for {site}" if site else ""))
+        return
+    typer.echo(f"{'id':>6}  site  from to (UTC)")
     for r in records:
-        typer.echo(f"{r.id:>6}  {r.site}  {_moment(r.start_at)} to {_moment(r.end_at)} UTC")
+        typer.echo(f"{r['id']:>6}  {r['site']}  {_moment(r['start_at'])} to "
+                   f"{_moment(r['end_at'])} UTC")
 
 
 @outage_app.command("remove")
@@ -166,12 +192,12 @@ def outage_remove(
                f"{_moment(record.end_at)} UTC) removed")
 
 
-def _next_outage(status: SiteStatus) -> str:
+def _next_outage(outages: list[dict[str, float]]) -> str:
     from datetime import UTC, datetime
 
-    if not status.outages:
+    if not outages:
         return "-"
-    first = min(status.outages, key=lambda o: o["start_at"])
+    first = min(outages, key=lambda o: o["start_at"])
 
     def moment(t: float) -> str:
         return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M")

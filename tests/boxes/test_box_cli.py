@@ -85,3 +85,24 @@ def test_host_refuses_boxes_without_isolation(box_env: ApiEnv, tmp_path: Path) -
         env={**os.environ, "PATH": str(tmp_path), "MINIMILL_SITE_TOKEN": token})
     assert proc.returncode == 2
     assert "bubblewrap" in proc.stderr and "--insecure-no-sandbox" in proc.stderr
+
+
+def test_box_exec_takes_a_shell_line_or_argv(box_env: ApiEnv, box_host: BoxHostProc) -> None:
+    """One argument is a shell command line; several, or any after `--`, are argv; a
+    program that is not there is said so in minimill's words, with a shell's exit code."""
+    with Boxes(box_env.v1, box_env.key) as client:
+        box_id = client.create().id
+    shell = _box(box_env, "exec", box_id, "echo hi && echo there")
+    assert (shell.returncode, shell.stdout) == (0, "hi\nthere\n"), shell.stderr
+    argv = _box(box_env, "exec", box_id, "--", "echo", "a && b")
+    assert (argv.returncode, argv.stdout) == (0, "a && b\n"), argv.stderr
+    one = _box(box_env, "exec", box_id, "--", "pwd")
+    assert (one.returncode, one.stdout) == (0, "/workspace\n"), one.stderr
+    for words in (["--", "no-such-program"], ["no-such-program", "--flag"]):
+        missing = _box(box_env, "exec", box_id, *words)
+        assert (missing.returncode, missing.stderr) == (
+            127, "minimill: no-such-program: command not found\n")
+        assert "bwrap" not in missing.stdout + missing.stderr
+    bare = _box(box_env, "exec", box_id, "--")
+    assert bare.returncode == 2 and "no command after --" in bare.stderr
+    _box(box_env, "rm", box_id)

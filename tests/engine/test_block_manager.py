@@ -9,9 +9,9 @@ from minimill.engine.sequence import Sequence
 BS = 4
 
 
-def make_seq(request_id: str, tokens: list[int]) -> Sequence:
-    return Sequence(request_id, tokens, SamplingParams(max_tokens=4), seed=0,
-                    eos_token_ids=frozenset())
+def make_seq(request_id: str, tokens: list[int], cache_salt: str | None = None) -> Sequence:
+    return Sequence(request_id, tokens, SamplingParams(max_tokens=4, cache_salt=cache_salt),
+                    seed=0, eos_token_ids=frozenset())
 
 
 def compute(bm: BlockManager, seq: Sequence, num_tokens: int) -> None:
@@ -62,6 +62,18 @@ def test_shared_prefix_is_reused_with_reference_counts() -> None:
     assert all(bm.blocks[i].ref_count == 2 for i in a.block_table[:2])
     bm.free(a)
     assert all(bm.blocks[i].ref_count == 1 for i in b.block_table[:2])
+
+
+def test_a_prefix_serves_only_sequences_of_the_same_cache_salt() -> None:
+    bm = BlockManager(num_blocks=32, block_size=BS)
+    prefix = list(range(200, 212))  # three full blocks
+    a = make_seq("a", [*prefix, 1], cache_salt="tenant:a")
+    compute(bm, a, a.num_tokens)
+    assert bm.find_cached_prefix(make_seq("b", [*prefix, 2], cache_salt="tenant:b")) == []
+    assert bm.find_cached_prefix(make_seq("u", [*prefix, 2])) == []  # unsalted: shared pool
+    again = make_seq("a2", [*prefix, 3], cache_salt="tenant:a")
+    assert bm.find_cached_prefix(again) == a.block_table[:3]
+    assert bm.pending_hashes(again)[:3] != bm.pending_hashes(make_seq("u2", [*prefix, 3]))[:3]
 
 
 def test_reset_prefix_cache_forgets_prefixes_only_when_the_pool_is_idle() -> None:

@@ -47,3 +47,14 @@ def test_a_start_waiting_on_a_leftover_goes_on(tmp_path: Path) -> None:
         while lock.exists() and time.time() < deadline:  # what torch's loader does
             time.sleep(0.1)
     assert not lock.exists()
+
+
+def test_a_build_killed_half_way_is_cleared_once_old(tmp_path: Path) -> None:
+    """A worker stopped while it built the kernels leaves objects, no library, and the lock:
+    once it is older than a build's pause between compiler runs, it goes."""
+    killed = build_dir(tmp_path, "cpu-killed", built=False, lock_age_s=60.0)
+    (killed.parent / "attention.o").write_bytes(b"\x7fELF")
+    recent = build_dir(tmp_path, "cpu-recent", built=False, lock_age_s=10.0)
+    (recent.parent / "attention.o").write_bytes(b"\x7fELF")
+    assert clear_stale_kernel_locks(tmp_path) == [killed]
+    assert recent.exists()

@@ -102,6 +102,15 @@ def _jsonable(value: Any) -> Any:
         return repr(value)
 
 
+def harness_traceback(exc: BaseException, filename: str) -> str:
+    """The traceback a harness's author needs: the frames of their own file (minimill's
+    frames say nothing to them), then the exception."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == filename]
+    lines = ["Traceback (most recent call last):\n", *traceback.format_list(frames)]
+    lines += traceback.format_exception_only(exc)
+    return "".join(lines if frames else lines[1:])[-4000:]
+
+
 async def _read_lines(channel: Channel, run: Run, reader: asyncio.StreamReader) -> None:
     while line := await reader.readline():
         message = json.loads(line)
@@ -124,15 +133,15 @@ async def _serve(start: dict[str, Any], reader: asyncio.StreamReader, channel: C
     run.on_quiet = lambda: channel.send({"op": "quiet", "replayed": run.replayed})
     listener = asyncio.create_task(_read_lines(channel, run, reader))
     done: dict[str, Any]
+    filename = str(start.get("filename") or "harness.py")
     try:
-        main = load_main(str(start["code"]), str(start.get("filename") or "harness.py"))
+        main = load_main(str(start["code"]), filename)
         result = await main(Ctx(run), start.get("task"))
         done = {"outcome": "succeeded", "result": _jsonable(result)}
     except Suspend as sleep:
         done = {"outcome": "sleeping", "wake_at": sleep.wake_at}
     except Exception as exc:
-        tail = "".join(traceback.format_exception(exc)[-6:])[-4000:]
-        done = {"outcome": "failed", "message": tail}
+        done = {"outcome": "failed", "message": harness_traceback(exc, filename)}
     channel.send({"op": "done", "replayed": run.replayed, "performed": run.performed, **done})
     listener.cancel()
 

@@ -210,7 +210,12 @@ class AgentRunner:
                 await retrying(lambda: self.client.append(lease.agent_id, JournalAppend(
                     epoch=lease.epoch, entries=[], replayed=process.replayed)),
                     "journal append")
-            await retrying(lambda: self.client.finish(lease.agent_id, done), "agent finish")
+            accepted = await retrying(lambda: self.client.finish(lease.agent_id, done),
+                                      "agent finish")
+            if not accepted:  # cancelled meanwhile (its box deleted with it), or taken over
+                log.info("agent %s: lease lost or revoked; its end (%s) was not recorded",
+                         lease.agent_id, done.outcome)
+                return
             self.stats["finished"] += 1
             log.info("agent %s %s (%d effects run, %d from the journal)", lease.agent_id,
                      done.outcome, outcome["performed"], len(lease.journal))

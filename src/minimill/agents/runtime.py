@@ -23,6 +23,9 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 DEFAULT_MAX_TOKENS = 256
+STDERR_TAIL_CHARS = 500
+# The journal kind of ctx.box.keep() (control/agents.py reads it when the agent ends).
+KEEP_BOX_EFFECT = "keep_box"
 
 
 class Answer(str):
@@ -47,6 +50,25 @@ class BudgetExceeded(RuntimeError):
 
 class EffectFailed(RuntimeError):
     """The API answered an effect with an error (shown to the harness as this exception)."""
+
+
+class ExecFailed(RuntimeError):
+    """`ctx.box.exec` ran a command that failed (non-zero exit, or a limit it hit); the
+    message ends with the tail of its stderr."""
+
+    def __init__(self, command: str | list[str], result: dict[str, Any]) -> None:
+        self.exit_code = result.get("exit_code")
+        self.stdout = str(result.get("stdout") or "")
+        self.stderr = str(result.get("stderr") or "")
+        shown = command if isinstance(command, str) else " ".join(command)
+        why = f": {result['error']}" if result.get("error") else ""
+        tail = self.stderr.strip()[-STDERR_TAIL_CHARS:]
+        super().__init__(f"box exec {shown!r} exited {self.exit_code}{why}"
+                         + (f"; stderr: {tail}" if tail else ""))
+
+
+async def _const(value: Any) -> Any:
+    return value
 
 
 class Suspend(BaseException):
@@ -290,13 +312,23 @@ class AgentBox:
         return run.box_id
 
     async def exec(self, command: str | list[str], *, stdin: str = "",
-                   timeout_s: float | None = None) -> dict[str, Any]:
-        """Run a command in the box: {exit_code, stdout, stderr, ...}."""
+                   timeout_s: float | None = None, check: bool = True) -> dict[str, Any]:
+        """Run a command in the box (argv, or a string for /bin/sh -c): {exit_code, stdout,
+        stderr, ...}. Like `subprocess.run(check=True)`, a non-zero exit raises ExecFailed
+        (after the result is journaled) unless `check=False`."""
         box_id = await self._box_id()
         args = {"command": command, "stdin": stdin, "timeout_s": timeout_s}
         result: dict[str, Any] = await self._ctx.effect(
             "exec", lambda key: self._ctx._run.effects.box_call(box_id, "exec", args, key))
+        if check and (result.get("exit_code") != 0 or result.get("error")):
+            raise ExecFailed(command, result)
         return result
+
+    async def keep(self) -> None:
+        """Keep the box when the agent ends (by default an ending agent's box is deleted):
+        the tenant deletes it later (minimill box rm)."""
+        box_id = await self._box_id()
+        await self._ctx.effect(KEEP_BOX_EFFECT, lambda _key: _const(box_id))
 
     async def write(self, path: str, content: str) -> None:
         box_id = await self._box_id()

@@ -29,6 +29,8 @@ from minimill.api.box_wakeup import Wakeup
 from minimill.api.lease_wakeup import lease_wakeup_of
 from minimill.api.limits import BodyLimitMiddleware
 from minimill.api.progress import ProgressWatcher
+from minimill.api.rate_headers import RateHeadersMiddleware
+from minimill.api.request_ids import RequestIds
 from minimill.api.routes import (
     agent_fleet,
     agents,
@@ -45,6 +47,7 @@ from minimill.api.routes import (
     prices,
     responses,
     sites,
+    tenants,
     webhook_endpoints,
 )
 from minimill.api.routes import metrics as metrics_route
@@ -148,15 +151,17 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     app.state.watcher = watcher
     app.state.ingest_wake = ingest_wake
     errors.install(app)
+    app.add_middleware(RateHeadersMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes,
                        max_file_bytes=settings.max_file_bytes,
                        max_fleet_body_bytes=settings.max_fleet_body_bytes)
     app.state.metrics = metrics.install(app, the_store)
+    app.add_middleware(RequestIds)
     for module in (models, chat, completions, responses, files, batches, webhook_endpoints,
                    boxes, agents, fleet, box_fleet, agent_fleet):
         app.include_router(module.router)
-    operator_routers = (sites.router, prices.router, keys.router, metrics_route.router,
-                        dashboard.router)
+    operator_routers = (sites.router, prices.router, keys.router, tenants.router,
+                        metrics_route.router, dashboard.router)
     for router in operator_routers:
         app.include_router(router)
     # A wrong method on these answers 404 too (errors.py), as an unknown URL would.

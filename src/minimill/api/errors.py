@@ -45,6 +45,8 @@ def error_response(status: int, message: str, *, type_: str | None = None,
 async def _control_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ControlError)
     headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
+    if isinstance(getattr(exc, "headers", None), dict):  # a 429's x-ratelimit-*, retry-after
+        headers = {**(headers or {}), **exc.headers}  # type: ignore[attr-defined]
     return error_response(exc.status_code, exc.message, type_=exc.error_type, param=exc.param,
                           code=exc.code, headers=headers)
 

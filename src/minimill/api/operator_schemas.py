@@ -1,13 +1,15 @@
-"""Wire schemas of the operator routes (sites, prices, keys): what only operator keys see."""
+"""Wire schemas of the operator routes (sites, prices, keys, tenants' limits): what only
+operator keys see."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from minimill.api.schemas import OutageWindow
 from minimill.control.prices import QuotedPrice
+from minimill.control.tenant_limits import TenantLimitsView, as_dict
 
 
 class SiteObject(BaseModel):
@@ -154,3 +156,50 @@ class PriceScheduleObject(BaseModel):
     start_at: float | None
     hourly_usd: list[float]
     repeat: bool
+
+
+class TenantLimitsObject(BaseModel):
+    """A tenant's limits in effect (null: unlimited), and which of them are its own."""
+
+    object: Literal["tenant.limits"] = "tenant.limits"
+    tenant: str
+    requests_per_minute: int | None
+    tokens_per_minute: int | None
+    max_concurrent_realtime: int | None
+    max_boxes: int | None
+    max_agents: int | None
+    max_stored_bytes: int | None
+    weight: float
+    share_prefix_cache: bool
+    overrides: dict[str, Any] = Field(description="The tenant's own values; the others are "
+                                      "the operator's defaults (minimill serve --tenant-*).")
+
+    @classmethod
+    def of(cls, view: TenantLimitsView) -> TenantLimitsObject:
+        return cls(tenant=view.tenant, overrides=view.overrides, **as_dict(view.limits))
+
+
+class TenantLimitsList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[TenantLimitsObject]
+
+
+class TenantLimitsSet(BaseModel):
+    """Changes to a tenant's own limits: a value sets it (null: unlimited for this tenant);
+    `reset` names those that go back to the operator's defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    requests_per_minute: int | None = Field(default=None, ge=0)
+    tokens_per_minute: int | None = Field(default=None, ge=0)
+    max_concurrent_realtime: int | None = Field(default=None, ge=0)
+    max_boxes: int | None = Field(default=None, ge=0)
+    max_agents: int | None = Field(default=None, ge=0)
+    max_stored_bytes: int | None = Field(default=None, ge=0)
+    weight: float | None = Field(default=None, gt=0, le=1000)
+    share_prefix_cache: bool | None = None
+    reset: list[str] = Field(default_factory=list, max_length=16)
+
+    def changes(self) -> dict[str, Any]:
+        """The fields the body sent, as given (an explicit null included)."""
+        return {k: getattr(self, k) for k in self.model_fields_set if k != "reset"}

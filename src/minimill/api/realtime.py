@@ -17,6 +17,7 @@ from fastapi.responses import StreamingResponse
 
 from minimill.api.lease_wakeup import lease_wakeup
 from minimill.api.progress import ProgressWatcher, Watch
+from minimill.api.rate_headers import remember
 from minimill.api.streaming import WAKE_S, ChunkStream, num_choices
 from minimill.control.bodies import ChatBody, CompletionBody, prepare_body
 from minimill.control.checkpoints import has_output
@@ -24,8 +25,9 @@ from minimill.control.config import ControlConfig
 from minimill.control.errors import ConflictError, ControlError, RequestTimeoutError
 from minimill.control.records import Kind, RequestRecord, RequestStatus, Tenant
 from minimill.control.render import render_response, usage_dict
-from minimill.control.requests import cancel_request, get_request, submit
+from minimill.control.requests import cancel_request, get_request, submit_limited
 from minimill.control.store import Store
+from minimill.control.tenant_limits import limits_for
 
 
 class WorkerReportedError(ControlError):
@@ -74,8 +76,12 @@ async def serve_realtime(request: Request, kind: Kind, body: ChatBody | Completi
     # A call retried with the same Idempotency-Key waits for the first one's request; such a
     # request outlives a client that goes away (its retry will come for it).
     idempotency_key = (request.headers.get("idempotency-key") or "")[:500] or None
-    request_id = await anyio.to_thread.run_sync(submit, store, tenant.id, prepared,
-                                                time.time(), config, idempotency_key)
+    limits = await anyio.to_thread.run_sync(limits_for, store, tenant.id,
+                                            config.tenant_limits)
+    request_id, rate = await anyio.to_thread.run_sync(submit_limited, store, tenant.id,
+                                                      prepared, time.time(), config,
+                                                      idempotency_key, limits)
+    remember(request, rate)
     lease_wakeup(request).notify()  # a worker waiting in its lease call takes it at once
     watch = watcher.watch(request_id)
     handed_over = False

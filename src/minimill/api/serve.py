@@ -73,6 +73,8 @@ def _print_key(key: str, host: str, port: int, model: str) -> None:
     print(f"minimill serve: API key for tenant '{DEFAULT_TENANT}' (new each start):\n"
           f"  export OPENAI_BASE_URL={base}\n"
           f"  export OPENAI_API_KEY={key}\n"
+          f"  export MINIMILL_BASE_URL={base}\n"
+          f"  export MINIMILL_API_KEY={key}\n"
           f"  python -c \"from openai import OpenAI; print(OpenAI().chat.completions.create("
           f"model='{model}', messages=[{{'role': 'user', 'content': 'Hi'}}])"
           f".choices[0].message.content)\"", flush=True)

@@ -7,6 +7,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from minimill.box_protocol import DEFAULT_BOX_CAPS, BoxLimits
 from minimill.control.config import DEFAULT_MODEL, ControlConfig
+from minimill.control.tenant_limits import TenantLimits
 from minimill.models.info import context_length
 
 
@@ -71,6 +72,27 @@ class Settings(BaseSettings):
     # Seconds before an announced outage that a site gives back what it would not finish;
     # unset: the placement policy's 5 s.
     handback_lead_s: float | None = Field(default=None, gt=0)
+    # Every tenant's limits unless `minimill tenants set` gives it its own (unset: unlimited):
+    # `minimill serve --tenant-*` or MINIMILL_TENANT_*.
+    tenant_requests_per_minute: int | None = Field(default=None, ge=0)
+    tenant_tokens_per_minute: int | None = Field(default=None, ge=0)
+    tenant_max_concurrent_realtime: int | None = Field(default=None, ge=0)
+    tenant_max_boxes: int | None = Field(default=None, ge=0)
+    tenant_max_agents: int | None = Field(default=None, ge=0)
+    tenant_max_stored_bytes: int | None = Field(default=None, ge=0)
+    # Every tenant's prompts share cached KV prefixes with other tenants' (off, the default:
+    # a tenant's cached prefixes are its own unless `minimill tenants set NAME
+    # --share-prefix-cache` opts it in).
+    tenant_share_prefix_cache: bool = False
+
+    def tenant_limits(self) -> TenantLimits:
+        return TenantLimits(
+            requests_per_minute=self.tenant_requests_per_minute,
+            tokens_per_minute=self.tenant_tokens_per_minute,
+            max_concurrent_realtime=self.tenant_max_concurrent_realtime,
+            max_boxes=self.tenant_max_boxes, max_agents=self.tenant_max_agents,
+            max_stored_bytes=self.tenant_max_stored_bytes,
+            share_prefix_cache=self.tenant_share_prefix_cache)
 
     def box_caps(self) -> BoxLimits:
         return BoxLimits.model_construct(
@@ -100,4 +122,5 @@ class Settings(BaseSettings):
             webhook_allow_private=self.webhook_allow_private,
             box_idle_timeout_s=self.box_idle_timeout_s or None,
             box_caps=self.box_caps(),
-            handback_lead_s=self.handback_lead_s)
+            handback_lead_s=self.handback_lead_s,
+            tenant_limits=self.tenant_limits())

@@ -6,8 +6,10 @@ then run unconstrained, each generating exactly as many tokens as its constraine
 (ignore_eos): same prompts, same output lengths, same batch dynamics, so the two throughputs
 differ only by what the grammar costs (filling a token mask per row and step, applying it in
 the sampler). Rounds alternate, the headline is the median ratio (these VMs move by 10% from
-one minute to the next). Every constrained answer is validated against its schema, and each
-schema's grammar compile time is measured cold and from the engine's cache.
+one minute to the next). Every constrained answer that ends is validated against its schema
+(one that max_tokens cut short, as in an unbounded number's digits, is counted apart, as
+OpenAI answers it with finish_reason "length"), and each schema's grammar compile time is
+measured cold and from the engine's cache.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ def run_structured_bench(options: StructuredBenchOptions) -> dict[str, Any]:
     llm.generate(prompts[:2], guided[:2])  # warm-up (kernels, grammar cache)
     constrained: list[_Run] = []
     plain: list[_Run] = []
-    valid = invalid = 0
+    valid = invalid = cut = 0
     lengths: list[int] | None = None
     problems: list[str] = []
     for _ in range(max(1, options.rounds)):
@@ -129,6 +131,12 @@ def run_structured_bench(options: StructuredBenchOptions) -> dict[str, Any]:
         if lengths is None:  # the answers are the same every round (seeded, batch-invariant)
             lengths = [max(1, len(o.output_token_ids)) for o in outs]
             for out, name in zip(outs, assigned, strict=True):
+                if out.finish_reason == "length":
+                    # Stopped by max_tokens before the grammar let it end (a number's digits
+                    # are unbounded): a cut answer, as OpenAI returns with finish_reason
+                    # "length", not one the grammar let go wrong.
+                    cut += 1
+                    continue
                 try:
                     jsonschema.validate(json.loads(out.text), SCHEMAS[name])
                     valid += 1
@@ -154,7 +162,8 @@ def run_structured_bench(options: StructuredBenchOptions) -> dict[str, Any]:
                     round(p.tok_s, 1), "ratio": round(r, 3)}
                    for c, p, r in zip(constrained, plain, ratios, strict=True)],
         "output_tokens": constrained[0].output_tokens,
-        "valid_answers": valid, "invalid_answers": invalid,
+        "valid_answers": valid, "invalid_answers": invalid, "cut_at_max_tokens": cut,
+        "max_tokens": options.max_tokens,
         "valid_share": round(valid / max(1, valid + invalid), 4),
         "invalid_examples": problems[:5],
         "grammar_compile": compile_ms,

@@ -27,15 +27,19 @@ from typing import Any, Literal
 
 import httpx
 
+from minimill import client_env
+
 DEFAULT_TIMEOUT_S = 600.0
 
 
 class BoxError(RuntimeError):
-    def __init__(self, status: int, message: str, code: str | None) -> None:
+    def __init__(self, status: int, message: str, code: str | None,
+                 request_id: str | None = None) -> None:
         super().__init__(f"{message} (HTTP {status}, {code})")
         self.status = status
         self.message = message
         self.code = code
+        self.request_id = request_id  # the answer's x-request-id: name it when reporting
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,12 +70,12 @@ class ExecEvent:
     result: ExecResult | None = None
 
 
-def _error(status: int, body: bytes) -> BoxError:
+def _error(status: int, body: bytes, request_id: str | None = None) -> BoxError:
     try:
         error = json.loads(body)["error"]
-        return BoxError(status, str(error.get("message")), error.get("code"))
+        return BoxError(status, str(error.get("message")), error.get("code"), request_id)
     except (ValueError, KeyError, TypeError, AttributeError):
-        return BoxError(status, body[:500].decode(errors="replace"), None)
+        return BoxError(status, body[:500].decode(errors="replace"), None, request_id)
 
 
 def _archive(image: str | os.PathLike[str]) -> bytes:
@@ -91,8 +95,8 @@ def _archive(image: str | os.PathLike[str]) -> bytes:
 class Boxes:
     def __init__(self, base_url: str | None = None, api_key: str | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        base_url = base_url or os.environ.get("OPENAI_BASE_URL", "http://127.0.0.1:8000/v1")
-        api_key = api_key or os.environ.get("OPENAI_API_KEY", "")
+        base_url = base_url or client_env.base_url()
+        api_key = api_key or client_env.api_key()
         self._http = httpx.Client(base_url=base_url.rstrip("/"),
                                   headers={"Authorization": f"Bearer {api_key}"},
                                   timeout=httpx.Timeout(timeout_s))
@@ -101,7 +105,7 @@ class Boxes:
                 **kwargs: Any) -> httpx.Response:
         resp = self._http.request(method, prefix + path, **kwargs)
         if resp.status_code >= 400:
-            raise _error(resp.status_code, resp.content)
+            raise _error(resp.status_code, resp.content, resp.headers.get("x-request-id"))
         return resp
 
     def events(self, method: str, path: str, prefix: str = "/boxes",
@@ -109,7 +113,7 @@ class Boxes:
         """(id, JSON payload) of each server-sent event of the answer, until [DONE]."""
         with self._http.stream(method, prefix + path, **kwargs) as resp:
             if resp.status_code >= 400:
-                raise _error(resp.status_code, resp.read())
+                raise _error(resp.status_code, resp.read(), resp.headers.get("x-request-id"))
             event_id: str | None = None
             data: list[str] = []
             for line in resp.iter_lines():

@@ -22,8 +22,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -61,6 +63,7 @@ DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
 SETUP_RETRIES = 3
 # How bubblewrap's own messages start (on stderr).
 _BWRAP_PREFIX = b"bwrap: "
+_BWRAP_EXECVP = b"bwrap: execvp "  # the sandbox is set up; the program could not start
 log = logging.getLogger("minimill.boxes")
 # Called with ("stdout" | "stderr", bytes) as output comes, from the threads reading the pipes.
 OnOutput = Callable[[str, bytes], None]
@@ -264,12 +267,34 @@ class _SetupGate:
             self._on_output(stream, data)
         self._held.clear()
 
-    def end(self, setup_failed: bool) -> None:
+    def end(self, setup_failed: bool, stderr: bytes | None = None) -> None:
+        """`stderr`: what to pass on instead of held stderr (bubblewrap's words, translated)."""
         with self._lock:
             if setup_failed:
                 self._held.clear()
             else:
+                if stderr is not None:
+                    self._held = [(k, d) for k, d in self._held if k != "stderr"]
+                    self._held.append(("stderr", stderr))
                 self._release()
+
+
+def translate_bwrap_error(result: ExecResult) -> ExecResult:
+    """bubblewrap's own failures in minimill's words, with a shell's exit codes: a program
+    that is not there (127) or cannot be run (126). Others keep bubblewrap's message, named
+    as the sandbox's."""
+    if not _setup_failed(result):
+        return result
+    text = result.stderr.decode(errors="replace").strip()
+    match = re.match(r"bwrap: execvp (.+): (No such file or directory|Permission denied)$",
+                     text)
+    if match is None:
+        message, code = "minimill: the box's sandbox failed: " + text.removeprefix("bwrap: "), 1
+    elif match.group(2).startswith("No such"):
+        message, code = f"minimill: {match.group(1)}: command not found", 127
+    else:
+        message, code = f"minimill: {match.group(1)}: permission denied", 126
+    return dataclasses.replace(result, exit_code=code, stderr=(message + "\n").encode())
 
 
 def run_exec(workspace: Path, command: list[str], *, on_output: OnOutput | None = None,
@@ -280,11 +305,16 @@ def run_exec(workspace: Path, command: list[str], *, on_output: OnOutput | None 
     for attempt in range(retries + 1):
         gate = _SetupGate(on_output) if on_output is not None and retries else None
         result = _run_exec_once(workspace, command, on_output=gate or on_output, **kwargs)
-        failed = _setup_failed(result) and attempt < retries
-        if gate is not None:
-            gate.end(failed)
+        # A program that is not there stays so: only a failure to set up is tried again.
+        failed = (_setup_failed(result) and not result.stderr.startswith(_BWRAP_EXECVP)
+                  and attempt < retries)
         if not failed:
-            break
+            translated = translate_bwrap_error(result)
+            if gate is not None:
+                gate.end(False, translated.stderr if translated is not result else None)
+            return translated
+        if gate is not None:
+            gate.end(True)
         log.warning("bubblewrap could not set up (%s); trying again",
                     result.stderr.decode(errors="replace").strip()[:200])
         time.sleep(0.1 * 2**attempt)

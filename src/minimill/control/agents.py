@@ -1,6 +1,10 @@
 """Durable agents: the tenant's side (create, get, list, logs, cancel) and the runner's side
 (poll: leases with fencing epochs, journal appends, finish, release, reap).
 
+An agent that ends (succeeded, failed or cancelled) releases the box its harness created
+(journaled as its `box` effect), so that finished agents hold no box host slots; a harness
+that calls `ctx.box.keep()` (a `keep_box` effect) leaves it to the tenant.
+
 An agent's journal holds every effect of its harness under a key that names the effect's
 place in the run; a runner that takes the agent over replays it: effects already journaled
 are answered from it, never run again. A second append of a key is refused and counted
@@ -30,17 +34,19 @@ from minimill.agent_protocol import (
     JournalAppended,
     JournalEntry,
 )
-from minimill.control import harness_keys
+from minimill.control import boxes, harness_keys, quotas
 from minimill.control.config import ControlConfig
 from minimill.control.errors import ConflictError, NotFoundError
 from minimill.control.records import Site, new_id
 from minimill.control.store import Store, retry_conflicts
 from minimill.control.tables import agent_journal, agents
+from minimill.control.tenant_limits import TenantLimits
 
 MAX_CODE_CHARS = 1_000_000
 # Most agents one poll is granted: each lease hands a site a harness credential and a
 # tenant's code, so no runner takes the whole queue in one call.
 MAX_AGENTS_PER_POLL = 32
+STDERR_TAIL_CHARS = 500  # of a failed box exec, in `agent logs`
 
 
 class AgentStatus(StrEnum):
@@ -51,6 +57,10 @@ class AgentStatus(StrEnum):
     FAILED = "failed"
     CANCELLED = "cancelled"
 
+
+# Journal kinds of the effects that create the agent's box and keep it past the agent's end.
+BOX_EFFECT = "box"
+KEEP_BOX_EFFECT = "keep_box"
 
 TERMINAL = (AgentStatus.SUCCEEDED.value, AgentStatus.FAILED.value, AgentStatus.CANCELLED.value)
 
@@ -74,9 +84,11 @@ class AgentRecord:
 
 
 def create_agent(store: Store, tenant_id: str, *, code: str, filename: str, task: Any,
-                 model: str, budget_tokens: int | None, box_image: str | None = None) -> str:
+                 model: str, budget_tokens: int | None, box_image: str | None = None,
+                 quota: TenantLimits | None = None) -> str:
     agent_id = new_id("agent_")
     with store.write() as conn:
+        quotas.check_agents(conn, tenant_id, quota)
         conn.execute(insert(agents).values(
             id=agent_id, tenant_id=tenant_id, status=AgentStatus.QUEUED.value, code=code,
             filename=filename[:500], task=task, model=model, budget_tokens=budget_tokens,
@@ -137,6 +149,30 @@ def journal(store: Store, tenant_id: str, agent_id: str,
     return [JournalEntry(key=r.key, kind=r.kind, value=r.value) for r in rows]
 
 
+def log_lines(store: Store, tenant_id: str, agent_id: str) -> list[tuple[str, str]]:
+    """What `agent logs` shows, as (journal key, message): the harness's ctx.log lines, each
+    box exec that failed (its exit code and the tail of its stderr), and how a failed agent
+    ended, in order."""
+    record = get_agent(store, tenant_id, agent_id)
+    lines = []
+    for entry in journal(store, tenant_id, agent_id):
+        if entry.kind == "log":
+            lines.append((entry.key, str(entry.value)))
+        elif entry.kind == "exec" and isinstance(entry.value, dict) and (
+                entry.value.get("exit_code") != 0 or entry.value.get("error")):
+            lines.append((entry.key, _failed_exec(entry.value)))
+    if record.status == AgentStatus.FAILED.value and isinstance(record.error, dict):
+        lines.append(("error", f"failed: {record.error.get('message') or ''}".strip()))
+    return lines
+
+
+def _failed_exec(result: dict[str, Any]) -> str:
+    stderr = str(result.get("stderr") or "").strip()[-STDERR_TAIL_CHARS:]
+    error = f" ({result['error']})" if result.get("error") else ""
+    return (f"box exec exited {result.get('exit_code')}{error}"
+            + (f"; stderr: {stderr}" if stderr else ""))
+
+
 @retry_conflicts
 def cancel_agent(store: Store, tenant_id: str, agent_id: str) -> AgentRecord:
     with store.write() as conn:
@@ -147,11 +183,24 @@ def cancel_agent(store: Store, tenant_id: str, agent_id: str) -> AgentRecord:
                     site_id=None, lease_expires_at=None, epoch=agents.c.epoch + 1)).rowcount
         if hit:
             _drop_keys(conn, agent_id)
+            _release_boxes(conn, tenant_id, agent_id)
     return get_agent(store, tenant_id, agent_id)
 
 
 def _drop_keys(conn: Connection, agent_id: str) -> None:
     harness_keys.drop(conn, agent_id)
+
+
+def _release_boxes(conn: Connection, tenant_id: str, agent_id: str) -> list[str]:
+    """Delete the boxes an ending agent created, unless its harness asked to keep them;
+    returns the ids deleted."""
+    made = dict(conn.execute(select(agent_journal.c.kind, agent_journal.c.value).where(
+        agent_journal.c.agent_id == agent_id,
+        agent_journal.c.kind.in_((BOX_EFFECT, KEEP_BOX_EFFECT)))).all())
+    box_id = made.get(BOX_EFFECT)
+    if not isinstance(box_id, str) or made.get(KEEP_BOX_EFFECT):
+        return []
+    return [box_id] if boxes.delete_in(conn, tenant_id, box_id) else []
 
 
 @retry_conflicts
@@ -249,12 +298,15 @@ def finish(store: Store, site: Site, agent_id: str, done: AgentFinish, now: floa
         values.update(status=done.outcome, result=done.result, error=done.error,
                       finished_at=now)
     with store.write() as conn:
-        hit = conn.execute(update(agents).where(
+        tenant_id = conn.execute(update(agents).where(
             agents.c.id == agent_id, agents.c.epoch == done.epoch, agents.c.site_id == site.id,
-            agents.c.status == AgentStatus.RUNNING.value).values(**values)).rowcount
-        if hit:
+            agents.c.status == AgentStatus.RUNNING.value).values(**values)
+            .returning(agents.c.tenant_id)).scalar()
+        if tenant_id is not None:
             _drop_keys(conn, agent_id)
-    return bool(hit)
+            if done.outcome != "sleeping":
+                _release_boxes(conn, tenant_id, agent_id)
+    return tenant_id is not None
 
 
 @retry_conflicts

@@ -22,9 +22,10 @@ Every transition is a conditional UPDATE on status and epoch, as for requests (l
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, case, select, tuple_, update
+from sqlalchemy import Connection, case, func, select, tuple_, update
 
 from minimill.box_protocol import (
     BoxLease,
@@ -53,6 +54,7 @@ from minimill.control.store import Store, retry_conflicts
 from minimill.control.tables import (
     box_ops,
     boxes,
+    sites,
 )
 
 MAX_OPS_PER_POLL = 256
@@ -262,3 +264,25 @@ def reap_expired(store: Store, now: float) -> int:
                 .returning(box_ops.c.id)).scalars().all()
             box_output.drop(conn, list(failed))
     return len(lost)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotUse:
+    """Which boxes hold host slots (operators' dashboard): running boxes by their host's
+    name, and how many boxes wait for a slot."""
+
+    held: dict[str, list[str]]
+    pending: int
+
+
+def slot_use(store: Store) -> SlotUse:
+    with store.read() as conn:
+        rows = conn.execute(select(sites.c.name, boxes.c.id).select_from(
+            boxes.join(sites, sites.c.id == boxes.c.site_id))
+            .where(boxes.c.status == _RUNNING).order_by(sites.c.name, boxes.c.created_at)).all()
+        pending = conn.execute(select(func.count()).select_from(boxes)
+                               .where(boxes.c.status == _PENDING)).scalar_one()
+    held: dict[str, list[str]] = {}
+    for name, box_id in rows:
+        held.setdefault(name, []).append(box_id)
+    return SlotUse(held=held, pending=int(pending))

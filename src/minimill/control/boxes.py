@@ -23,7 +23,7 @@ from typing import Any
 from sqlalchemy import Connection, delete, func, insert, select, update
 
 from minimill.box_protocol import CAP_NAMES, BoxLimits
-from minimill.control import box_idle, box_output, files
+from minimill.control import box_idle, box_output, files, quotas
 from minimill.control.box_records import (
     TERMINAL_OP_STATUSES,
     BoxRecord,
@@ -41,6 +41,7 @@ from minimill.control.errors import ConflictError, InvalidRequestError, NotFound
 from minimill.control.records import new_id
 from minimill.control.store import Store, retry_conflicts
 from minimill.control.tables import box_activity, box_ops, box_snapshots, boxes, file_chunks
+from minimill.control.tenant_limits import TenantLimits
 
 _LIVE = (BoxStatus.PENDING.value, BoxStatus.RUNNING.value)
 _OPEN_OPS = (OpStatus.QUEUED.value, OpStatus.RUNNING.value)
@@ -159,7 +160,8 @@ def list_snapshots(store: Store, tenant_id: str, box_id: str) -> list[SnapshotRe
 
 def create_box(store: Store, tenant_id: str, *, source_id: str | None, network: bool,
                limits: dict[str, Any], metadata: dict[str, Any] | None,
-               idle_timeout_s: float | None = None, idle_action: str = "pause") -> BoxRecord:
+               idle_timeout_s: float | None = None, idle_action: str = "pause",
+               quota: TenantLimits | None = None) -> BoxRecord:
     """A new box, pending a host; `source_id` is an image or a snapshot of the tenant's.
     With `idle_timeout_s`, it is paused after that long without an operation (box_idle.py)."""
     if source_id is not None:
@@ -168,6 +170,7 @@ def create_box(store: Store, tenant_id: str, *, source_id: str | None, network: 
     stored = box_idle.with_policy(limits, idle_timeout_s, idle_action)
     now = time.time()
     with store.write() as conn:
+        quotas.check_boxes(conn, tenant_id, quota)
         conn.execute(insert(boxes).values(
             id=box_id, tenant_id=tenant_id, status=BoxStatus.PENDING.value, epoch=0,
             image_id=source_id, network=network, limits=stored, metadata=metadata,
@@ -216,19 +219,27 @@ def delete_box(store: Store, tenant_id: str, box_id: str) -> None:
     """Gone at once: its host drops the workspace at its next poll; automatic snapshots go,
     manual ones stay restorable."""
     with store.write() as conn:
-        hit = conn.execute(update(boxes).where(
-            boxes.c.id == box_id, boxes.c.tenant_id == tenant_id,
-            boxes.c.status != BoxStatus.DELETED.value)
-            .values(status=BoxStatus.DELETED.value, site_id=None, lease_expires_at=None,
-                    epoch=boxes.c.epoch + 1)).rowcount
-        if not hit:
+        if not delete_in(conn, tenant_id, box_id):
             raise _not_found(box_id)
-        box_idle.forget(conn, box_id)
-        _fail_open_ops(conn, box_id, "box_deleted", "the box was deleted")
-        autos = conn.execute(select(box_snapshots.c.id).where(
-            box_snapshots.c.box_id == box_id,
-            box_snapshots.c.kind == SnapshotKind.AUTO.value)).scalars().all()
-        drop_unneeded(conn, box_id, list(autos))
+
+
+def delete_in(conn: Connection, tenant_id: str, box_id: str) -> bool:
+    """`delete_box` inside the caller's transaction (an ending agent releases its box so);
+    False when the tenant has no such box left."""
+    hit = conn.execute(update(boxes).where(
+        boxes.c.id == box_id, boxes.c.tenant_id == tenant_id,
+        boxes.c.status != BoxStatus.DELETED.value)
+        .values(status=BoxStatus.DELETED.value, site_id=None, lease_expires_at=None,
+                epoch=boxes.c.epoch + 1)).rowcount
+    if not hit:
+        return False
+    box_idle.forget(conn, box_id)
+    _fail_open_ops(conn, box_id, "box_deleted", "the box was deleted")
+    autos = conn.execute(select(box_snapshots.c.id).where(
+        box_snapshots.c.box_id == box_id,
+        box_snapshots.c.kind == SnapshotKind.AUTO.value)).scalars().all()
+    drop_unneeded(conn, box_id, list(autos))
+    return True
 
 
 def drop_unneeded(conn: Connection, box_id: str, snapshot_ids: list[str]) -> list[str]:

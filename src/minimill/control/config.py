@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minimill.box_protocol import DEFAULT_BOX_CAPS, BoxLimits
+from minimill.control.tenant_limits import UNLIMITED, TenantLimits
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -64,6 +65,8 @@ class ControlConfig:
     # How long before an announced outage a site gives back the work it would not finish
     # (None: the placement policy's own); never less than a heartbeat's delay (leases.py).
     handback_lead_s: float | None = None
+    # Every tenant's limits and settings unless it has its own (tenant_limits.py).
+    tenant_limits: TenantLimits = UNLIMITED
 
     @property
     def context_length_of(self) -> dict[str, int]:

@@ -15,11 +15,13 @@ from typing import Any, Literal
 
 from sqlalchemy import Connection, and_, delete, insert, or_, select, update
 
+from minimill.control import quotas
 from minimill.control.errors import InvalidRequestError, NotFoundError, PayloadTooLargeError
 from minimill.control.records import FileRecord, new_id
 from minimill.control.retention import clear_batches_of
 from minimill.control.store import Store
 from minimill.control.tables import file_chunks, files
+from minimill.control.tenant_limits import TenantLimits
 
 CHUNK_BYTES = 4 * 1024 * 1024
 UPLOAD_PURPOSES = ("batch",)
@@ -150,20 +152,26 @@ def iter_chunks(store: Store, blob_id: str) -> Iterator[bytes]:
 
 def create_file(store: Store, tenant_id: str, purpose: str, filename: str,
                 parts: Iterable[bytes], max_bytes: int | None = None,
-                expires_after_s: float | None = None) -> FileRecord:
-    """Upload: `parts` is the content in pieces of any size; over `max_bytes` raises 413."""
+                expires_after_s: float | None = None,
+                limits: TenantLimits | None = None) -> FileRecord:
+    """Upload: `parts` is the content in pieces of any size; over `max_bytes` raises 413,
+    over the tenant's stored-bytes quota (`limits`) 429 insufficient_quota."""
     if purpose not in UPLOAD_PURPOSES:
         raise InvalidRequestError(f"purpose must be one of {', '.join(UPLOAD_PURPOSES)}; got "
                                   f"{purpose!r}", param="purpose")
     if not filename or len(filename) > 500 or "\x00" in filename:
         raise InvalidRequestError("filename must have 1 to 500 characters, none of them NUL",
                                   param="file")
+    if limits is not None and limits.max_stored_bytes is not None:
+        with store.read() as conn:  # already full: refused before anything is read
+            quotas.check_stored_bytes(conn, tenant_id, 1, limits)
     writer = FileWriter(store, tenant_id, purpose, filename, expires_after_s, max_bytes)
     try:
         for part in parts:
             writer.write(part)
         writer.close()
         with store.write() as conn:
+            quotas.check_stored_bytes(conn, tenant_id, writer.size, limits, writer.id)
             return writer.seal(conn)
     except BaseException:
         writer.discard()

@@ -1,10 +1,12 @@
 """Leases with fencing: the control plane's side of the worker protocol (protocol.py).
 
 - `lease`: placement picks queued rows for the asking site from a snapshot (every site's state,
-  the head of the queue, and the background backlog when deadline risk matters); each pick
+  the head of each tenant's queue with what fair share between tenants needs (lease_queue.py),
+  and the background backlog when deadline risk matters); each pick
   becomes `leased` with a bumped fencing epoch, a lease id and an expiry. The site row records
   what the worker said (free capacity after the grant, when, its models, its rate, and the
   price and chip it declares, if any) for metering and the placement of its peers' calls.
+  Each lease carries its tenant's prefix-cache salt (tenant_limits.TenantLimits.cache_salt).
 - `heartbeat`: extends leases the site still holds at the sent epoch and appends their
   checkpoint deltas (checkpoints.py); everything else is reported revoked.
 - `complete`: accepted only at the row's current epoch, from the site that holds (or last held)
@@ -35,13 +37,20 @@ from typing import Any
 
 from sqlalchemy import Connection, case, func, select, tuple_, update
 
-from minimill.control import checkpoints, lease_rules, prices, prompt_count, usage_check
+from minimill.control import (
+    checkpoints,
+    lease_queue,
+    lease_rules,
+    prices,
+    prompt_count,
+    tenant_limits,
+    usage_check,
+)
 from minimill.control.config import ControlConfig
 from minimill.control.lease_rules import RejectReason
 from minimill.control.placement import (
     DEFAULT_POLICY,
     Backlog,
-    Candidate,
     PlacementPolicy,
     Snapshot,
     needs_backlog,
@@ -56,7 +65,7 @@ from minimill.control.records import (
     Tier,
     new_id,
 )
-from minimill.control.release import handback_for, remaining_tokens
+from minimill.control.release import handback_for
 from minimill.control.site_view import site_states
 from minimill.control.sites import touch_site
 from minimill.control.store import JsonText, Store, retry_conflicts
@@ -71,7 +80,6 @@ from minimill.protocol import (
     LeaseRequest,
     LeaseResponse,
     RejectedCompletion,
-    session_tag,
 )
 
 log = logging.getLogger("minimill.leases")
@@ -101,23 +109,6 @@ def _count(value: int) -> int:
     return min(max(value, 0), MAX_COUNT)
 
 
-def _candidates(conn: Connection, tier: Tier, models: list[str], limit: int,
-                now: float) -> list[Candidate]:
-    """Queued work a site may get. Work past its deadline is not handed out: the janitor
-    expires it (a batch past its window expires, it does not complete late)."""
-    order = (requests.c.seq,) if tier == Tier.REALTIME else (requests.c.deadline, requests.c.seq)
-    query = (select(requests.c.id, requests.c.model, requests.c.seq, requests.c.deadline,
-                    requests.c.max_tokens, requests.c.checkpoint_tokens, requests.c.session_key)
-             .where(requests.c.status == _QUEUED, requests.c.tier == tier.value,
-                    requests.c.model.in_(models), requests.c.deadline >= now)
-             .order_by(*order).limit(limit)
-             .with_for_update(skip_locked=True))
-    return [Candidate(request_id=r.id, tier=tier, model=r.model, seq=r.seq, deadline=r.deadline,
-                      remaining_tokens=remaining_tokens(r.max_tokens, r.checkpoint_tokens),
-                      session=session_tag(r.session_key) if r.session_key else None)
-            for r in conn.execute(query)]
-
-
 def _backlog(conn: Connection) -> tuple[Backlog, ...]:
     """Unfinished background work per (deadline, holder), for placement's deadline risk."""
     queued = requests.c.status == _QUEUED
@@ -145,7 +136,7 @@ def policy_for(config: ControlConfig,
 
 
 def _snapshot(conn: Connection, site: Site, ask: LeaseRequest, capacity: int, models: list[str],
-              now: float, policy: PlacementPolicy) -> Snapshot:
+              now: float, policy: PlacementPolicy, default_weight: float = 1.0) -> Snapshot:
     """The state placement decides on: every site, and enough of the queue to find what the
     asking site gets after the peers that go before it take theirs."""
     states = site_states(conn)
@@ -160,10 +151,11 @@ def _snapshot(conn: Connection, site: Site, ask: LeaseRequest, capacity: int, mo
     if capacity <= 0:
         return bare
     window = min(capacity + reserved_slots(bare, now, policy), MAX_CANDIDATES)
-    pool = (*_candidates(conn, Tier.REALTIME, models, window, now),
-            *_candidates(conn, Tier.BACKGROUND, models, window, now))
-    backlog = _backlog(conn) if pool and needs_backlog(bare, now, policy) else ()
-    return replace(bare, candidates=pool, backlog=backlog)
+    queue = lease_queue.read(conn, models, window, now, policy.default_remaining_tokens,
+                             default_weight)
+    backlog = _backlog(conn) if queue.candidates and needs_backlog(bare, now, policy) else ()
+    return replace(bare, candidates=queue.candidates, backlog=backlog,
+                   tenant_load=queue.tenant_load, tenant_weights=queue.tenant_weights)
 
 
 def _declared(ask: LeaseRequest) -> dict[str, Any]:
@@ -197,7 +189,7 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
     policy = policy_for(config, policy)
     granted = (requests.c.id, requests.c.epoch, requests.c.kind, requests.c.model,
                requests.c.body, requests.c.seed, requests.c.progress, requests.c.stream,
-               requests.c.session_key)
+               requests.c.session_key, requests.c.tenant_id)
     with store.write() as conn:
         adopted: list[Any] = []
         held: list[str] = []
@@ -220,7 +212,8 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
             capacity = max(0, capacity - len(adopted))
         taken_back = {r.id for r in adopted}
         rows: list[Any] = []
-        snapshot = _snapshot(conn, site, ask, capacity, models, now, policy)
+        snapshot = _snapshot(conn, site, ask, capacity, models, now, policy,
+                             config.tenant_limits.weight)
         picked = place(snapshot, now, policy) if snapshot.candidates and capacity else []
         if picked:
             rows = list(conn.execute(
@@ -237,6 +230,8 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
         # Adopted first, in the order they were queued in (RETURNING's order is unspecified).
         picked = [i for i in held if i in taken_back] + picked
         resumed = checkpoints.load(conn, [r.id for r in rows if r.progress])
+        tenants_of = tenant_limits.of_tenants(conn, {r.tenant_id for r in rows},
+                                              config.tenant_limits)
         # What the worker said, for the placement of its peers' lease calls; its measured
         # rate covers a time in which it held what it held before this call.
         touch_site(conn, site.id, now, config.lease_ttl_s, ask.tokens_per_s,
@@ -253,7 +248,8 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
                     stream=bool(r.stream),
                     checkpoint_interval_s=(config.stream_checkpoint_interval_s if r.stream
                                            else interval_s),
-                    session_key=r.session_key)
+                    session_key=r.session_key,
+                    cache_salt=tenants_of[r.tenant_id].cache_salt(r.tenant_id))
               for r in sorted(rows, key=lambda r: rank[r.id])]
     return LeaseResponse(leases=leases, lease_ttl_s=config.lease_ttl_s)
 

@@ -9,6 +9,9 @@ the asking site leaves it. Rules:
 
 - Outages: a site in an announced outage gets nothing, and no site gets a request it would not
   finish before its next announced outage (it drains ahead of time).
+- Between tenants, work is offered in weighted fair order (fair_share.py): the next request
+  is the head of the tenant with the least tokens leased per unit of weight, so a tenant that
+  queues ten times another's work does not starve it; within a tenant, in the orders below.
 - Realtime work (arrival order) goes to the fastest reliable site first: a slower site (or a
   less reliable one) takes realtime only beyond the free capacity of faster reliable peers.
 - Background work (earliest deadline, then arrival order) goes to the cheapest effective $/Mtok
@@ -50,10 +53,12 @@ dearer site takes what the cheaper free sites leave, as here (tests/sim/test_sim
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from minimill.control import ranking, site_health
+from minimill.control.fair_share import fair_order
 from minimill.control.price_schedule import PriceSchedule
 from minimill.control.records import Tier
 
@@ -69,6 +74,7 @@ class Candidate:
     deadline: float
     remaining_tokens: int | None  # tokens still to generate (None: unknown, up to the context)
     session: str | None = None  # protocol.session_tag of its session key (None: no session)
+    tenant: str | None = None  # whose it is, for fair share between tenants (fair_share.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +140,10 @@ class Snapshot:
     sites: tuple[SiteState, ...] = field(default=())  # every registered site
     # Background backlog, for deadline risk; leases.py fills it only when `needs_backlog`.
     backlog: tuple[Backlog, ...] = field(default=())
+    # Fair share between the candidates' tenants (filled when they are several): tokens each
+    # holds leased now, and its weight (default 1).
+    tenant_load: Mapping[str, float] = field(default_factory=dict)
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,10 +337,15 @@ def place(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLI
             return False
         return plan.give([p for p in holders if tag in p.sessions], candidate)
 
-    realtime = sorted((c for c in snapshot.candidates if c.tier == Tier.REALTIME),
-                      key=lambda c: c.seq)
-    background = sorted((c for c in snapshot.candidates if c.tier != Tier.REALTIME),
-                        key=lambda c: (c.deadline, c.seq))
+    def in_fair_order(tier_candidates: Iterable[Candidate],
+                      key: Callable[[Candidate], Any]) -> list[Candidate]:
+        return fair_order(tier_candidates, lambda c: c.tenant, key, policy.tokens,
+                          snapshot.tenant_load, snapshot.tenant_weights)
+
+    realtime = in_fair_order((c for c in snapshot.candidates if c.tier == Tier.REALTIME),
+                             lambda c: c.seq)
+    background = in_fair_order((c for c in snapshot.candidates if c.tier != Tier.REALTIME),
+                               lambda c: (c.deadline, c.seq))
     picked: list[str] = []
     for candidate in realtime:
         if len(picked) >= snapshot.capacity:

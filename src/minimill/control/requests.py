@@ -8,11 +8,12 @@ from typing import Any
 
 from sqlalchemy import Connection, insert, select, update
 
-from minimill.control import checkpoints
+from minimill.control import checkpoints, rate_limits
 from minimill.control.bodies import PreparedBody
 from minimill.control.config import ControlConfig
 from minimill.control.errors import NotFoundError
 from minimill.control.prompt_count import PromptCount, count_prompts, num_choices, of_prepared
+from minimill.control.rate_limits import RateState
 from minimill.control.records import (
     ACTIVE_REQUEST_STATUSES,
     Kind,
@@ -23,6 +24,7 @@ from minimill.control.records import (
 )
 from minimill.control.store import Store, retry_conflicts
 from minimill.control.tables import requests
+from minimill.control.tenant_limits import TenantLimits
 from minimill.protocol import Checkpoint
 
 _rng = random.SystemRandom()
@@ -76,17 +78,38 @@ def submit(store: Store, tenant_id: str, prepared: PreparedBody, now: float,
            config: ControlConfig, idempotency_key: str | None = None) -> str:
     """Queue a realtime (or flex) request; returns its id. With an idempotency key the
     tenant used before, the id of that earlier request (nothing new is queued)."""
+    return submit_limited(store, tenant_id, prepared, now, config, idempotency_key)[0]
+
+
+def admission_tokens(values: dict[str, Any]) -> int:
+    """What a request takes from its tenant's tokens per minute: the prompt as counted at
+    admission plus the most it may generate (max_tokens for each choice), as OpenAI counts."""
+    choices = values.get("num_choices") or 1
+    return int(values.get("counted_prompt_tokens") or 0) + int(values.get("max_tokens") or 0) \
+        * int(choices)
+
+
+@retry_conflicts
+def submit_limited(store: Store, tenant_id: str, prepared: PreparedBody, now: float,
+                   config: ControlConfig, idempotency_key: str | None = None,
+                   limits: TenantLimits | None = None) -> tuple[str, RateState | None]:
+    """`submit`, within the tenant's `limits` (rate_limits.py: a 429 queues nothing), and
+    what is left of them for the answer's x-ratelimit-* headers."""
     values = row_values(tenant_id, prepared, now, now + config.realtime_timeout_s,
                         prepared.tier, idempotency_key=idempotency_key)
+    state = None
     with store.write() as conn:
         if idempotency_key is not None:
             earlier = conn.execute(select(requests.c.id).where(
                 requests.c.tenant_id == tenant_id,
                 requests.c.idempotency_key == idempotency_key)).scalar()
             if earlier is not None:
-                return str(earlier)
+                return str(earlier), None
+        if limits is not None:
+            state = rate_limits.admit(conn, tenant_id, admission_tokens(values), now, limits,
+                                      realtime=prepared.tier == Tier.REALTIME)
         conn.execute(insert(requests).values(**values))
-    return str(values["id"])
+    return str(values["id"]), state
 
 
 def get_request(store: Store, tenant_id: str, request_id: str, with_body: bool = True,

@@ -12,11 +12,18 @@ from typing import Any
 
 from sqlalchemy import Connection, delete, insert, select
 
-from minimill.control import checkpoints
+from minimill.control import checkpoints, rate_limits
 from minimill.control.config import ControlConfig
 from minimill.control.errors import ConflictError, InvalidRequestError, NotFoundError
-from minimill.control.records import Kind, RequestRecord, RequestStatus, new_id
-from minimill.control.requests import cancel_request, record, record_with_checkpoint, row_values
+from minimill.control.rate_limits import RateState
+from minimill.control.records import Kind, RequestRecord, RequestStatus, Tier, new_id
+from minimill.control.requests import (
+    admission_tokens,
+    cancel_request,
+    record,
+    record_with_checkpoint,
+    row_values,
+)
 from minimill.control.response_bodies import (
     Continuation,
     ResponseBody,
@@ -35,6 +42,7 @@ from minimill.control.response_render import (
 )
 from minimill.control.store import Store
 from minimill.control.tables import requests
+from minimill.control.tenant_limits import TenantLimits
 from minimill.control.webhook_events import unwatch, watch
 
 
@@ -71,6 +79,15 @@ def _continuation(conn: Connection, tenant_id: str, previous_id: str) -> Continu
 def create_response(store: Store, tenant_id: str, parsed: ResponseBody, config: ControlConfig,
                     now: float) -> RequestRecord:
     """Queue a response; a background one is watched for its webhook event."""
+    return create_response_limited(store, tenant_id, parsed, config, now)[0]
+
+
+def create_response_limited(store: Store, tenant_id: str, parsed: ResponseBody,
+                            config: ControlConfig, now: float,
+                            limits: TenantLimits | None = None
+                            ) -> tuple[RequestRecord, RateState | None]:
+    """Queue a response, within the tenant's `limits` (rate_limits.py); a background one is
+    watched for its webhook event. Returns it, and what is left of the limits."""
     request_id = new_id("req_")
     background = bool(parsed.background)
     with store.write() as conn:
@@ -81,12 +98,16 @@ def create_response(store: Store, tenant_id: str, parsed: ResponseBody, config: 
                                     context_lengths=config.context_length_of)
         window = config.background_response_window_s if background \
             else config.realtime_timeout_s
-        conn.execute(insert(requests).values(**row_values(
-            tenant_id, prepared, now, now + window, prepared.tier, id=request_id)))
+        values = row_values(tenant_id, prepared, now, now + window, prepared.tier,
+                            id=request_id)
+        state = None if limits is None else rate_limits.admit(
+            conn, tenant_id, admission_tokens(values), now, limits,
+            realtime=prepared.tier == Tier.REALTIME and not background)
+        conn.execute(insert(requests).values(**values))
         if background:
             watch(conn, "response", request_id, tenant_id, now)
         row = conn.execute(select(requests).where(requests.c.id == request_id)).one()
-    return record(row)
+    return record(row), state
 
 
 def get_response(store: Store, tenant_id: str, response_id: str) -> RequestRecord:

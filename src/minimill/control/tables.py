@@ -90,6 +90,26 @@ operator_keys = Table(
     Column("revoked_at", Double),  # as api_keys.revoked_at
 )
 
+# A tenant's own limits and settings, where they differ from the operator's defaults
+# (tenant_limits.py): a JSON object whose keys are the TenantLimits fields it sets; a key set
+# to null lifts that limit for the tenant, a key absent takes the default.
+tenant_limits = Table(
+    "tenant_limits", metadata,
+    Column("tenant_id", String(40), primary_key=True),
+    Column("overrides", JSON, nullable=False),
+    Column("updated_at", Double, nullable=False),
+)
+
+# Per-tenant token buckets of the rate limits (rate_limits.py): how much of each limit was used,
+# as of `updated_at`; use drains at the limit per minute, so a full bucket refills in a minute.
+rate_buckets = Table(
+    "rate_buckets", metadata,
+    Column("tenant_id", String(40), primary_key=True),
+    Column("requests_used", Double, nullable=False),
+    Column("tokens_used", Double, nullable=False),
+    Column("updated_at", Double, nullable=False),
+)
+
 # The operator's price list in $ per million tokens; model "*" is the default entry.
 prices = Table(
     "prices", metadata,
@@ -231,6 +251,8 @@ requests = Table(
     # instead of queueing another (a durable agent's new runner, say).
     Column("idempotency_key", String(500)),
     Index("ix_requests_queue", "status", "tier", "deadline", "seq"),
+    # Each tenant's queue, for fair share between tenants (leases.py reads every tenant's head).
+    Index("ix_requests_tenant_queue", "status", "tier", "tenant_id", "deadline", "seq"),
     Index("ix_requests_idempotency", "tenant_id", "idempotency_key"),
     Index("ix_requests_batch", "batch_id", "status"),
     # One row per input line, whatever happens to an ingest (output is written in this order).

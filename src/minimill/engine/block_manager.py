@@ -2,7 +2,9 @@
 
 A block holds `block_size` consecutive tokens of one or more sequences (shared prefixes). Once a
 block is full and its KV computed, it is registered under a hash chained over every token
-before it, so a later request with the same prefix reuses it instead of recomputing. Freed
+before it, so a later request with the same prefix reuses it instead of recomputing. The chain
+starts from the request's cache salt (`Sequence.prefix_root`, a tenant's): requests of different
+salts never share blocks, so one cannot learn from its cached tokens what another sent. Freed
 blocks keep their hash until they are handed out again (least recently freed first), so the
 prefix cache costs no memory of its own.
 
@@ -165,7 +167,7 @@ class BlockManager:
         found = CachedPrefix()
         if not self.enable_prefix_caching or seq.block_table:
             return found
-        prev: int | None = None
+        prev = seq.prefix_root
         bs = self.block_size
         tiers = self.tiers if use_tiers else None
         for start in range(0, seq.num_tokens - 1 - bs + 1, bs):
@@ -186,7 +188,7 @@ class BlockManager:
         """Chained hashes of the sequence's full blocks (computed or not), for the scheduler to
         spot waiting requests that share a prefix being computed right now."""
         hashes: list[int] = []
-        prev: int | None = None
+        prev = seq.prefix_root
         bs = self.block_size
         for start in range(0, seq.num_tokens - bs + 1, bs):
             prev = chain_hash(prev, tuple(seq.token_ids[start:start + bs]))
@@ -266,7 +268,7 @@ class BlockManager:
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         for i in range(len(hashes), num_full):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = chain_hash(hashes[-1] if hashes else None, tokens)
+            h = chain_hash(hashes[-1] if hashes else seq.prefix_root, tokens)
             hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is None and h not in self._hash_to_block:

@@ -17,6 +17,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -137,6 +138,10 @@ def _child_main(conn: Connection, model: str, overrides: dict[str, Any],
     # handback still needs); it dies with the parent all the same.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # What a long first start does (dequantizing, building kernels) shows in the worker's
+    # log: the child logs to the same stderr, as the worker does.
+    logging.basicConfig(level=os.environ.get("MINIMILL_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s engine %(levelname)s %(message)s", stream=sys.stderr)
     # Where this start went, for the worker's start line (a restart is time a site does no
     # work); the rest of the child's start is the interpreter and the spawn's own imports.
     phases: list[tuple[str, float]] = []

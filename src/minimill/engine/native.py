@@ -75,6 +75,9 @@ def _load() -> NativeKernels:
         str(_SOURCES.resolve()).encode(), str(Path(torch.__file__).resolve().parent).encode(),
     ])).hexdigest()[:16]
     build_dir = kernel_cache_dir() / f"cpu-{key}"
+    if not any(build_dir.glob("*.so")):
+        log.info("building the CPU kernels for %s (once per machine, a minute or more; cached "
+                 "in %s)", info.vector_isa, build_dir)
     try:
         from torch.utils import cpp_extension
 
@@ -87,4 +90,5 @@ def _load() -> NativeKernels:
     except Exception as exc:  # no compiler, no ninja, a compile error: the PyTorch path runs
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return NativeKernels(False, f"building the kernels in {_SOURCES} failed: {first_line}")
+    log.info("CPU kernels for %s loaded from %s", info.vector_isa, build_dir)
     return NativeKernels(True, f"built for {info.vector_isa} in {build_dir}")

@@ -45,6 +45,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, -100..100) added to the logit
     # What the output may be (a JSON schema, tool calls): tokens outside it are never sampled.
     guided: GuidedDecoding | None = None
+    # Mixed into the hash of its first KV block (block_manager.prefix_root): cached prefixes
+    # serve only requests with the same salt (the control plane gives each tenant its own;
+    # None: shared with every request without one).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 from typing import TYPE_CHECKING
 
 from minimill.engine.params import FinishReason, SamplingParams, TokenLogprob
@@ -37,13 +38,22 @@ _FINISH_REASONS = {
 }
 
 
+def prefix_root(cache_salt: str | None) -> int | None:
+    """What a sequence's first block hash chains from: its salt's hash (None: no salt), so
+    that the same tokens under two salts hash apart and never share cached blocks."""
+    if cache_salt is None:
+        return None
+    return int.from_bytes(hashlib.blake2b(cache_salt.encode(), digest_size=16,
+                                          person=b"minimill-salt").digest(), "little")
+
+
 class Sequence:
     """One request: `num_computed_tokens` of `num_tokens` have their KV in the cache."""
 
     __slots__ = (
         "block_table", "eos_token_ids", "guide", "lane", "logprobs", "num_cached_prompt_tokens",
         "num_cached_tokens", "num_computed_tokens",
-        "num_prompt_tokens", "output_counts", "params", "request_id", "seed",
+        "num_prompt_tokens", "output_counts", "params", "prefix_root", "request_id", "seed",
         "stage_units", "status", "token_ids",
     )
 
@@ -65,6 +75,8 @@ class Sequence:
         # The engine lane (one per core, core.py) that runs it while lanes are in use; -1: none.
         self.lane = -1
         self.params = params
+        # What its first KV block's hash chains from (block_manager.chain_hash).
+        self.prefix_root = prefix_root(params.cache_salt)
         # The grammar state of a guided request (params.guided), advanced past every output.
         self.guide: Guide | None = None
         self.seed = seed

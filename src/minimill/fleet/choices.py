@@ -171,6 +171,7 @@ def sampling_params(lease: Lease, index: int, default_max_tokens: int) -> tuple[
             frequency_penalty=_float_param(body, "frequency_penalty", 0.0),
             presence_penalty=_float_param(body, "presence_penalty", 0.0),
             logit_bias=_logit_bias_param(body),
+            cache_salt=lease.cache_salt,
         )
     except InvalidRequestError as exc:
         raise BodyError(str(exc)) from exc

@@ -5,8 +5,9 @@ kernels' build directory (created exclusively, removed when done) even when it o
 that the cached build is current. A worker killed -9 in that moment leaves the file behind,
 and every later start on the machine waits on it forever: one unlucky kill stops every
 restart. A lock is taken for a leftover when it is older than `min_age_s`, a built library
-sits beside it, and no process is working in that directory (the loader runs the compiler
-there): then it is removed. While a worker starts, a thread looks again every second, so a
+sits beside it (or, older than KILLED_BUILD_AGE_S, the objects of a build killed half way),
+and no process is working in that directory (the loader runs the compiler there): then it
+is removed. While a worker starts, a thread looks again every second, so a
 start that is already waiting on a leftover goes on as soon as it is removed.
 """
 
@@ -21,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger("minimill.worker")
+KILLED_BUILD_AGE_S = 30.0
 
 
 def _busy_dirs() -> set[Path]:
@@ -49,7 +51,16 @@ def clear_stale_kernel_locks(cache_dir: Path, min_age_s: float = 5.0) -> list[Pa
             age_s = time.time() - lock.stat().st_mtime
         except OSError:
             continue
-        if age_s < min_age_s or not any(lock.parent.glob("*.so")):
+        if any(lock.parent.glob("*.so")):
+            needed_age_s = min_age_s
+        elif any(lock.parent.glob("*.o")):
+            # Objects and no library, nobody compiling: a build killed half way (a worker
+            # stopped while it started). Older still, so that a build between two compiler
+            # runs is not taken for one.
+            needed_age_s = max(min_age_s, KILLED_BUILD_AGE_S)
+        else:
+            continue  # nothing built yet: a first build may be on its way
+        if age_s < needed_age_s:
             continue
         busy = _busy_dirs() if busy is None else busy
         if lock.parent.resolve() in busy:

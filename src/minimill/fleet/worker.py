@@ -21,6 +21,7 @@ import asyncio
 import logging
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -135,53 +136,59 @@ async def _amain(*, server: str, site: str, token: str, engine: str, model: str,
     # Boxes first: a host that cannot isolate them says so before a long model load.
     box_host = open_box_host(server, token, site, boxes) if boxes.slots > 0 else None
     runner = open_runner(server, token, agents, boxes.insecure_no_sandbox) if agents else None
-    loop = asyncio.get_running_loop()
-    if engine == NO_ENGINE:
-        if box_host is None and runner is None:
-            raise SystemExit("--engine none serves no tokens: give it --boxes N or --agents N")
+    try:
+        loop = asyncio.get_running_loop()
+        if engine == NO_ENGINE:
+            if box_host is None and runner is None:
+                raise SystemExit("--engine none serves no tokens: give it --boxes N or --agents N")
+            for sig in STOP_SIGNALS:
+                loop.add_signal_handler(sig, _stop_sidelines, box_host, runner, sig)
+            log.info("worker for site %r ready: no engine, %d boxes, %d agents, control plane %s",
+                     site, boxes.slots, agents, server)
+            await asyncio.gather(_run_box_host(box_host), _run_runner(runner))
+            return
+        client = ControlPlaneClient(server, token)
+        keeps_kv = engine == "builtin" and bool(kv.flash_dir)
+        try:
+            adapter = await open_engine(engine, model=model, dtype=dtype, capacity=capacity,
+                                        clock=clock, engine_options=kv.engine_overrides())
+        except BaseException:
+            await client.close()
+            raise
+        effective = min(capacity, adapter.capacity) if engine == "builtin" else capacity
+        worker = Worker(client, adapter, capacity=effective,
+                        drain_timeout_s=float(os.environ.get("MINIMILL_WORKER_DRAIN_S", "10")),
+                        stats_every_s=float(os.environ.get("MINIMILL_WORKER_STATS_S", "0")),
+                        price_per_hour=price_per_hour, chip=chip)
+        # The site may still hold leases from this worker's killed run: a worker whose KV survived
+        # (a flash tier) takes them back and resumes them from it; any other gives them back first,
+        # so they go out again at once instead of after their TTL.
+        worker.adopt_held = keeps_kv
+        worker.give_back_held = not keeps_kv
         for sig in STOP_SIGNALS:
-            loop.add_signal_handler(sig, _stop_sidelines, box_host, runner, sig)
-        log.info("worker for site %r ready: no engine, %d boxes, %d agents, control plane %s",
-                 site, boxes.slots, agents, server)
-        await asyncio.gather(_run_box_host(box_host), _run_runner(runner))
-        return
-    client = ControlPlaneClient(server, token)
-    keeps_kv = engine == "builtin" and bool(kv.flash_dir)
-    try:
-        adapter = await open_engine(engine, model=model, dtype=dtype, capacity=capacity,
-                                    clock=clock, engine_options=kv.engine_overrides())
-    except BaseException:
-        await client.close()
-        raise
-    effective = min(capacity, adapter.capacity) if engine == "builtin" else capacity
-    worker = Worker(client, adapter, capacity=effective,
-                    drain_timeout_s=float(os.environ.get("MINIMILL_WORKER_DRAIN_S", "10")),
-                    stats_every_s=float(os.environ.get("MINIMILL_WORKER_STATS_S", "0")),
-                    price_per_hour=price_per_hour, chip=chip)
-    # The site may still hold leases from this worker's killed run: a worker whose KV survived
-    # (a flash tier) takes them back and resumes them from it; any other gives them back first,
-    # so they go out again at once instead of after their TTL.
-    worker.adopt_held = keeps_kv
-    worker.give_back_held = not keeps_kv
-    for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, _stop, worker, sig, box_host, runner)
-    log.info("worker for site %r ready: engine %s, models %s, capacity %d, boxes %d, "
-             "control plane %s", site, engine, adapter.models, effective, boxes.slots, server)
-    timing = asyncio.create_task(_log_first_lease(worker, clock))
-    sidelines = asyncio.gather(_run_box_host(box_host), _run_runner(runner))
-    try:
-        await worker.run()
+            loop.add_signal_handler(sig, _stop, worker, sig, box_host, runner)
+        log.info("worker for site %r ready: engine %s, models %s, capacity %d, boxes %d, "
+                 "control plane %s", site, engine, adapter.models, effective, boxes.slots, server)
+        timing = asyncio.create_task(_log_first_lease(worker, clock))
+        sidelines = asyncio.gather(_run_box_host(box_host), _run_runner(runner))
+        try:
+            await worker.run()
+        finally:
+            timing.cancel()
+            # After a signal they are stopping already, and a second stop() would cut the agent
+            # runner's hand-back short (it skips the wait for effects in flight).
+            if not worker.stopping.is_set():
+                _stop_sidelines(box_host, runner)
+            await asyncio.gather(sidelines, return_exceptions=True)
+            await client.close()
+            await adapter.close()
+            log.info("worker stopped: %s, generated_tokens %d", worker.stats,
+                     worker.tally.generated_tokens)
     finally:
-        timing.cancel()
-        # After a signal they are stopping already, and a second stop() would cut the agent
-        # runner's hand-back short (it skips the wait for effects in flight).
-        if not worker.stopping.is_set():
-            _stop_sidelines(box_host, runner)
-        await asyncio.gather(sidelines, return_exceptions=True)
-        await client.close()
-        await adapter.close()
-        log.info("worker stopped: %s, generated_tokens %d", worker.stats,
-                 worker.tally.generated_tokens)
+        if box_host is not None and boxes.box_dir is None:
+            # Its directory is this process's own (named by its pid): nothing of it is
+            # needed once the host has stopped, or if it never ran.
+            shutil.rmtree(box_host.root, ignore_errors=True)
 
 
 def _check_declared(price_per_hour: float | None, chip: str | None) -> str | None:
@@ -232,3 +239,9 @@ def run_worker(*, server: str, site: str, token: str, price_per_hour: float | No
         raise SystemExit(2) from None
     except StoppedWhileStarting as exc:
         log.info("%s while starting (after %.1fs): exiting", exc, time.monotonic() - started)
+        # Nothing was handed out yet, so nothing is owed: leave at once. An ordinary exit
+        # would wait for the engine's child (multiprocessing joins it at exit, and it ignores
+        # SIGTERM: its parent decides when it stops) until it had finished starting; it dies
+        # with this process instead (its parent-death signal).
+        logging.shutdown()
+        os._exit(0)

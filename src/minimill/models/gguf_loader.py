@@ -7,7 +7,9 @@ permutation is undone here, so the engine and HF transformers see the same weigh
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,8 @@ from minimill.models.tokenizer import END_OF_TURN_TOKENS, Tokenizer
 from minimill.models.types import LoadedModel, ModelConfig, ModelFileError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+PROGRESS_EVERY_S = 2.0
+log = logging.getLogger("minimill.models")
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -124,6 +128,27 @@ def config_from_gguf(header: GGUFHeader, tokenizer: Tokenizer) -> ModelConfig:
     )
 
 
+class Progress:
+    """A long step said as it goes: once at its start, then every PROGRESS_EVERY_S seconds
+    (how far it is), then at its end; a first start is not minutes of silence."""
+
+    def __init__(self, what: str, total: int) -> None:
+        self.what, self.total, self.count = what, total, 0
+        self.started = self.last = time.monotonic()
+        log.info("%s", what)
+
+    def step(self) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            log.info("%s: %d of %d tensors (%.0f%%, %.0fs)", self.what, self.count, self.total,
+                     100 * self.count / max(self.total, 1), now - self.started)
+
+    def done(self) -> None:
+        log.info("%s: done in %.1fs", self.what, time.monotonic() - self.started)
+
+
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.bfloat16,
               name: str | None = None) -> LoadedModel:
     """Read, dequantize and (for llama) un-permute every tensor of a GGUF file."""
@@ -135,8 +160,11 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.bfloat16,
         # Llama 3.1-style frequency factors: not expressible as our rope_scaling yet.
         raise ModelFileError(f"{path}: rope_freqs (llama3 rope scaling) is not supported yet")
     weights: dict[str, torch.Tensor] = {}
+    progress = Progress(f"dequantizing {path.name} to {str(dtype).removeprefix('torch.')}",
+                        len(header.tensors))
     with path.open("rb") as f:
         for info in header.tensors.values():
+            progress.step()
             hf_name = hf_tensor_name(info.name)
             if hf_name is None:
                 raise ModelFileError(f"{path}: unexpected tensor {info.name!r}")
@@ -147,6 +175,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.bfloat16,
             elif config.architecture == "llama" and ".attn_k." in info.name:
                 tensor = unpermute_rope_rows(tensor, config.num_key_value_heads)
             weights[hf_name] = tensor
+    progress.done()
     check_shapes(path, config, weights)
     meta = header.metadata
     return LoadedModel(

@@ -126,8 +126,9 @@ def read(path: Path, source: Path, dtype: torch.dtype, name: str) -> LoadedModel
     try:
         raw = json.loads(meta["config"])
         # JSON gave lists back for the config's tuples.
-        config = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v
-                                for k, v in raw.items()})
+        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                                  for k, v in raw.items()}
+        config = ModelConfig(**fields)
         specials = json.loads(meta["special_tokens"])
         chat_template = json.loads(meta["chat_template"])
         tokenizer = Tokenizer(tokenizers.Tokenizer.from_str(meta["tokenizer"]),
@@ -157,6 +158,9 @@ def load_gguf_warm(source: Path, dtype: torch.dtype, name: str, cache_dir: Path)
             return read(path, source, dtype, name)
         except WarmCacheMiss as exc:
             log.warning("ignoring the warm cache file %s: %s; rebuilding it", path, exc)
+    else:
+        log.info("first start of %s in %s: dequantizing it once; later starts map %s",
+                 source.name, _dtype_name(dtype), path)
     loaded = load_gguf(source, dtype, name=name)
     try:
         written = write(loaded, source, dtype, cache_dir)

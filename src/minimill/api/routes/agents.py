@@ -11,6 +11,7 @@ from minimill.api.deps import ConfigDep, StoreDep, TenantDep
 from minimill.api.errors import error_responses
 from minimill.control import agents, boxes
 from minimill.control.errors import NotFoundError
+from minimill.control.tenant_limits import limits_for
 
 router = APIRouter(prefix="/v1/agents", tags=["agents"], responses=error_responses(400, 401))
 
@@ -74,7 +75,8 @@ def create_agent(body: AgentCreate, store: StoreDep, tenant: TenantDep,
         boxes.get_snapshot(store, tenant.id, body.box_image)
     agent_id = agents.create_agent(store, tenant.id, code=body.code, filename=body.filename,
                                    task=body.task, model=model,
-                                   budget_tokens=body.budget_tokens, box_image=body.box_image)
+                                   budget_tokens=body.budget_tokens, box_image=body.box_image,
+                                   quota=limits_for(store, tenant.id, config.tenant_limits))
     return AgentObject.of(agents.get_agent(store, tenant.id, agent_id))
 
 
@@ -96,9 +98,10 @@ def get_agent(agent_id: str, store: StoreDep, tenant: TenantDep) -> AgentObject:
 
 @router.get("/{agent_id}/logs", response_model=JournalObject, responses=error_responses(404))
 def agent_logs(agent_id: str, store: StoreDep, tenant: TenantDep) -> JournalObject:
-    """What the harness recorded with ctx.log, in order."""
-    entries = agents.journal(store, tenant.id, agent_id, kind="log")
-    return JournalObject(data=[{"key": e.key, "message": e.value} for e in entries])
+    """What the harness recorded with ctx.log, the box execs that failed and how a failed
+    agent ended, in order."""
+    lines = agents.log_lines(store, tenant.id, agent_id)
+    return JournalObject(data=[{"key": key, "message": text} for key, text in lines])
 
 
 @router.get("/{agent_id}/journal", response_model=JournalObject, responses=error_responses(404))

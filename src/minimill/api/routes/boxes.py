@@ -43,6 +43,7 @@ from minimill.control import boxes
 from minimill.control.box_records import BoxStatus, OpStatus
 from minimill.control.errors import InvalidRequestError, PayloadTooLargeError
 from minimill.control.store import Store
+from minimill.control.tenant_limits import limits_for
 
 router = APIRouter(prefix="/v1/boxes", tags=["boxes"], responses=error_responses(400, 401))
 WakeupsDep = Annotated[BoxWakeups, Depends(box_wakeups)]
@@ -118,10 +119,11 @@ async def create_box(body: BoxCreate, request: Request, store: StoreDep, tenant:
     limits = boxes.check_limits(body.limits, config.box_caps)
     idle_timeout_s = (body.idle_timeout_s if "idle_timeout_s" in body.model_fields_set
                       else config.box_idle_timeout_s)
+    quota = await anyio.to_thread.run_sync(limits_for, store, tenant.id, config.tenant_limits)
     record = await anyio.to_thread.run_sync(lambda: boxes.create_box(
         store, tenant.id, source_id=body.image or body.snapshot, network=body.network,
         limits=limits.model_dump(), metadata=body.metadata,
-        idle_timeout_s=idle_timeout_s, idle_action=body.idle_action))
+        idle_timeout_s=idle_timeout_s, idle_action=body.idle_action, quota=quota))
     await anyio.to_thread.run_sync(harness_auth.record_new_box, request, store, record.id)
     wakeups.work.notify()
     return BoxObject.of(record)

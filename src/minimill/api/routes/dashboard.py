@@ -15,6 +15,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from minimill.api.deps import ConfigDep, Credentials, StoreDep
 from minimill.api.errors import unknown_url
 from minimill.control.batches import recent_batches
+from minimill.control.box_hosts import slot_use
 from minimill.control.fleet_stats import fleet_stats
 from minimill.control.keys import authenticate_operator
 from minimill.control.leases import policy_for
@@ -59,6 +60,7 @@ def dashboard_data(store: StoreDep, config: ConfigDep,
     now = time.time()
     sites = list_sites(store, now, policy_for(config))
     stats = fleet_stats(store)
+    slots = slot_use(store)
     queue = {tier.value: {status.value: stats.queue.get((tier.value, status.value), 0)
                           for status in ACTIVE_REQUEST_STATUSES} for tier in Tier}
     return {
@@ -71,6 +73,8 @@ def dashboard_data(store: StoreDep, config: ConfigDep,
                    "outages_ahead": [o for o in s.outages if o["end_at"] > now]}
                   for s in sites],
         "queue": queue,
+        # Which boxes hold host slots, by host; how many boxes wait for one.
+        "boxes": {"held": slots.held, "pending": slots.pending},
         "batches": [{"id": b.id, "status": b.status.value, "total": b.counts.total,
                      "completed": b.counts.completed, "failed": b.counts.failed}
                     for b in recent_batches(store)],

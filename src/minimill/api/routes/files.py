@@ -14,6 +14,7 @@ from minimill.api.deps import ConfigDep, StoreDep, TenantDep
 from minimill.api.errors import error_responses
 from minimill.api.schemas import FileDeleted, FileList, FileObject
 from minimill.control import files
+from minimill.control.tenant_limits import limits_for
 
 router = APIRouter(prefix="/v1/files", tags=["files"], responses=error_responses(400, 401))
 READ_BYTES = 1024 * 1024
@@ -35,7 +36,8 @@ def upload_file(
     seconds = files.check_expires_after(expires_anchor, expires_seconds)
     record = files.create_file(store, tenant.id, purpose, file.filename or "upload.jsonl",
                                _parts(file), max_bytes=config.max_file_bytes,
-                               expires_after_s=seconds or config.file_expires_after_s)
+                               expires_after_s=seconds or config.file_expires_after_s,
+                               limits=limits_for(store, tenant.id, config.tenant_limits))
     return FileObject.of(record)
 
 

@@ -13,6 +13,7 @@ from fastapi.responses import StreamingResponse
 from minimill.api.deps import ConfigDep, StoreDep, TenantDep, WatcherDep
 from minimill.api.errors import error_responses
 from minimill.api.progress import ProgressWatcher
+from minimill.api.rate_headers import remember
 from minimill.api.realtime import WorkerReportedError
 from minimill.api.response_schemas import InputItemList, ResponseDeleted, ResponseObject
 from minimill.api.responses_live import EVENT_STREAM_RESPONSE, ResponseEventStream, wait_for_end
@@ -23,6 +24,7 @@ from minimill.control.records import RequestRecord, RequestStatus
 from minimill.control.response_bodies import ResponseBody
 from minimill.control.response_render import render_response
 from minimill.control.store import Store
+from minimill.control.tenant_limits import limits_for
 
 router = APIRouter(prefix="/v1/responses", tags=["responses"],
                    responses=error_responses(400, 401, 404))
@@ -59,8 +61,11 @@ async def create_response(body: ResponseBody, request: Request, store: StoreDep,
                           watcher: WatcherDep) -> Response | dict[str, Any]:
     """Foreground responses answer when done (a client that leaves cancels them); background
     ones answer at once, queued, and run whatever the client does."""
-    record = await anyio.to_thread.run_sync(responses.create_response, store, tenant.id, body,
-                                            config, time.time())
+    limits = await anyio.to_thread.run_sync(limits_for, store, tenant.id,
+                                            config.tenant_limits)
+    record, rate = await anyio.to_thread.run_sync(responses.create_response_limited, store,
+                                                  tenant.id, body, config, time.time(), limits)
+    remember(request, rate)
     if body.stream:
         return _stream(request, store, watcher, record, starting_after=-1,
                        cancel_on_disconnect=not body.background)

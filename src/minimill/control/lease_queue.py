@@ -1,0 +1,106 @@
+"""The head of the queue a lease call reads: each tenant's first queued requests, and what
+fair share between tenants needs (the tokens each holds leased, its weight).
+
+A window of the whole queue in arrival order would hold only the heavy tenant's requests
+while it has thousands queued, and placement could not offer the light tenant's. So each
+tenant's queue is read on its own (up to the window each, those with the least leased first;
+an index per tenant keeps every read short). With one tenant queued it is the plain window.
+Rows are locked (`FOR UPDATE SKIP LOCKED` on PostgreSQL) as the lease call reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sqlalchemy import Connection, func, select
+
+from minimill.control import tenant_limits
+from minimill.control.placement import Candidate
+from minimill.control.records import RequestStatus, Tier
+from minimill.control.release import remaining_tokens
+from minimill.control.tables import requests
+from minimill.control.tenant_limits import TenantLimits
+from minimill.protocol import session_tag
+
+_QUEUED = RequestStatus.QUEUED.value
+_LEASED = RequestStatus.LEASED.value
+# Most tenants whose queues one lease call reads (the least served first), of the first
+# MAX_TENANTS_SCANNED found with work queued.
+MAX_TENANTS_READ = 64
+MAX_TENANTS_SCANNED = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class QueueHead:
+    candidates: tuple[Candidate, ...]
+    tenant_load: dict[str, float] = field(default_factory=dict)
+    tenant_weights: dict[str, float] = field(default_factory=dict)
+
+
+def _queued_tenants(conn: Connection, tier: Tier) -> list[str]:
+    """Tenants with work of the tier queued: one index seek per tenant (a loose index scan
+    over ix_requests_tenant_queue), not a pass over every queued row."""
+    found: list[str] = []
+    while len(found) < MAX_TENANTS_SCANNED:
+        query = select(requests.c.tenant_id).where(requests.c.status == _QUEUED,
+                                                   requests.c.tier == tier.value)
+        if found:
+            query = query.where(requests.c.tenant_id > found[-1])
+        following = conn.execute(query.order_by(requests.c.tenant_id).limit(1)).scalar()
+        if following is None:
+            break
+        found.append(str(following))
+    return found
+
+
+def _leased_tokens(conn: Connection, default_tokens: int) -> dict[str, float]:
+    """Tokens each tenant holds leased now: what fair share counts as its service."""
+    rows = conn.execute(
+        select(requests.c.tenant_id,
+               func.sum(func.coalesce(requests.c.max_tokens, default_tokens)).label("tokens"))
+        .where(requests.c.status == _LEASED).group_by(requests.c.tenant_id))
+    return {r.tenant_id: float(r.tokens or 0) for r in rows}
+
+
+def _candidates(conn: Connection, tier: Tier, models: list[str], limit: int, now: float,
+                tenant_id: str | None = None) -> list[Candidate]:
+    """Queued work a site may get (of one tenant, if named). Work past its deadline is not
+    handed out: the janitor expires it (a batch past its window expires, it does not complete
+    late)."""
+    order = (requests.c.seq,) if tier == Tier.REALTIME else (requests.c.deadline, requests.c.seq)
+    query = (select(requests.c.id, requests.c.model, requests.c.seq, requests.c.deadline,
+                    requests.c.max_tokens, requests.c.checkpoint_tokens, requests.c.session_key,
+                    requests.c.tenant_id)
+             .where(requests.c.status == _QUEUED, requests.c.tier == tier.value,
+                    requests.c.model.in_(models), requests.c.deadline >= now))
+    if tenant_id is not None:
+        query = query.where(requests.c.tenant_id == tenant_id)
+    query = query.order_by(*order).limit(limit).with_for_update(skip_locked=True)
+    return [Candidate(request_id=r.id, tier=tier, model=r.model, seq=r.seq, deadline=r.deadline,
+                      remaining_tokens=remaining_tokens(r.max_tokens, r.checkpoint_tokens),
+                      session=session_tag(r.session_key) if r.session_key else None,
+                      tenant=r.tenant_id)
+            for r in conn.execute(query)]
+
+
+def read(conn: Connection, models: list[str], window: int, now: float, default_tokens: int,
+         default_weight: float = 1.0) -> QueueHead:
+    """Up to `window` queued requests per tier and tenant, and the tenants' load and weights
+    when more than one tenant has work queued."""
+    by_tier = {tier: _queued_tenants(conn, tier) for tier in (Tier.REALTIME, Tier.BACKGROUND)}
+    if all(len(t) <= 1 for t in by_tier.values()):
+        return QueueHead((*_candidates(conn, Tier.REALTIME, models, window, now),
+                          *_candidates(conn, Tier.BACKGROUND, models, window, now)))
+    load = _leased_tokens(conn, default_tokens)
+    pool: list[Candidate] = []
+    for tier, tenant_ids in by_tier.items():
+        if len(tenant_ids) <= 1:
+            pool += _candidates(conn, tier, models, window, now)
+            continue
+        for tenant_id in sorted(tenant_ids, key=lambda t: (load.get(t, 0.0), t))[
+                :MAX_TENANTS_READ]:
+            pool += _candidates(conn, tier, models, window, now, tenant_id)
+    defaults = TenantLimits(weight=default_weight)
+    weights = {t: limits.weight for t, limits in tenant_limits.of_tenants(
+        conn, {c.tenant for c in pool if c.tenant is not None}, defaults).items()}
+    return QueueHead(tuple(pool), load, weights)
