@@ -129,7 +129,8 @@ class Serve(Proc):
     """`minimill serve` on a free port with its own MINIMILL_HOME."""
 
     def __init__(self, home: Path, *, port: int | None = None, local_worker: bool = True,
-                 extra_env: dict[str, str] | None = None, db: str | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, db: str | None = None,
+                 model: str | None = None) -> None:
         self.home = home
         self.port = port or free_port()
         self.key = ""
@@ -138,6 +139,8 @@ class Serve(Proc):
         args = minimill_cmd("serve", "--port", str(self.port), "--dtype", "float32")
         if db:
             args += ["--db", db]
+        if model:
+            args += ["--model", model]
         if not local_worker:
             args.append("--no-local-worker")
         self.local_worker = local_worker

@@ -24,8 +24,9 @@ from minimill.engine.attention import AttentionMetadata
 from minimill.engine.kernels import TorchKernels
 from minimill.engine.model_runner import ModelRunner
 
-_TIMED = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_kv_write", "rotary_kv_write_int4",
-          "sample", "token_logprobs")
+_TIMED = ("rms_norm", "add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "clamped_swiglu",
+          "rotary_kv_write",
+          "rotary_kv_write_int4", "sample", "token_logprobs")
 
 
 class TimedKernels:
@@ -66,9 +67,10 @@ class TimedKernels:
         return "paged_attention." + ("decode" if meta.max_query_len == 1 else "with_prompts")
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                        meta: AttentionMetadata, scale: float, window: int | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
         return self._timed(self._attention_name(meta), self._inner.paged_attention, q,
-                           k_cache, v_cache, meta, scale)
+                           k_cache, v_cache, meta, scale, window, sinks)
 
     def paged_attention_int4(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                              k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -90,8 +92,12 @@ def instrument(runner: ModelRunner,
     model = runner.model
     names: dict[int, str] = {id(model.lm_head): "lm_head"}
     for layer in model.layers:
-        names.update({id(layer.qkv): "qkv", id(layer.o): "o", id(layer.gate_up): "gate_up",
-                      id(layer.down): "down"})
+        names.update({id(layer.qkv): "qkv", id(layer.o): "o"})
+        if layer.experts is not None:
+            names.update({id(w): "experts.gate_up" for w in layer.experts.gate_up})
+            names.update({id(w): "experts.down" for w in layer.experts.down})
+        else:
+            names.update({id(layer.gate_up): "gate_up", id(layer.down): "down"})
     inner = model.kernels
     timed = TimedKernels(inner, names, clock)
     model.kernels = runner.kernels = timed  # type: ignore[assignment]

@@ -274,7 +274,11 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
                                       "ran; do not trust this figure")
     sample_text = outputs[0].text[:80]
     del llm, runner, outputs
-    if not options.skip_hf and not options.random_weights:
+    if not options.skip_hf:
+        if options.random_weights:
+            # The engine took the random weights over as it built: the same seed makes them
+            # again for transformers.
+            loaded = _load(options)[0]
         with StealMeter() as hf_steal:
             hf, hf_batch = _hf_baseline(loaded, config.torch_dtype, prompts, items, quiet,
                                         err)

@@ -15,7 +15,11 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
+_LAYER_TYPES = {"sliding": "sliding_attention", "full": "full_attention"}
+
+
 def _hf_config(config: ModelConfig, dtype: torch.dtype) -> Any:
+    import transformers as tf
     from transformers import LlamaConfig, Qwen2Config
 
     eos = list(config.eos_token_ids)
@@ -30,23 +34,63 @@ def _hf_config(config: ModelConfig, dtype: torch.dtype) -> Any:
         bos_token_id=config.bos_token_id, eos_token_id=eos[0] if len(eos) == 1 else eos or None,
         hidden_act="silu", attn_implementation="sdpa", dtype=dtype,
     )
-    if config.architecture == "qwen2":
+    arch = config.architecture
+    if arch == "qwen2":
         return Qwen2Config(**common)
+    if arch == "qwen3":
+        return tf.Qwen3Config(attention_bias=config.attention_bias, **common)
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeConfig(
+            attention_bias=config.attention_bias, num_experts=config.num_experts,
+            num_experts_per_tok=config.num_experts_per_tok,
+            moe_intermediate_size=config.moe_intermediate_size,
+            norm_topk_prob=config.norm_topk_prob, mlp_only_layers=list(config.dense_layers),
+            **common)
+    layer_types = [_LAYER_TYPES[t] for t in config.layer_types] or None
+    if arch == "gpt_oss":
+        common.pop("hidden_act")
+        return tf.GptOssConfig(
+            num_local_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
+            sliding_window=config.sliding_window, layer_types=layer_types,
+            swiglu_limit=config.swiglu_limit, **common)
+    if arch == "gemma3":
+        common.pop("hidden_act")
+        common.pop("rope_theta")
+        common.pop("rope_scaling")
+        rope = {"full_attention": {"rope_type": "default", "rope_theta": config.rope_theta,
+                                   **(config.rope_scaling or {})},
+                "sliding_attention": {"rope_type": "default",
+                                      "rope_theta": config.sliding_rope_theta or 10000.0}}
+        assert config.attention_scale is not None
+        return tf.Gemma3TextConfig(
+            hidden_activation="gelu_pytorch_tanh", sliding_window=config.sliding_window,
+            layer_types=layer_types, rope_parameters=rope,
+            query_pre_attn_scalar=round(config.attention_scale ** -2), **common)
     return LlamaConfig(attention_bias=config.attention_bias, **common)
 
 
-def build_hf_model(loaded: LoadedModel, dtype: torch.dtype) -> PreTrainedModel:
-    """A transformers LlamaForCausalLM / Qwen2ForCausalLM holding the engine's exact weights."""
-    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+def _hf_class(architecture: str) -> Any:
+    import transformers as tf
 
+    return {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
+            "qwen3": tf.Qwen3ForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM,
+            "gemma3": tf.Gemma3ForCausalLM, "gpt_oss": tf.GptOssForCausalLM}[architecture]
+
+
+def build_hf_model(loaded: LoadedModel, dtype: torch.dtype) -> PreTrainedModel:
+    """transformers' model of the architecture, holding the engine's exact weights."""
     hf_config = _hf_config(loaded.config, dtype)
-    cls = Qwen2ForCausalLM if loaded.config.architecture == "qwen2" else LlamaForCausalLM
+    if loaded.config.architecture in ("gemma3", "gpt_oss"):
+        hf_config._attn_implementation = "eager"  # transformers' own choice for these two
+    cls = _hf_class(loaded.config.architecture)
     # Built on CPU rather than on the meta device: rotary buffers are computed at construction,
     # in ways that vary across versions. Random init is skipped: assign=True swaps every
     # parameter for our tensor (no copy when the dtype already matches).
     with _no_init_weights():
         model = cls(hf_config)
     weights = {name: w.to(dtype) for name, w in loaded.weights.items()}
+    if any(name.endswith("experts.gate_up_proj") for name in model.state_dict()):
+        weights = _fused_experts(weights, loaded.config)
     # strict=False only because a tied lm_head is absent from our weights; checked below.
     result = model.load_state_dict(weights, strict=False, assign=True)
     allowed_missing = {"lm_head.weight"} if loaded.config.tie_word_embeddings else set()
@@ -57,6 +101,25 @@ def build_hf_model(loaded: LoadedModel, dtype: torch.dtype) -> PreTrainedModel:
         model.tie_weights()
     model.eval()
     return model
+
+
+def _fused_experts(weights: dict[str, torch.Tensor], config: ModelConfig
+                   ) -> dict[str, torch.Tensor]:
+    """Qwen3-MoE's per-expert checkpoint tensors as the [experts, ...] parameters transformers
+    (>= 5) holds them in (its from_pretrained converts them the same way)."""
+    if config.architecture != "qwen3_moe":
+        return weights
+    for layer in range(config.num_hidden_layers):
+        if not config.is_moe(layer):
+            continue
+        p = f"model.layers.{layer}.mlp.experts."
+        experts = range(config.num_experts)
+        weights[p + "gate_up_proj"] = torch.stack([torch.cat(
+            [weights.pop(f"{p}{e}.gate_proj.weight"), weights.pop(f"{p}{e}.up_proj.weight")])
+            for e in experts])
+        weights[p + "down_proj"] = torch.stack([weights.pop(f"{p}{e}.down_proj.weight")
+                                                for e in experts])
+    return weights
 
 
 def _no_init_weights() -> contextlib.AbstractContextManager[Any]:
@@ -74,7 +137,7 @@ def flops_per_token(config: ModelConfig, context_len: int = 0) -> float:
     """Forward FLOPs for one token: 2 per weight, plus attention over `context_len` tokens."""
     # QK^T and AV: each 2 * heads * head_dim FLOPs per context token per layer.
     attention = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
-    return 2.0 * config.num_params + attention * context_len
+    return 2.0 * config.num_active_params + attention * context_len
 
 
 def measure_matmul_flops(dtype: torch.dtype, seconds: float = 3.0, m: int = 256, n: int = 1536,

@@ -6,7 +6,11 @@ with the engine's prepared weights, in its dtype), and its bytes (weights plus t
 and writes) at this machine's memory bandwidth. A step can go no faster than the larger of the
 two. Steps of lanes (engine/core.py), which run side by side on one core each, count as their
 share of a step of all the lanes' rows together: rates at that row count, weights read once
-for all of them. Attention FLOPs are counted at the GEMM rate too, which flatters the
+for all of them. In a mixture of experts a step's rows split over the experts: a routed row
+goes through one expert's GEMMs at the rate of the rows an expert gets on average (rows *
+top_k / experts), and the step reads the weights of the experts its rows are expected to touch
+(dense MLP layers beside the experts are left out, which only flatters the yardstick).
+Attention FLOPs are counted at the GEMM rate too, which flatters the
 yardstick, so the fraction an engine reaches of it can only be understated. A fraction
 above 1 means the yardstick measured something else than what the engine ran: the bench
 reports it as a bug.
@@ -27,8 +31,11 @@ MIN_CALLS = 3
 
 @dataclass(slots=True)
 class Yardstick:
-    # rows bucket (a power of two) -> seconds per row for all of one layer's linears
+    # rows bucket (a power of two) -> seconds per row for all of one layer's linears (of a
+    # mixture of experts: its attention's)
     layer_s_per_row: dict[int, float] = field(default_factory=dict)
+    # rows an expert gets (bucket) -> seconds per row through one expert's gate/up and down
+    expert_s_per_row: dict[int, float] = field(default_factory=dict)
     # rows bucket -> seconds per row for the vocabulary projection
     lm_head_s_per_row: dict[int, float] = field(default_factory=dict)
     # rows bucket -> FLOP/s of the layer's linears together (reported, and the attention rate)
@@ -54,26 +61,43 @@ def _best_seconds(fn: object, budget_s: float) -> float:
     return best
 
 
+def _moe_layers(model: DecoderModel) -> int:
+    return sum(layer.experts is not None for layer in model.layers)
+
+
+def expert_rows(model: DecoderModel, rows: int) -> int:
+    """The bucket of the rows one expert gets on average in a step of `rows` rows."""
+    c = model.config
+    return bucket(-(-rows * c.num_experts_per_tok // c.num_experts))
+
+
 def measure(model: DecoderModel, steps: list[StepShape], budget_s: float = 8.0) -> Yardstick:
     """GEMM rates of the engine's own path at the run's row counts, and memory bandwidth."""
     ops = model.kernels
+    c = model.config
+    q_width = model.num_heads * model.head_dim
     layer = model.layers[0]
-    weights = [layer.qkv, layer.o, layer.gate_up, layer.down]
-    in_dims = [model.config.hidden_size, model.num_heads * model.head_dim,
-               model.config.hidden_size, model.config.intermediate_size]
-    flops_per_row = sum(2 * k * n for k, n in zip(
-        in_dims, [model.num_heads * model.head_dim + 2 * model.num_kv_heads * model.head_dim,
-                  model.config.hidden_size, 2 * model.config.intermediate_size,
-                  model.config.hidden_size], strict=True))
+    # (weight, in, out) of each linear a layer's row goes through.
+    linears = [(layer.qkv, c.hidden_size, q_width + 2 * model.num_kv_heads * model.head_dim),
+               (layer.o, q_width, c.hidden_size)]
+    expert = next((x.experts for x in model.layers if x.experts is not None), None)
+    if expert is None:
+        assert layer.gate_up is not None and layer.down is not None
+        linears += [(layer.gate_up, c.hidden_size, 2 * c.intermediate_size),
+                    (layer.down, c.intermediate_size, c.hidden_size)]
+    flops_per_row = sum(2 * k * n for _, k, n in linears)
     layer_buckets = sorted({bucket(s.num_tokens * s.lanes) for s in steps})
     head_buckets = sorted({bucket(s.num_logits * s.lanes) for s in steps if s.num_logits})
-    per_measure = budget_s / max(1, len(layer_buckets) * 4 + len(head_buckets))
+    expert_buckets = (sorted({expert_rows(model, s.num_tokens * s.lanes) for s in steps})
+                      if expert is not None else [])
+    per_measure = budget_s / max(1, len(layer_buckets) * len(linears) + len(head_buckets)
+                                 + 2 * len(expert_buckets))
     stick = Yardstick()
     dtype, device = model.embed.dtype, model.embed.device
     with torch.inference_mode():
         for rows in layer_buckets:
             seconds = 0.0
-            for weight, k in zip(weights, in_dims, strict=True):
+            for weight, k, _ in linears:
                 x = torch.randn(rows, k, device=device).to(dtype)
                 seconds += _best_seconds(lambda x=x, w=weight: ops.linear(x, w), per_measure)
             stick.layer_s_per_row[rows] = seconds / rows
@@ -82,6 +106,14 @@ def measure(model: DecoderModel, steps: list[StepShape], budget_s: float = 8.0) 
             x = torch.randn(rows, model.config.hidden_size, device=device).to(dtype)
             seconds = _best_seconds(lambda x=x: ops.linear(x, model.lm_head), per_measure)
             stick.lm_head_s_per_row[rows] = seconds / rows
+        for rows in expert_buckets:
+            assert expert is not None
+            seconds = 0.0
+            for weight, k in ((expert.gate_up[0], c.hidden_size),
+                              (expert.down[0], c.moe_intermediate_size)):
+                x = torch.randn(rows, k, device=device).to(dtype)
+                seconds += _best_seconds(lambda x=x, w=weight: ops.linear(x, w), per_measure)
+            stick.expert_s_per_row[rows] = seconds / rows
         stick.bandwidth_bytes_s = _bandwidth(device)
     return stick
 
@@ -109,8 +141,12 @@ def speed_of_light(model: DecoderModel, steps: list[StepShape], stick: Yardstick
     itemsize = model.embed.element_size()
     layers = mc.num_hidden_layers
     kv_bytes_per_token = layers * 2 * mc.num_key_value_heads * mc.head_dim * itemsize
-    # Every linear weight and the vocabulary projection, read once per step.
+    # Every linear weight and the vocabulary projection, read once per step; of the experts,
+    # those the step's rows are expected to touch.
     weight_bytes = itemsize * mc.num_params
+    moe_layers = _moe_layers(model)
+    expert_bytes = itemsize * 3 * mc.hidden_size * mc.moe_intermediate_size
+    weight_bytes -= moe_layers * mc.num_experts * expert_bytes
     attention_flops_per_pair = 4 * layers * mc.num_attention_heads * mc.head_dim
     total = compute_total = memory_total = 0.0
     memory_bound = 0
@@ -118,11 +154,19 @@ def speed_of_light(model: DecoderModel, steps: list[StepShape], stick: Yardstick
         # A lane's step: its share of a machine-wide step of every lane's rows.
         rows = bucket(step.num_tokens * step.lanes)
         compute = layers * step.num_tokens * stick.layer_s_per_row[rows]
+        step_weight_bytes = float(weight_bytes)
+        if moe_layers:
+            k, experts = mc.num_experts_per_tok, mc.num_experts
+            all_rows = step.num_tokens * step.lanes
+            compute += (moe_layers * step.num_tokens * k
+                        * stick.expert_s_per_row[expert_rows(model, all_rows)])
+            touched = experts * (1 - (1 - k / experts) ** all_rows)
+            step_weight_bytes += moe_layers * touched * expert_bytes
         if step.num_logits:
             compute += step.num_logits * stick.lm_head_s_per_row[
                 bucket(step.num_logits * step.lanes)]
         compute += attention_flops_per_pair * step.attended_pairs / stick.layer_flop_s[rows]
-        memory = (weight_bytes / step.lanes
+        memory = (step_weight_bytes / step.lanes
                   + kv_bytes_per_token * (step.kv_tokens + step.num_tokens)
                   ) / stick.bandwidth_bytes_s
         total += max(compute, memory)

@@ -40,7 +40,8 @@ def bench_engine(
     skip_hf: bool = typer.Option(False, help="Skip the HF transformers baseline."),
     shape: str | None = typer.Option(
         None, help="Measure a named model shape instead of --model (e.g. llama3-8b, "
-        "qwen2.5-7b, llama3-70b, smollm2-135m); needs --random-weights."),
+        "qwen3-0.6b, qwen3-moe-2.9b-a0.7b, gemma3-1b, gpt-oss-20b); needs "
+        "--random-weights."),
     config: Path | None = typer.Option(
         None, exists=True, dir_okay=False,
         help="An HF config.json whose shape to measure; needs --random-weights."),

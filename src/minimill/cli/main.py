@@ -18,6 +18,7 @@ from minimill.cli.agent import agent_app
 from minimill.cli.batch import batch_app
 from minimill.cli.bench import bench_app
 from minimill.cli.box import box_app
+from minimill.cli.models import models_app
 from minimill.cli.options import (
     DEFAULT_MODEL,
     DTYPE_HELP,
@@ -97,6 +98,7 @@ app.add_typer(sites_app, name="sites")
 app.add_typer(prices_app, name="prices")
 app.add_typer(webhooks_app, name="webhooks")
 app.add_typer(tenants_app, name="tenants")
+app.add_typer(models_app, name="models")
 
 
 KvCacheGbOption = typer.Option(None, "--kv-cache-gb", help="Builtin engine: the device KV pool "
@@ -133,19 +135,30 @@ def _kv_options(cache_gb: float | None, host_gb: float, flash_dir: str | None,
 
 
 @app.command()
-def pull(name: str = typer.Argument(DEFAULT_MODEL, help="Model name, e.g. smollm2-135m.")) -> None:
-    """Fetch a model into the model cache (MINIMILL_HOME)."""
+def pull(name: str = typer.Argument(DEFAULT_MODEL, help="Model name, e.g. smollm2-135m, or "
+                                    "the path of an HF model directory."),
+         as_name: str | None = typer.Option(None, "--name", help="The name an HF directory "
+                                            "is cached under (default: the directory's).")
+         ) -> None:
+    """Fetch a model into the model cache (MINIMILL_HOME); an HF directory is checked and
+    linked there, so that `--model NAME` serves it."""
     from minimill.cli.options import PullBar
-    from minimill.models.registry import pull_model
+    from minimill.models.catalog import pull_path
+    from minimill.models.registry import KNOWN_MODELS, pull_model
     from minimill.models.types import ModelError
 
     try:
-        with PullBar() as bar:
-            path = pull_model(name, progress=bar)
+        if name in KNOWN_MODELS or not Path(name).expanduser().exists():
+            if as_name is not None:
+                raise typer.BadParameter("--name is for an HF directory given by path")
+            with PullBar() as bar:
+                typer.echo(str(pull_model(name, progress=bar)))
+            return
+        cached_name, link = pull_path(Path(name), as_name)
     except ModelError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
-    typer.echo(str(path))
+    typer.echo(f"{cached_name}: {link} -> {link.resolve()}")
 
 
 @app.command()

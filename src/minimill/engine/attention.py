@@ -233,8 +233,12 @@ def write_kv_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Te
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [num_tokens, heads, head_dim] -> [num_tokens, heads * head_dim].
+                              meta: AttentionMetadata, scale: float,
+                              window: int | None = None,
+                              sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [num_tokens, heads, head_dim] -> [num_tokens, heads * head_dim]; with a `window`,
+    each query sees only keys within the last `window` positions (its own included); `sinks`
+    (float32 [heads], gpt-oss) add one logit per head that has no value.
 
     Gathers every sequence's blocks into a padded batch and runs one SDPA with a causal,
     length-aware mask: simple and obviously right, not fast.
@@ -254,11 +258,26 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         num_seqs, kv_heads, -1, head_dim).to(compute)
     values = unpacked_v(v_cache[tables], block_size).transpose(1, 2).reshape(
         num_seqs, kv_heads, -1, head_dim).to(compute)
-    return attend_gathered(q, keys, values, meta, scale)
+    return attend_gathered(q, keys, values, meta, scale, window, sinks)
+
+
+def _attend_with_sinks(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       mask: torch.Tensor, scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """SDPA with one more logit per head that has no value; queries [seqs, heads, q, d], keys
+    and values [seqs, kv_heads, k, d], mask [seqs, 1, q, k]."""
+    group = queries.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    logits = (queries @ keys.transpose(-1, -2)).float() * scale
+    logits = logits.masked_fill(~mask, float("-inf"))
+    sink = sinks.float()[None, :, None, None].expand(*logits.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+    return (probs.to(values.dtype) @ values).to(queries.dtype)
 
 
 def attend_gathered(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float,
+                    window: int | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal, length-aware SDPA of the step's queries over keys and values gathered per
     sequence ([seqs, kv_heads, width * block_size, d], in the compute dtype)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -277,8 +296,13 @@ def attend_gathered(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     k_pos = torch.arange(width * block_size, device=q.device)
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :]
                                                          < seq_lens[:, None, None])
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None],
-                                         scale=scale, enable_gqa=True)
+    if window is not None:
+        mask &= k_pos[None, None, :] > q_pos[:, :, None] - window
+    if sinks is not None:
+        out = _attend_with_sinks(queries, keys, values, mask[:, None], scale, sinks)
+    else:
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None],
+                                             scale=scale, enable_gqa=True)
     out = out.transpose(1, 2).reshape(num_seqs, meta.max_query_len, num_heads * head_dim)
     result = q.new_empty(num_tokens, num_heads * head_dim)
     result[rows[valid]] = out[valid].to(q.dtype)

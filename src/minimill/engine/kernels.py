@@ -59,6 +59,19 @@ class TorchKernels:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """Gemma's gate: GELU with the tanh approximation, times up."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+    def clamped_swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float
+                       ) -> torch.Tensor:
+        """gpt-oss's experts: gate clamped above at `limit`, up to [-limit, limit], and
+        (up + 1) * gate * sigmoid(alpha * gate)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
     def rotary_kv_write(self, qkv: torch.Tensor, positions: torch.Tensor,
                         cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         slot_mapping: torch.Tensor, num_heads: int,
@@ -111,8 +124,12 @@ class TorchKernels:
                                               v_stage, meta, scale)
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_attention_reference(q, k_cache, v_cache, meta, scale)
+                        meta: AttentionMetadata, scale: float, window: int | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention over the paged cache; a sliding-window layer's queries see only
+        the last `window` positions (their own included); `sinks` (float32 [heads]) add a
+        logit per head without a value (gpt-oss)."""
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale, window, sinks)
 
     def init_thread(self) -> None:
         """Make this thread's first parallel call into the kernels (core_split.py)."""
@@ -238,10 +255,12 @@ class CpuKernels(TorchKernels):
         return q
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                        meta: AttentionMetadata, scale: float, window: int | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         self._ops.paged_attention(out, q, k_cache, v_cache, meta.block_tables,
-                                  meta.query_start, meta.seq_lens, scale, meta.block_size)
+                                  meta.query_start, meta.seq_lens, scale, meta.block_size,
+                                  window, sinks)
         return out
 
     def rotary_kv_write_int4(self, qkv: torch.Tensor, positions: torch.Tensor,

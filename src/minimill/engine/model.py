@@ -1,16 +1,21 @@
-"""Llama / Qwen2 decoder over flattened tokens with a paged KV cache.
+"""The decoder of every architecture the engine runs (Llama, Mistral, Qwen2, Qwen3,
+Qwen3-MoE, Gemma 3) over flattened tokens with a paged KV cache.
 
 Weights arrive in HF naming and are fused at load: q/k/v into one matrix (plus bias for
 Qwen2), gate/up into one, so each layer runs four matmuls; everything between them (norms with
 the residual add, rotary with the KV write, attention, SiLU * up) is one call each into the
-engine's kernels (kernels.py). Activations are [num_tokens, hidden] for the whole step (every
-request's new tokens back to back); positions and the attention metadata say where each token
-sits. Arithmetic follows HF transformers (norms in float32, residuals in the model dtype) so
-float32 runs match it closely.
+engine's kernels (kernels.py). What newer families add is per layer and optional: q/k norms
+(Qwen3, Gemma 3), norms of the attention and MLP outputs (Gemma), sliding-window layers with
+their own rotary base (Gemma 3), routed experts in place of the MLP (moe.py).
+
+Activations are [num_tokens, hidden] for the whole step (every request's new tokens back to
+back); positions and the attention metadata say where each token sits. Arithmetic follows HF
+transformers (norms in float32, residuals in the model dtype) so float32 runs match it closely.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +24,12 @@ import torch.nn.functional as F
 from minimill.engine.attention import AttentionMetadata, layer_views
 from minimill.engine.kernels import TorchKernels
 from minimill.engine.kv_int4 import stage_layer_views
+from minimill.engine.moe import (
+    ExpertWeights,
+    experts_forward,
+    load_experts,
+    load_gpt_oss_experts,
+)
 from minimill.engine.rope import RotaryEmbedding
 from minimill.models.types import ModelConfig, ModelFileError
 
@@ -30,9 +41,18 @@ class LayerWeights:
     qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
     qkv_bias: torch.Tensor | None
     o: torch.Tensor  # [hidden, heads * head_dim]
-    post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor  # [hidden]: the norm before the MLP
+    gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None where experts run
+    down: torch.Tensor | None  # [hidden, intermediate]
+    experts: ExpertWeights | None = None
+    q_norm: torch.Tensor | None = None  # [head_dim], Qwen3 / Gemma 3
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None  # [hidden], Gemma: the attention output's norm
+    mlp_out_norm: torch.Tensor | None = None  # [hidden], Gemma: the MLP output's norm
+    window: int | None = None  # a sliding-window layer's window
+    sinks: torch.Tensor | None = None  # float32 [heads], gpt-oss's attention sinks
+    rotary: int = 0  # index into DecoderModel.rotaries
 
 
 class DecoderModel:
@@ -49,7 +69,10 @@ class DecoderModel:
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.eps = config.rms_norm_eps
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.attention_scale or config.head_dim ** -0.5
+        # Gemma multiplies the embeddings by sqrt(hidden), rounded to the model dtype as HF does.
+        self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item()
+                            if config.scale_embeddings else None)
 
         def w(name: str) -> torch.Tensor:
             tensor = weights.pop(name, None) if release_weights else weights.get(name)
@@ -57,8 +80,12 @@ class DecoderModel:
                 raise ModelFileError(f"weight {name!r} is missing from the model")
             return tensor.to(device=device, dtype=dtype)
 
+        def norm(name: str) -> torch.Tensor:
+            # Gemma's norms scale by (1 + weight): folded in once, here.
+            return w(name) + 1 if config.gemma_norms else w(name)
+
         self.embed = w("model.embed_tokens.weight")
-        self.norm = w("model.norm.weight")
+        self.norm = norm("model.norm.weight")
         pack = self.kernels.prepare_weight
         if config.tie_word_embeddings or "lm_head.weight" not in weights:
             # Packing may copy the embedding: the lm_head then holds its own layout.
@@ -74,16 +101,70 @@ class DecoderModel:
             bias = None
             if config.attention_bias:
                 bias = torch.cat([w(a + f"{n}_proj.bias") for n in "qkv"]).contiguous()
-            self.layers.append(LayerWeights(
-                input_norm=w(p + "input_layernorm.weight"),
+            layer = LayerWeights(
+                input_norm=norm(p + "input_layernorm.weight"),
                 qkv=pack(torch.cat([w(a + f"{n}_proj.weight") for n in "qkv"])),
                 qkv_bias=bias,
                 o=pack(w(a + "o_proj.weight")),
-                post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=pack(torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")])),
-                down=pack(w(m + "down_proj.weight")),
-            ))
-        self.rotary = RotaryEmbedding(config, max_model_len, device)
+                o_bias=w(a + "o_proj.bias").contiguous() if config.o_proj_bias else None,
+                post_norm=norm(p + ("pre_feedforward_layernorm.weight" if config.gemma_norms
+                                    else "post_attention_layernorm.weight")),
+                gate_up=None, down=None)
+            if config.is_moe(i) and config.expert_style == "gpt_oss":
+                layer.experts = load_gpt_oss_experts(m, w, pack)
+            elif config.is_moe(i):
+                layer.experts = load_experts(m, config.num_experts, w, pack)
+            else:
+                layer.gate_up = pack(torch.cat([w(m + "gate_proj.weight"),
+                                                w(m + "up_proj.weight")]))
+                layer.down = pack(w(m + "down_proj.weight"))
+            if config.qk_norm:
+                # Qwen3's q/k norms are plain RMSNorms; Gemma's, like its others, (1 + w).
+                layer.q_norm, layer.k_norm = norm(a + "q_norm.weight"), norm(a + "k_norm.weight")
+            if config.gemma_norms:
+                layer.attn_out_norm = norm(p + "post_attention_layernorm.weight")
+                layer.mlp_out_norm = norm(p + "post_feedforward_layernorm.weight")
+            if config.attention_sinks:
+                layer.sinks = w(a + "sinks").float().contiguous()
+            if config.is_sliding(i):
+                layer.window = config.sliding_window
+                layer.rotary = 1 if config.sliding_rope_theta is not None else 0
+            self.layers.append(layer)
+        self.rotaries = [RotaryEmbedding(config, max_model_len, device)]
+        if config.sliding_rope_theta is not None:
+            local = dataclasses.replace(config, rope_theta=config.sliding_rope_theta,
+                                        rope_scaling=None)
+            self.rotaries.append(RotaryEmbedding(local, max_model_len, device))
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return any(layer.window is not None for layer in self.layers)
+
+    def _qk_norm(self, qkv: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        """qkv with each head's queries and keys RMS-normed (over head_dim)."""
+        assert layer.q_norm is not None and layer.k_norm is not None
+        ops, d = self.kernels, self.head_dim
+        q_width, k_width = self.num_heads * d, self.num_kv_heads * d
+        tokens = qkv.shape[0]
+        q = ops.rms_norm(qkv[:, :q_width].reshape(-1, d), layer.q_norm, self.eps)
+        k = ops.rms_norm(qkv[:, q_width:q_width + k_width].reshape(-1, d), layer.k_norm,
+                         self.eps)
+        return torch.cat([q.view(tokens, q_width), k.view(tokens, k_width),
+                          qkv[:, q_width + k_width:]], dim=1)
+
+    def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        ops = self.kernels
+        c = self.config
+        if layer.experts is not None:
+            swiglu = ((c.swiglu_alpha, c.swiglu_limit) if c.expert_style == "gpt_oss"
+                      else None)
+            return experts_forward(ops, x, layer.experts, c.num_experts_per_tok,
+                                   c.norm_topk_prob, swiglu)
+        assert layer.gate_up is not None and layer.down is not None
+        gate_up = ops.linear(x, layer.gate_up)
+        act = (ops.gelu_tanh_and_mul(gate_up) if self.config.hidden_act == "gelu_tanh"
+               else ops.silu_and_mul(gate_up))
+        return ops.linear(act, layer.down)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor,
@@ -93,8 +174,9 @@ class DecoderModel:
         those rows' final normed hidden states [len(logits_rows), hidden] (what embeddings
         pool; `project` turns them into logits)."""
         ops, eps = self.kernels, self.eps
-        cos_sin = self.rotary.cos_sin
         hidden = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         residual = hidden
         for i, layer in enumerate(self.layers):
             if i == 0:
@@ -102,6 +184,9 @@ class DecoderModel:
             else:
                 x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, eps)
             qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
+            if layer.q_norm is not None:
+                qkv = self._qk_norm(qkv, layer)
+            cos_sin = self.rotaries[layer.rotary].cos_sin
             k_cache, v_cache = layer_views(kv_cache, i)
             if meta.int4 is not None:
                 k_stage, v_stage = stage_layer_views(meta.int4.kv_stage, i)
@@ -114,10 +199,15 @@ class DecoderModel:
                 q = ops.rotary_kv_write(qkv, positions, cos_sin, k_cache, v_cache,
                                         meta.slot_mapping, self.num_heads, self.num_kv_heads,
                                         meta.block_size)
-                attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
-            hidden = ops.linear(attn, layer.o)
+                attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, layer.window,
+                                           layer.sinks)
+            hidden = ops.linear(attn, layer.o, layer.o_bias)
+            if layer.attn_out_norm is not None:
+                hidden = ops.rms_norm(hidden, layer.attn_out_norm, eps)
             x, residual = ops.add_rms_norm(hidden, residual, layer.post_norm, eps)
-            hidden = ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up)), layer.down)
+            hidden = self._mlp(x, layer)
+            if layer.mlp_out_norm is not None:
+                hidden = ops.rms_norm(hidden, layer.mlp_out_norm, eps)
         # Only the rows that sample need the final norm and the (large) vocabulary projection
         # (none in a step of prompt chunks that all end before their prompt does).
         if not logits_rows.numel():

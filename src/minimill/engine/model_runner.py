@@ -65,6 +65,9 @@ class ModelRunner:
         self.model = DecoderModel(mc, loaded.weights, config.torch_dtype, self.device,
                                   config.max_model_len, self.kernels,
                                   release_weights=bool(loaded.extra.get("release_weights")))
+        if config.kv_dtype == "int4" and self.model.has_sliding_layers:
+            raise ValueError("kv_dtype int4 does not support sliding-window layers yet; "
+                             "use bfloat16, float32 or int8 KV for this model")
         self.kv_cache = allocate_kv_cache(config.num_kv_blocks, mc.num_hidden_layers,
                                           mc.num_key_value_heads, config.block_size,
                                           mc.head_dim, config.kv_torch_dtype, self.device,

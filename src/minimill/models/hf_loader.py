@@ -1,5 +1,5 @@
-"""Loading an HF-style model directory (config.json, safetensors, tokenizer.json) for Llama,
-Mistral and Qwen2 decoders into a LoadedModel."""
+"""Loading an HF-style model directory (config.json, safetensors, tokenizer.json) of any
+architecture hf_config.py knows into a LoadedModel."""
 
 from __future__ import annotations
 
@@ -10,17 +10,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from minimill.models.hf_config import architecture_of, config_from_hf
 from minimill.models.tokenizer import END_OF_TURN_TOKENS, Tokenizer
 from minimill.models.tokenizer_files import load_hf_tokenizer, read_json
-from minimill.models.types import LoadedModel, ModelConfig, ModelFileError
-
-_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-}
-# Defaults of the corresponding transformers config classes, for keys a config.json omits.
-_MAX_POSITIONS_DEFAULT = {"llama": 2048, "qwen2": 32768}
+from minimill.models.types import LoadedModel, ModelFileError
 
 
 def _ids(value: Any) -> list[int]:
@@ -29,59 +22,50 @@ def _ids(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
-def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
-    scaling = cfg.get("rope_scaling")
-    if scaling is None and isinstance(cfg.get("rope_parameters"), dict):
-        # transformers >= 5 writes rope_theta and the scaling into one `rope_parameters` dict.
-        scaling = {k: v for k, v in cfg["rope_parameters"].items() if k != "rope_theta"}
-    if not scaling:
-        return None
-    scaling = dict(scaling)
-    # Older configs say "type"; keep the dict as given but make "rope_type" always present.
-    scaling.setdefault("rope_type", scaling.get("type", "default"))
-    return None if scaling["rope_type"] == "default" and len(scaling) == 1 else scaling
-
-
-def config_from_hf(cfg: dict[str, Any], path: Path, tokenizer: Tokenizer,
-                   generation_eos: list[int]) -> ModelConfig:
-    """ModelConfig from an HF config.json dict."""
-    names = cfg.get("architectures") or []
-    arch = next((_ARCHITECTURES[n] for n in names if n in _ARCHITECTURES), None)
-    if arch is None:
-        raise ModelFileError(f"{path}: architectures {names} not supported "
-                             f"(supported: {', '.join(_ARCHITECTURES)})")
-    if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias", False):
-        raise ModelFileError(f"{path}: only SiLU-gated MLPs without bias are supported")
+def _special_ids(cfg: dict[str, Any], tokenizer: Tokenizer, generation_eos: list[int]
+                 ) -> tuple[tuple[int, ...], int | None]:
+    """(every id that ends generation, the bos id) from the config and the tokenizer."""
     try:
-        hidden = int(cfg["hidden_size"])
-        num_heads = int(cfg["num_attention_heads"])
-        rope_params = cfg.get("rope_parameters") or {}
         eos_ids = _ids(cfg.get("eos_token_id")) + generation_eos
-        if tokenizer.eos_token_id is not None:
-            eos_ids.append(tokenizer.eos_token_id)
-        eos_ids += [i for t in END_OF_TURN_TOKENS if (i := tokenizer.token_to_id(t)) is not None]
         bos = cfg.get("bos_token_id", tokenizer.bos_token_id)
-        return ModelConfig(
-            architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_hidden_layers=int(cfg["num_hidden_layers"]),
-            num_attention_heads=num_heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0),
-            max_position_embeddings=int(cfg.get("max_position_embeddings")
-                                        or _MAX_POSITIONS_DEFAULT[arch]),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=True if arch == "qwen2" else bool(cfg.get("attention_bias", False)),
-            rope_scaling=_rope_scaling(cfg),
-            bos_token_id=None if bos is None else int(bos),
-            eos_token_ids=tuple(dict.fromkeys(eos_ids)),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ModelFileError(f"{path}: config.json is missing or has a bad value: {exc}") from exc
+        bos = None if bos is None else int(bos)
+    except (TypeError, ValueError) as exc:
+        raise ModelFileError(f"config.json has a bad token id: {exc}") from exc
+    if tokenizer.eos_token_id is not None:
+        eos_ids.append(tokenizer.eos_token_id)
+    eos_ids += [i for t in END_OF_TURN_TOKENS if (i := tokenizer.token_to_id(t)) is not None]
+    return tuple(dict.fromkeys(eos_ids)), bos
+
+
+# The values of the 16 FP4 (e2m1) codes of MXFP4, low nibble first in each byte.
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_dequantized(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+                      ) -> torch.Tensor:
+    """gpt-oss's MXFP4 experts as the [experts, in, out] tensor of its unquantized checkpoints.
+
+    blocks: uint8 [experts, out, groups, 16], two 4-bit codes per byte (32 values a group);
+    scales: uint8 [experts, out, groups], a power of two per group biased by 127."""
+    if blocks.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
+        raise ModelFileError(f"MXFP4 blocks {tuple(blocks.shape)} and scales "
+                             f"{tuple(scales.shape)} do not fit together")
+    table = torch.tensor(_FP4_VALUES, dtype=torch.float32)
+    values = torch.stack([table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]], dim=-1)
+    values = values.flatten(-2)  # [experts, out, groups, 32]
+    values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
+    return values.flatten(-2).transpose(1, 2).contiguous().to(dtype)
+
+
+def _dequantize_mxfp4(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """Replace every `X_blocks` / `X_scales` pair by the dequantized `X`, in place."""
+    for name in [n for n in weights if n.endswith("_blocks")]:
+        base = name[:-len("_blocks")]
+        scales = weights.pop(base + "_scales", None)
+        if scales is None:
+            raise ModelFileError(f"weight {name!r} has no {base + '_scales'!r} beside it")
+        weights[base] = mxfp4_dequantized(weights.pop(name), scales, dtype)
 
 
 def _shard_files(directory: Path) -> list[Path]:
@@ -109,7 +93,10 @@ def _load_weights(directory: Path, dtype: torch.dtype) -> dict[str, torch.Tensor
         for name, tensor in tensors.items():
             if name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints kept
                 continue
-            weights[name] = tensor.to(dtype)
+            # MXFP4 codes and scales stay bytes until they are dequantized below.
+            quantized = name.endswith(("_blocks", "_scales")) and tensor.dtype == torch.uint8
+            weights[name] = tensor if quantized else tensor.to(dtype)
+    _dequantize_mxfp4(weights, dtype)
     return weights
 
 
@@ -122,12 +109,17 @@ def load_hf_dir(directory: str | Path, dtype: torch.dtype = torch.bfloat16,
     generation_file = directory / "generation_config.json"
     generation_eos = (_ids(read_json(generation_file).get("eos_token_id"))
                       if generation_file.exists() else [])
-    config = config_from_hf(cfg, directory / "config.json", tokenizer, generation_eos)
+    architecture_of(cfg, directory / "config.json")  # before reading any weights
+    eos_ids, bos = _special_ids(cfg, tokenizer, generation_eos)
+    config = config_from_hf(cfg, directory / "config.json", eos_ids, bos)
     weights = _load_weights(directory, dtype)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # same tensor as the embedding; keep one layout
+    last = f"model.layers.{config.num_hidden_layers - 1}."
     required = ["model.embed_tokens.weight", "model.norm.weight",
-                f"model.layers.{config.num_hidden_layers - 1}.mlp.down_proj.weight"]
+                last + ("mlp.down_proj.weight" if not config.is_moe(config.num_hidden_layers - 1)
+                        else "mlp.router.weight" if config.expert_style == "gpt_oss"
+                        else "mlp.gate.weight")]
     if not config.tie_word_embeddings:
         required.append("lm_head.weight")
     missing = [key for key in required if key not in weights]

@@ -12,6 +12,7 @@ import base64
 import hashlib
 import logging
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -81,6 +82,18 @@ def model_dir(name: str) -> Path:
     return minimill_home() / "models" / name
 
 
+# A name in the cache is one path component: no separators, no "." or "..".
+CACHE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def pulled_dir(name: str) -> Path | None:
+    """The HF directory pulled by path under this name (`minimill pull PATH`), or None."""
+    if not CACHE_NAME.match(name):
+        return None
+    path = minimill_home() / "models" / name
+    return path if (path / "config.json").is_file() else None
+
+
 def _known(name: str) -> WheelModelSource:
     source = KNOWN_MODELS.get(name)
     if source is None:
@@ -113,6 +126,9 @@ def resolve_model(name_or_path: str) -> Path:
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
+    pulled = pulled_dir(name_or_path)
+    if pulled is not None:
+        return pulled
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelFileError(
@@ -122,7 +138,7 @@ def resolve_model(name_or_path: str) -> Path:
     known = ", ".join(sorted(KNOWN_MODELS))
     raise UnknownModelError(
         f"unknown model {name_or_path!r}: neither a known model name ({known}) "
-        "nor an existing .gguf file or model directory"
+        "nor a model pulled by path, nor an existing .gguf file or model directory"
     )
 
 

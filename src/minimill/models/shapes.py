@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from minimill.models.hf_config import config_from_hf
 from minimill.models.tokenizer import Tokenizer
 from minimill.models.types import LoadedModel, ModelConfig, ModelFileError
 
@@ -38,34 +39,64 @@ NAMED_SHAPES: dict[str, ModelConfig] = {
         num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
         rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
         tie_word_embeddings=False),
+    "qwen3-0.6b": ModelConfig(
+        architecture="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+        tie_word_embeddings=True, qk_norm=True),
+    "qwen3-8b": ModelConfig(
+        architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+        tie_word_embeddings=False, qk_norm=True),
+    # Qwen3-30B-A3B's layer (128 experts, top-8) at half the width, a quarter of the experts
+    # and half the depth: 2.9B parameters with both embeddings (5.7 GB in bf16), 0.7B of them
+    # active per token.
+    "qwen3-moe-2.9b-a0.7b": ModelConfig(
+        architecture="qwen3_moe", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+        num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+        tie_word_embeddings=False, qk_norm=True, num_experts=64, num_experts_per_tok=8,
+        moe_intermediate_size=512, norm_topk_prob=True),
+    "qwen3-30b-a3b": ModelConfig(
+        architecture="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+        tie_word_embeddings=False, qk_norm=True, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True),
+    "gemma3-1b": ModelConfig(
+        architecture="gemma3", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+        num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768,
+        tie_word_embeddings=True, qk_norm=True, gemma_norms=True, hidden_act="gelu_tanh",
+        scale_embeddings=True, attention_scale=256 ** -0.5, sliding_window=512,
+        layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(26)),
+        sliding_rope_theta=10000.0),
+    "gpt-oss-20b": ModelConfig(
+        architecture="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+        rms_norm_eps=1e-5, rope_theta=150000.0, max_position_embeddings=131072,
+        tie_word_embeddings=False, attention_bias=True,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                      "beta_slow": 1.0, "original_max_position_embeddings": 4096,
+                      "truncate": False},
+        sliding_window=128,
+        layer_types=tuple("sliding" if i % 2 == 0 else "full" for i in range(24)),
+        num_experts=32, num_experts_per_tok=4, moe_intermediate_size=2880,
+        o_proj_bias=True, attention_sinks=True, expert_style="gpt_oss"),
 }
 
 
 def shape_from_hf_config(path: Path) -> ModelConfig:
-    """The shape an HF config.json describes (Llama / Mistral / Qwen2 families)."""
+    """The shape an HF config.json describes (any architecture hf_config.py knows)."""
     try:
         raw: dict[str, Any] = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ModelFileError(f"{path}: not a readable config.json: {exc}") from exc
-    try:
-        heads = int(raw["num_attention_heads"])
-        hidden = int(raw["hidden_size"])
-        model_type = str(raw.get("model_type", "llama"))
-        return ModelConfig(
-            architecture="qwen2" if model_type == "qwen2" else "llama",
-            vocab_size=int(raw["vocab_size"]), hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]), num_attention_heads=heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads", heads)),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
-            rope_scaling=raw.get("rope_scaling"))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ModelFileError(f"{path}: missing or bad field in config.json: {exc}") from exc
+    if not raw.get("architectures"):  # a bare shape: the Llama family's default
+        raw["architectures"] = ["Qwen2ForCausalLM" if raw.get("model_type") == "qwen2"
+                                else "LlamaForCausalLM"]
+    return config_from_hf(raw, path)
 
 
 def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -83,12 +114,38 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
         })
+        if config.is_moe(layer) and config.expert_style == "gpt_oss":
+            e, m = config.num_experts, config.moe_intermediate_size
+            x = p + "mlp."
+            shapes.update({x + "router.weight": (e, h), x + "router.bias": (e,),
+                           x + "experts.gate_up_proj": (e, h, 2 * m),
+                           x + "experts.gate_up_proj_bias": (e, 2 * m),
+                           x + "experts.down_proj": (e, m, h),
+                           x + "experts.down_proj_bias": (e, h)})
+        elif config.is_moe(layer):
+            e, m = config.num_experts, config.moe_intermediate_size
+            shapes[p + "mlp.gate.weight"] = (e, h)
+            for expert in range(e):
+                x = f"{p}mlp.experts.{expert}."
+                shapes.update({x + "gate_proj.weight": (m, h), x + "up_proj.weight": (m, h),
+                               x + "down_proj.weight": (h, m)})
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                           p + "mlp.down_proj.weight": (h, i)})
+        if config.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (config.head_dim,),
+                           p + "self_attn.k_norm.weight": (config.head_dim,)})
+        if config.gemma_norms:
+            shapes.update({p + "pre_feedforward_layernorm.weight": (h,),
+                           p + "post_feedforward_layernorm.weight": (h,)})
         if config.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
+        if config.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if config.attention_sinks:
+            shapes[p + "self_attn.sinks"] = (config.num_attention_heads,)
     return shapes
 
 
@@ -103,7 +160,9 @@ def random_model(name: str, config: ModelConfig, dtype: torch.dtype, tokenizer: 
     weights: dict[str, torch.Tensor] = {}
     for weight_name, shape in weight_shapes(config).items():
         if weight_name.endswith("norm.weight"):
-            weights[weight_name] = torch.ones(shape, dtype=dtype)
+            # Gemma's norms scale by (1 + weight): 0 there is the same unit norm.
+            weights[weight_name] = torch.full(shape, 0.0 if config.gemma_norms else 1.0,
+                                              dtype=dtype)
         else:
             tensor = torch.empty(shape, dtype=dtype)
             # In row blocks: a float32 temporary of a whole 128k x 4k matrix would be 2 GB.

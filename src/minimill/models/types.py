@@ -17,11 +17,18 @@ if TYPE_CHECKING:
     from minimill.models.tokenizer import Tokenizer
 
 
+# Architectures the engine runs, by the name ModelConfig.architecture carries.
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "gpt_oss")
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Architecture of a Llama-family or Qwen2-family decoder, in HF naming."""
+    """Architecture of a decoder the engine runs (ARCHITECTURES), in HF naming.
 
-    architecture: str  # "llama" or "qwen2"
+    The fields past `eos_token_ids` describe what newer families add to the Llama layer;
+    their defaults are the Llama layer."""
+
+    architecture: str  # one of ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -40,15 +47,69 @@ class ModelConfig:
     bos_token_id: int | None = None
     # Every id that ends generation (the tokenizer's eos plus chat end-of-turn ids).
     eos_token_ids: tuple[int, ...] = ()
+    # Qwen3, Gemma 3: an RMSNorm over each head's queries and keys before the rotary.
+    qk_norm: bool = False
+    # Gemma: norms scale by (1 + weight), and the attention and MLP outputs are normed too
+    # (post_attention_layernorm / post_feedforward_layernorm) before the residual add.
+    gemma_norms: bool = False
+    hidden_act: str = "silu"  # "silu" or "gelu_tanh": the gate's activation
+    # Gemma: embeddings are multiplied by sqrt(hidden_size).
+    scale_embeddings: bool = False
+    # Attention's score scale when it is not head_dim ** -0.5 (Gemma's query_pre_attn_scalar).
+    attention_scale: float | None = None
+    # Sliding-window layers attend to the last `sliding_window` positions (their own
+    # included); `layer_types` says per layer "sliding" or "full" (empty: all full).
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    # The rotary base of sliding layers where it differs from rope_theta (Gemma 3), without
+    # scaling.
+    sliding_rope_theta: float | None = None
+    # Mixture of experts (Qwen3-MoE): num_experts routed experts of moe_intermediate_size,
+    # num_experts_per_tok of them per token, their weights renormalised to sum to 1 where
+    # norm_topk_prob. Layers listed in dense_layers keep a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()
+    # gpt-oss: a bias on o_proj too, one attention-sink logit per head, and experts in its
+    # own style ("gpt_oss": a router with bias whose top-k logits are softmaxed, experts with
+    # biases and the clamped SwiGLU) rather than Qwen3's ("qwen3").
+    o_proj_bias: bool = False
+    attention_sinks: bool = False
+    expert_style: str = "qwen3"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding"
+
+    def is_moe(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    def _layer_params(self, layer: int, experts: int) -> int:
+        h = self.hidden_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        attention = h * q + 2 * h * kv + q * h
+        if self.is_moe(layer):
+            mlp = h * self.num_experts + experts * 3 * h * self.moe_intermediate_size
+        else:
+            mlp = 3 * h * self.intermediate_size
+        return attention + mlp
 
     @property
     def num_params(self) -> int:
-        """Parameters that take part in a forward pass (the lm_head counted once even if tied)."""
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        q = self.num_attention_heads * self.head_dim
-        kv = self.num_key_value_heads * self.head_dim
-        per_layer = h * q + 2 * h * kv + q * h + 3 * h * i
-        return self.num_hidden_layers * per_layer + v * h
+        """Parameters that take part in a forward pass (the lm_head counted once even if
+        tied); for a mixture of experts, every expert (see num_active_params)."""
+        return sum(self._layer_params(i, self.num_experts)
+                   for i in range(self.num_hidden_layers)) + self.vocab_size * self.hidden_size
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token passes through (a mixture of experts: its top-k experts)."""
+        return sum(self._layer_params(i, self.num_experts_per_tok)
+                   for i in range(self.num_hidden_layers)) + self.vocab_size * self.hidden_size
 
 
 @dataclass(slots=True)

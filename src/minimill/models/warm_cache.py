@@ -125,7 +125,10 @@ def read(path: Path, source: Path, dtype: torch.dtype, name: str) -> LoadedModel
         raise WarmCacheMiss("tensors of another dtype")
     try:
         raw = json.loads(meta["config"])
-        config = ModelConfig(**{**raw, "eos_token_ids": tuple(raw["eos_token_ids"])})
+        # JSON gave lists back for the config's tuples.
+        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                                  for k, v in raw.items()}
+        config = ModelConfig(**fields)
         specials = json.loads(meta["special_tokens"])
         chat_template = json.loads(meta["chat_template"])
         tokenizer = Tokenizer(tokenizers.Tokenizer.from_str(meta["tokenizer"]),

@@ -342,7 +342,8 @@ namespace {
 //
 // Sequence s owns query rows [query_start[s], query_start[s + 1]) and has seq_lens[s] tokens
 // of KV (its new tokens included, already written). Query row j of a sequence with q_len rows
-// sits at position seq_len - q_len + j and attends to keys 0..position (causal).
+// sits at position seq_len - q_len + j and attends to keys 0..position (causal), and in a
+// sliding-window layer only to the last `window` of them (keys position - window + 1..position).
 //
 // Work items are (sequence, tile of up to kRowTile query rows, kv head): the query heads that
 // share a kv head are processed together, NQ query vectors at a time, so each K and V block is
@@ -504,15 +505,22 @@ inline void accumulate_block(const float* p, const int32_t* p_pairs, const T* vt
   }
 }
 
-// Attention of NQ query vectors of one kv head over the keys they may see; out is float32.
+// Attention of NQ query vectors of one kv head over the keys they may see (the last `window`
+// up to each one's position); out is float32.
 // DV: head_dim / kVec when known at compile time, else 0.
 template <typename T, int NQ, int DV>
 void attend_group(const Queries& qs, const int64_t* q_pos, float scale, float* out,
                   const T* k_base, const T* v_base, int64_t k_block_stride,
                   int64_t v_block_stride, const int32_t* block_table, int64_t seq_len,
-                  int64_t block_size, int64_t head_dim, float* scores, float* unpack) {
-  int64_t max_pos = q_pos[0];
-  for (int i = 1; i < NQ; ++i) max_pos = std::max(max_pos, q_pos[i]);
+                  int64_t block_size, int64_t head_dim, int64_t window, const float* sinks,
+                  float* scores, float* unpack) {
+  int64_t max_pos = q_pos[0], min_pos = q_pos[0];
+  for (int i = 1; i < NQ; ++i) {
+    max_pos = std::max(max_pos, q_pos[i]);
+    min_pos = std::min(min_pos, q_pos[i]);
+  }
+  // Blocks wholly before every query's window are never read.
+  const int64_t first_key = std::max<int64_t>(0, min_pos - window + 1) / block_size * block_size;
   const int64_t num_keys = std::min<int64_t>(seq_len, max_pos + 1);
   const int64_t dvecs = DV > 0 ? DV : head_dim / kVec;
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -534,7 +542,7 @@ void attend_group(const Queries& qs, const int64_t* q_pos, float scale, float* o
   auto prefetch_k = [&](int64_t b) {
     if (b < total_blocks) prefetch_bytes(k_base + block_table[b] * k_block_stride, block_bytes);
   };
-  for (int64_t part = 0; part < num_keys; part += part_keys) {
+  for (int64_t part = first_key; part < num_keys; part += part_keys) {
     const int64_t part_len = std::min<int64_t>(part_keys, num_keys - part);
     const int64_t part_padded = (part_len + block_size - 1) / block_size * block_size;
     const int64_t first_block = part / block_size, part_blocks = part_padded / block_size;
@@ -554,13 +562,16 @@ void attend_group(const Queries& qs, const int64_t* q_pos, float scale, float* o
       float* si = scores + i * kPartKeys;
       // Keys past this query's position (or past the sequence) do not count.
       const int64_t limit = std::min<int64_t>(part_len, q_pos[i] - part + 1);
-      if (limit <= 0) {
+      // Keys before this query's window do not count either.
+      const int64_t low = std::max<int64_t>(0, q_pos[i] - window + 1 - part);
+      if (limit <= low) {
         for (int64_t j = 0; j < part_padded; ++j) si[j] = 0.f;
         std::memset(p_pairs + i * kPartKeys / 2, 0, part_padded * 2);
         continue;
       }
       // Whole vectors up to the limit; lanes past it (keys this query may not see) are
       // -inf for the max and 0 after the exponential.
+      for (int64_t j = 0; j < low; ++j) si[j] = neg_inf;  // -inf * scale stays -inf
       const int64_t full = limit / kVec * kVec, rem = limit - full;
       const fVec vninf(neg_inf);
       fVec vmax(neg_inf);
@@ -619,15 +630,18 @@ void attend_group(const Queries& qs, const int64_t* q_pos, float scale, float* o
     }
   }
   for (int i = 0; i < NQ; ++i) {
-    const fVec inv(l[i] > 0.f ? 1.f / l[i] : 0.f);
+    // An attention sink (gpt-oss) is one more logit per head with no value: it only adds
+    // exp(sink) to the softmax's denominator.
+    const float denom = sinks ? l[i] + std::exp(sinks[i] - m[i]) : l[i];
+    const fVec inv(denom > 0.f ? 1.f / denom : 0.f);
     for (int64_t v = 0; v < dvecs; ++v) (acc[i][v] * inv).store(out + i * head_dim + v * kVec);
   }
 }
 
 template <typename T>
 using AttendFn = void (*)(const Queries&, const int64_t*, float, float*, const T*, const T*,
-                          int64_t, int64_t, const int32_t*, int64_t, int64_t, int64_t, float*,
-                          float*);
+                          int64_t, int64_t, const int32_t*, int64_t, int64_t, int64_t, int64_t,
+                          const float*, float*, float*);
 
 template <typename T, int DV>
 AttendFn<T> attend_for_dv(int64_t n) {
@@ -671,7 +685,8 @@ template <typename T, typename C>
 void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& block_tables,
                           const at::Tensor& query_start, const at::Tensor& seq_lens,
-                          double scale, int64_t block_size) {
+                          double scale, int64_t block_size, int64_t window,
+                          const float* head_sinks) {
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1);
   const int64_t group = num_heads / num_kv_heads;
@@ -712,6 +727,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
     std::vector<float> qbuf(max_vectors * head_dim), obuf(max_vectors * head_dim);
     std::vector<uint32_t> qpairs(max_vectors * head_dim / 2);
     std::vector<int64_t> qpos(max_vectors), out_row(max_vectors), out_head(max_vectors);
+    std::vector<float> qsink(head_sinks ? max_vectors : 0);
     std::vector<float> scores(kQGroup * kPartKeys);
     std::vector<float> unpack(std::is_same_v<C, BFloat16> ? block_size * head_dim : 0);
     // The blocks are scattered over the pool: while one item computes, the first blocks of
@@ -749,6 +765,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
             qpos[n] = seq_len - q_len + r;
             out_row[n] = row;
             out_head[n] = h;
+            if (head_sinks) qsink[n] = head_sinks[h];
             ++n;
           }
         }
@@ -759,6 +776,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
           attend_for<C>(count, head_dim)(queries, qpos.data() + first, static_cast<float>(scale),
                                obuf.data() + first * head_dim, kp + g * kh, vp + g * vh, kb, vb,
                                tables + s * table_stride, seq_len, block_size, head_dim,
+                               window, head_sinks ? qsink.data() + first : nullptr,
                                scores.data(), unpack.data());
         }
         for (int64_t i = 0; i < n; ++i) {
@@ -775,8 +793,13 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
 
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                      at::Tensor block_tables, at::Tensor query_start, at::Tensor seq_lens,
-                     double scale, int64_t block_size) {
+                     double scale, int64_t block_size, std::optional<int64_t> window,
+                     const std::optional<at::Tensor>& sinks) {
   check_cpu(q, "q");
+  TORCH_CHECK(!window || *window > 0, "window must be positive");
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                         sinks->dim() == 1 && sinks->size(0) == q.size(1)),
+              "sinks must be contiguous float32 [heads]");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q must be [tokens, heads, head_dim] with contiguous rows");
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(1) == q.size(1) * q.size(2),
@@ -799,7 +822,9 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
                   k_cache.scalar_type() == v_cache.scalar_type(), "dtypes differ");
   dispatch_kv(q, k_cache, "paged_attention", [&](auto t, auto c) {
     paged_attention_impl<decltype(t), decltype(c)>(out, q, k_cache, v_cache, block_tables,
-                                                   query_start, seq_lens, scale, block_size);
+                                                   query_start, seq_lens, scale, block_size,
+                                                   window.value_or(std::numeric_limits<int64_t>::max() / 2),
+                                                   sinks ? sinks->data_ptr<float>() : nullptr);
   });
 }
 

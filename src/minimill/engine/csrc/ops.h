@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace minimill {
@@ -18,7 +19,8 @@ void rotary_split(at::Tensor qkv, at::Tensor positions, at::Tensor cos_sin, at::
                   at::Tensor k_out, at::Tensor v_out, int64_t num_heads, int64_t num_kv_heads);
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                      at::Tensor block_tables, at::Tensor query_start, at::Tensor seq_lens,
-                     double scale, int64_t block_size);
+                     double scale, int64_t block_size, std::optional<int64_t> window,
+                     const std::optional<at::Tensor>& sinks);
 void paged_attention_int4(at::Tensor out, at::Tensor q, at::Tensor k_new, at::Tensor v_new,
                           at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_stage,
                           at::Tensor v_stage, at::Tensor block_tables, at::Tensor stage_slots,

@@ -53,7 +53,7 @@ TORCH_LIBRARY(minimill, m) {
   m.def("pin_threads(int[] cpus) -> int[]");
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor query_start, Tensor seq_lens, float scale, "
-        "int block_size) -> ()");
+        "int block_size, int? window=None, Tensor? sinks=None) -> ()");
   m.def("paged_attention_int4(Tensor(a!) out, Tensor q, Tensor k_new, Tensor v_new, "
         "Tensor k_cache, Tensor v_cache, "
         "Tensor k_stage, Tensor v_stage, Tensor block_tables, Tensor stage_slots, "

@@ -1,0 +1,123 @@
+"""Routed experts (Qwen3-MoE, gpt-oss): each token goes through its top-k experts' gated MLPs,
+and their outputs are summed with the router's weights.
+
+Tokens are grouped by expert, so each expert that any token chose runs one GEMM for its gate
+and up (fused) and one for its down projection, on prepacked weights, over all of its tokens
+at once: the loop is over the step's active experts (a PyTorch loop; a step's few GEMMs per
+expert dominate it), never over tokens. A token's sum adds its experts in the order the router
+ranked them whatever else is in the batch, and each GEMM row is batch-invariant
+(kernels.linear), so a sequence's numbers do not depend on its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from minimill.engine.kernels import TorchKernels
+
+
+@dataclass(slots=True)
+class ExpertWeights:
+    router: torch.Tensor  # [num_experts, hidden], plain (routing logits read it as F.linear)
+    gate_up: list[torch.Tensor]  # per expert [2 * moe_intermediate, hidden], prepared
+    down: list[torch.Tensor]  # per expert [hidden, moe_intermediate], prepared
+    # gpt-oss: biases of the router and of each expert's two projections.
+    router_bias: torch.Tensor | None = None
+    gate_up_bias: list[torch.Tensor] | None = None
+    down_bias: list[torch.Tensor] | None = None
+
+
+def load_experts(prefix: str, num_experts: int, w: Callable[[str], torch.Tensor],
+                 pack: Callable[[torch.Tensor], torch.Tensor]) -> ExpertWeights:
+    """Qwen3-MoE's experts under `prefix` ("model.layers.N.mlp.") in HF naming, fused and
+    packed."""
+    gate_up, down = [], []
+    for e in range(num_experts):
+        p = f"{prefix}experts.{e}."
+        gate_up.append(pack(torch.cat([w(p + "gate_proj.weight"), w(p + "up_proj.weight")])))
+        down.append(pack(w(p + "down_proj.weight")))
+    return ExpertWeights(router=w(prefix + "gate.weight").contiguous(), gate_up=gate_up,
+                         down=down)
+
+
+def load_gpt_oss_experts(prefix: str, w: Callable[[str], torch.Tensor],
+                         pack: Callable[[torch.Tensor], torch.Tensor]) -> ExpertWeights:
+    """gpt-oss's experts: HF keeps them as [experts, in, out] tensors with gate and up
+    interleaved (even columns gate, odd up); here each expert's gate rows come before its up
+    rows, as for every other gated MLP."""
+    gate_up_all = w(prefix + "experts.gate_up_proj")  # [E, hidden, 2 * I]
+    gate_up_bias = w(prefix + "experts.gate_up_proj_bias")  # [E, 2 * I]
+    down_all = w(prefix + "experts.down_proj")  # [E, I, hidden]
+    down_bias = w(prefix + "experts.down_proj_bias")  # [E, hidden]
+    weights = ExpertWeights(router=w(prefix + "router.weight").contiguous(), gate_up=[],
+                            down=[], router_bias=w(prefix + "router.bias").contiguous(),
+                            gate_up_bias=[], down_bias=[])
+    assert weights.gate_up_bias is not None and weights.down_bias is not None
+    for e in range(gate_up_all.shape[0]):
+        fused = gate_up_all[e].t()  # [2 * I, hidden]
+        weights.gate_up.append(pack(torch.cat([fused[0::2], fused[1::2]])))
+        bias = gate_up_bias[e]
+        weights.gate_up_bias.append(torch.cat([bias[0::2], bias[1::2]]).contiguous())
+        weights.down.append(pack(down_all[e].t()))
+        weights.down_bias.append(down_bias[e].contiguous())
+    return weights
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert ids [tokens, top_k], their weights [tokens, top_k] in x's dtype), as HF
+    computes them: softmax in float32 over every expert, top-k, optionally renormalised."""
+    probs = torch.softmax(torch.nn.functional.linear(x, router).float(), dim=-1)
+    weights, experts = probs.topk(top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return experts, weights.to(x.dtype)
+
+
+def route_top_logits(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's routing: the top-k logits (router with bias), softmaxed among themselves."""
+    values, experts = torch.nn.functional.linear(x, router, bias).topk(top_k, dim=-1)
+    return experts, torch.softmax(values, dim=-1)
+
+
+def experts_forward(ops: TorchKernels, x: torch.Tensor, weights: ExpertWeights, top_k: int,
+                    normalize: bool, swiglu: tuple[float, float] | None = None
+                    ) -> torch.Tensor:
+    """x: [tokens, hidden] -> the weighted sum of each token's top-k experts' outputs.
+    `swiglu`: gpt-oss's (alpha, limit); else the experts' gate is SiLU."""
+    if weights.router_bias is not None:
+        experts, routing = route_top_logits(x, weights.router, weights.router_bias, top_k)
+    else:
+        experts, routing = route(x, weights.router, top_k, normalize)
+    flat = experts.flatten()  # token t's j-th choice at t * top_k + j
+    # Every (token, choice) pair in expert order; stable, so tokens keep their order. The rows
+    # are gathered once, so each expert's rows are a slice of one tensor.
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=len(weights.gate_up)).tolist()
+    rows = x[order // top_k]
+    outputs = torch.empty_like(rows)
+    start = 0
+    for expert, count in enumerate(counts):
+        if not count:
+            continue
+        end = start + count
+        gate_up = ops.linear(rows[start:end], weights.gate_up[expert],
+                             weights.gate_up_bias[expert] if weights.gate_up_bias else None)
+        act = (ops.silu_and_mul(gate_up) if swiglu is None
+               else ops.clamped_swiglu(gate_up, *swiglu))
+        outputs[start:end] = ops.linear(act, weights.down[expert],
+                                        weights.down_bias[expert] if weights.down_bias else None)
+        start = end
+    # Back to (token, choice) order, weighted, and each token's choices summed one after the
+    # other: the same additions in the same order whatever else is in the batch.
+    weighted = torch.empty_like(outputs)
+    weighted[order] = outputs * routing.flatten()[order, None]
+    per_choice = weighted.view(x.shape[0], top_k, -1)
+    out = per_choice[:, 0].clone()
+    for choice in range(1, top_k):
+        out += per_choice[:, choice]
+    return out
