@@ -12,7 +12,6 @@ from collections.abc import Sequence
 
 import torch
 
-from minimill.engine.attention import build_metadata
 from minimill.engine.llm import LLM
 from minimill.engine.params import SamplingParams
 from minimill.engine.sequence import Sequence as EngineSequence
@@ -76,9 +75,8 @@ def engine_logits(llm: LLM, prompts: list[list[int]], chunk: int | None = None
                 pos += range(lo, lo + len(new))
                 q_lens.append(len(new))
                 seq_lens.append(lo + len(new))
-            meta = build_metadata(q_lens, seq_lens, [s.block_table for s in seqs],
-                                  bm.block_size, runner.device,
-                                  [s.stage_units for s in seqs], runner.kv_stage)
+            meta = runner.metadata(q_lens, seq_lens, [s.block_table for s in seqs],
+                                   [s.stage_units for s in seqs])
             with torch.inference_mode():
                 logits = runner.model.forward(torch.tensor(ids), torch.tensor(pos), meta,
                                               runner.kv_cache, torch.arange(len(ids)))
