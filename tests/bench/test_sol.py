@@ -45,3 +45,17 @@ def test_two_lanes_steps_are_bounded_as_one_step_of_their_rows(model: DecoderMod
     # steps would take longer: the yardstick would flatter the engine.
     alone = speed_of_light(model, [StepShape(128, 128, 128, 128 * 40, 128 * 40)] * 2, stick)
     assert alone.seconds > lanes.seconds
+
+
+def test_a_second_yardstick_keeps_the_faster_figure_at_every_shape() -> None:
+    from minimill.bench.sol import best_of
+
+    slowed = Yardstick(layer_s_per_row={1: 2e-3, 8: 1e-4}, lm_head_s_per_row={1: 5e-4},
+                       layer_flop_s={1: 1e9, 8: 2e10}, bandwidth_bytes_s=1e10)
+    again = Yardstick(layer_s_per_row={1: 1e-3, 8: 3e-4, 16: 9e-5}, lm_head_s_per_row={1: 6e-4},
+                      expert_s_per_row={2: 1e-5}, layer_flop_s={1: 2e9, 8: 1e10},
+                      bandwidth_bytes_s=2e10)
+    best = best_of(slowed, again)
+    assert best.layer_s_per_row == {1: 1e-3, 8: 1e-4, 16: 9e-5}
+    assert best.lm_head_s_per_row == {1: 5e-4} and best.expert_s_per_row == {2: 1e-5}
+    assert best.layer_flop_s == {1: 2e9, 8: 2e10} and best.bandwidth_bytes_s == 2e10

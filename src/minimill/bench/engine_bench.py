@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 # The targets the engine is held to (issue: the bus at the speed of light).
 TARGET_SOL_FRACTION = 0.75
+# Measurements of the yardstick after the first, while a fraction comes out above 1.
+YARDSTICK_RETRIES = 2
 TARGET_HF_SPEEDUP = 2.0
 TARGET_PEER_SPEEDUP = 1.15
 # HF generate batch widths tried on a sample of the workload; the best one runs it all.
@@ -182,7 +184,7 @@ def _load(options: EngineBenchOptions) -> tuple[Any, Any, str]:
 
 def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
     from minimill.bench import breakdown
-    from minimill.bench.sol import TARGET_NOTE, measure, speed_of_light
+    from minimill.bench.sol import TARGET_NOTE, best_of, measure, speed_of_light
     from minimill.engine.hardware import cpu_report
     from minimill.engine.llm import LLM
     from minimill.engine.params import SamplingParams
@@ -230,9 +232,16 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     with err.status("measuring the speed of light ...") if not quiet else nullcontext():
-        stick = measure(runner.model, [s for r in runs for s in r.steps])
-        for r in runs:
-            r.sol = speed_of_light(runner.model, r.steps, stick)
+        all_steps = [s for r in runs for s in r.steps]
+        stick = measure(runner.model, all_steps)
+        for attempt in range(1 + YARDSTICK_RETRIES):
+            if attempt:  # a fraction above 1: measured while something else ran; again
+                stick = best_of(stick, measure(runner.model, all_steps))
+            for r in runs:
+                r.sol = speed_of_light(runner.model, r.steps, stick)
+            if all(r.output_tok_s <= r.sol_tok_s for r in runs):
+                break
+        yardstick_measurements = attempt + 1
     # The median round by throughput is the headline, with its own yardstick and fraction.
     median = sorted(runs, key=lambda r: r.output_tok_s)[(len(runs) - 1) // 2]
     steps, seconds, output_tokens = median.steps, median.seconds, median.output_tokens
@@ -256,6 +265,7 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
         "sol_tok_s": round(sol_tok_s, 2),
         "sol_fraction": round(output_tok_s / sol_tok_s, 3),
         "sol_fraction_target": TARGET_SOL_FRACTION,
+        "yardstick_measurements": yardstick_measurements,
         "rounds": [{"output_tok_s": round(r.output_tok_s, 2), "sol_tok_s": round(r.sol_tok_s, 2),
                     "sol_fraction": round(r.output_tok_s / r.sol_tok_s, 3),
                     "steal_share": r.steal_share} for r in runs],
