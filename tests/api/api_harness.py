@@ -228,6 +228,13 @@ class EchoSite:
     def _serve(self, lease: dict[str, Any]) -> dict[str, Any]:
         body, kind = lease["body"], lease["kind"]
         base = {"request_id": lease["request_id"], "epoch": lease["epoch"]}
+        if kind == "embedding":  # one unit vector per input, nothing generated
+            from minimill.control.embeddings import embedding_inputs
+
+            inputs = embedding_inputs(body["input"])
+            return {**base, "outcome": "succeeded", "choices": [
+                {"index": i, "text": "", "embedding": [1.0, 0.0, 0.0, 0.0]}
+                for i in range(len(inputs))]}
         words = reply_tokens(kind, body)
         fmt = {"tool_format": f} if (f := tool_format(kind, body)) else {}
         if any("FAIL_CONTEXT" in w for w in words):

@@ -67,6 +67,8 @@ VALID_BODIES = {
                         "frequency_penalty": 0.5},
     "/v1/responses": {"model": MODEL, "input": [{"role": "user", "content": "Say hi."}],
                       "instructions": "Be brief.", "max_output_tokens": 8},
+    "/v1/embeddings": {"model": MODEL, "input": ["Say hi.", "Say bye."],
+                       "encoding_format": "base64"},
 }
 
 
