@@ -95,15 +95,22 @@ class LocalFleet:
     """A serve (optionally without its local worker) plus extra workers, on a temp home."""
 
     def __init__(self, model: str, dtype: str, *, local_worker: bool = True,
-                 env: dict[str, str] | None = None, serve_args: tuple[str, ...] = ()) -> None:
+                 env: dict[str, str] | None = None, serve_args: tuple[str, ...] = (),
+                 home: Path | None = None) -> None:
+        """`home`: a home an earlier fleet left (its store, tenants and keys), for a restart;
+        the caller removes it. Otherwise a temp home of its own, removed on close."""
         from minimill.models.registry import KNOWN_MODELS, logged_progress, pull_model
 
         self.model, self.dtype = model, dtype
-        self.home = Path(tempfile.mkdtemp(prefix="minimill-bench-"))
-        (self.home / "models").mkdir()
+        self.owns_home = home is None
+        self.home = Path(tempfile.mkdtemp(prefix="minimill-bench-")) if home is None else home
+        (self.home / "models").mkdir(exist_ok=True)
+        (self.home / "serve.log").unlink(missing_ok=True)  # waits read this start's lines
         if model in KNOWN_MODELS:
             source = pull_model(model, progress=logged_progress).parent
-            (self.home / "models" / source.name).symlink_to(source)
+            link = self.home / "models" / source.name
+            if not link.is_symlink():
+                link.symlink_to(source)
         self.port = free_port()
         self.env = {**os.environ, "MINIMILL_HOME": str(self.home), **(env or {})}
         args = [sys.executable, "-m", "minimill.cli", "serve", "--port", str(self.port),
@@ -161,4 +168,5 @@ class LocalFleet:
         for proc in self.workers.values():
             proc.stop()
         self.serve.stop()
-        shutil.rmtree(self.home, ignore_errors=True)
+        if self.owns_home:
+            shutil.rmtree(self.home, ignore_errors=True)

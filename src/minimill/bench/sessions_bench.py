@@ -132,10 +132,11 @@ def _serve_args(options: SessionsBenchOptions, tiers: bool, flash_dir: Path | No
     return args
 
 
-def _start(options: SessionsBenchOptions, dtype: str, serve_args: list[str]) -> Any:
+def _start(options: SessionsBenchOptions, dtype: str, serve_args: list[str],
+           home: Path) -> Any:
     from minimill.bench.local_fleet import LocalFleet
 
-    fleet = LocalFleet(options.model, dtype, serve_args=tuple(serve_args))
+    fleet = LocalFleet(options.model, dtype, serve_args=tuple(serve_args), home=home)
     try:
         fleet.start()
     except BaseException:
@@ -164,12 +165,18 @@ def _served_run(options: SessionsBenchOptions, dtype: str, tiers: bool, flash_di
     splits = [range(0, options.turns)]
     if restart_after:
         splits = [range(0, restart_after), range(restart_after, options.turns)]
-    for part in splits:
-        fleet = _start(options, dtype, _serve_args(options, tiers, flash_dir))
-        try:
-            asyncio.run(_turns(fleet, conversations, part, totals))
-        finally:
-            fleet.close()  # SIGTERM: the worker finishes its flash writes before it exits
+    # A restart keeps the home (the store: the same tenant, whose prefix-cache salt finds its
+    # blocks on flash again), as restarting a real serve does.
+    home = Path(tempfile.mkdtemp(prefix="minimill-bench-"))
+    try:
+        for part in splits:
+            fleet = _start(options, dtype, _serve_args(options, tiers, flash_dir), home)
+            try:
+                asyncio.run(_turns(fleet, conversations, part, totals))
+            finally:
+                fleet.close()  # SIGTERM: the worker finishes its flash writes before it exits
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
     return totals
 
 
