@@ -149,7 +149,7 @@ def test_batch_create_rejects_bad_arguments(client: OpenAI) -> None:
                               completion_window="1h")  # type: ignore[arg-type]
     assert window.value.param == "completion_window"
     with pytest.raises(openai.BadRequestError) as endpoint:
-        client.batches.create(input_file_id=file_id, endpoint="/v1/embeddings",
+        client.batches.create(input_file_id=file_id, endpoint="/v1/moderations",
                               completion_window="24h")
     assert endpoint.value.param == "endpoint"
     with pytest.raises(openai.NotFoundError):

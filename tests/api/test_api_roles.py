@@ -22,6 +22,7 @@ ROUTES = {
     ("GET", "/v1/models/{model}"): "tenant",
     ("POST", "/v1/chat/completions"): "tenant",
     ("POST", "/v1/completions"): "tenant",
+    ("POST", "/v1/embeddings"): "tenant",
     ("POST", "/v1/responses"): "tenant",
     ("GET", "/v1/responses/{response_id}"): "tenant",
     ("DELETE", "/v1/responses/{response_id}"): "tenant",
