@@ -5,8 +5,9 @@ schemas, enforced by the engine's grammar (`response_format` json_schema). The s
 then run unconstrained, each generating exactly as many tokens as its constrained twin did
 (ignore_eos): same prompts, same output lengths, same batch dynamics, so the two throughputs
 differ only by what the grammar costs (filling a token mask per row and step, applying it in
-the sampler). Rounds alternate, the headline is the median ratio (these VMs move by 10% from
-one minute to the next). Every constrained answer that ends is validated against its schema
+the sampler). Rounds alternate, and so does which side of a pair runs first; the headline
+is the median ratio (these VMs move by 10% from one minute to the next). Every constrained
+answer that ends is validated against its schema
 (one that max_tokens cut short, as in an unbounded number's digits, is counted apart, as
 OpenAI answers it with finish_reason "length"), and each schema's grammar compile time is
 measured cold and from the engine's cache.
@@ -121,36 +122,46 @@ def run_structured_bench(options: StructuredBenchOptions) -> dict[str, Any]:
     constrained: list[_Run] = []
     plain: list[_Run] = []
     valid = invalid = cut = 0
-    lengths: list[int] | None = None
     problems: list[str] = []
-    for _ in range(max(1, options.rounds)):
+    def timed(params: list[Any]) -> tuple[_Run, list[Any]]:
         llm.reset_prefix_cache()
         started = time.perf_counter()
-        outs = llm.generate(prompts, guided)
-        constrained.append(_Run(sum(len(o.output_token_ids) for o in outs),
-                                time.perf_counter() - started))
-        if lengths is None:  # the answers are the same every round (seeded, batch-invariant)
-            lengths = [max(1, len(o.output_token_ids)) for o in outs]
-            for out, name in zip(outs, assigned, strict=True):
-                if out.finish_reason == "length":
-                    # Stopped by max_tokens before the grammar let it end (a number's digits
-                    # are unbounded): a cut answer, as OpenAI returns with finish_reason
-                    # "length", not one the grammar let go wrong.
-                    cut += 1
-                    continue
-                try:
-                    jsonschema.validate(json.loads(out.text), SCHEMAS[name])
-                    valid += 1
-                except (ValueError, jsonschema.ValidationError) as exc:
-                    invalid += 1
-                    problems.append(f"{name}: {str(exc)[:80]} in {out.text[:80]!r}")
-        same_work = [SamplingParams(max_tokens=n, temperature=1.0, seed=i, ignore_eos=True)
-                     for i, n in enumerate(lengths)]
-        llm.reset_prefix_cache()
-        started = time.perf_counter()
-        outs = llm.generate(prompts, same_work)
-        plain.append(_Run(sum(len(o.output_token_ids) for o in outs),
-                          time.perf_counter() - started))
+        outs = llm.generate(prompts, params)
+        return _Run(sum(len(o.output_token_ids) for o in outs),
+                    time.perf_counter() - started), outs
+
+    # The first constrained run gives each request's output length (the answers are the same
+    # every round: seeded, batch-invariant) and the answers to validate.
+    first, outs = timed(guided)
+    lengths = [max(1, len(o.output_token_ids)) for o in outs]
+    for out, name in zip(outs, assigned, strict=True):
+        if out.finish_reason == "length":
+            # Stopped by max_tokens before the grammar let it end (a number's digits are
+            # unbounded): a cut answer, as OpenAI returns with finish_reason "length", not one
+            # the grammar let go wrong.
+            cut += 1
+            continue
+        try:
+            jsonschema.validate(json.loads(out.text), SCHEMAS[name])
+            valid += 1
+        except (ValueError, jsonschema.ValidationError) as exc:
+            invalid += 1
+            problems.append(f"{name}: {str(exc)[:80]} in {out.text[:80]!r}")
+    same_work = [SamplingParams(max_tokens=n, temperature=1.0, seed=i, ignore_eos=True)
+                 for i, n in enumerate(lengths)]
+    # Each round's pair runs in the other order from the last (constrained first, then
+    # unconstrained first, ...), so that whatever favours the first or the second run of a
+    # pair (caches, the VM's drift) does not favour one side.
+    for round_no in range(max(1, options.rounds)):
+        if round_no == 0:
+            constrained.append(first)
+            plain.append(timed(same_work)[0])
+        elif round_no % 2:
+            plain.append(timed(same_work)[0])
+            constrained.append(timed(guided)[0])
+        else:
+            constrained.append(timed(guided)[0])
+            plain.append(timed(same_work)[0])
     ratios = [c.tok_s / p.tok_s for c, p in zip(constrained, plain, strict=True)]
     ratio = statistics.median(ratios)
     return {
