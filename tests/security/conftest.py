@@ -17,12 +17,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "boxes"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from api_harness import ApiEnv, start_env, stop_env
+from api_harness import ApiEnv, ServerThread, make_env, start_env, stop_env
 from box_harness import BoxHostProc
 
+from minimill.api.app import Settings
 from minimill.client.boxes import Boxes
 
 LEASE_TTL_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def env(request: pytest.FixtureRequest,
+        tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiEnv]:
+    """A control plane on a fresh SQLite store for the module's attacks (a module that needs
+    other settings, or both backends, defines its own)."""
+    the_env = make_env(request, tmp_path_factory, "sqlite")
+    yield the_env
+    stop_env(the_env)
+
+
+@pytest.fixture(scope="module")
+def second(env: ApiEnv) -> Iterator[ServerThread]:
+    """Another control-plane server on the same store."""
+    server = ServerThread(Settings(db=env.db_url, run_janitor=False, run_webhooks=False))
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="module")

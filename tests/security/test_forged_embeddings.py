@@ -11,12 +11,11 @@ and nothing for completion: the tenant gets its vectors, in input order."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from api_harness import MODEL, ApiEnv, make_env, stop_env, wait_for
+from api_harness import MODEL, ApiEnv, wait_for
 from openai import OpenAI
 
 from minimill.control.prompt_count import counter_for
@@ -25,14 +24,6 @@ from minimill.control.sites import create_site
 BIG = 2**31 - 1
 INPUTS = ["first input", "the second one"]
 INPUT_PRICE = 0.10 / 1e6  # the built-in realtime input price, $ per token
-
-
-@pytest.fixture(scope="module")
-def env(request: pytest.FixtureRequest,
-        tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiEnv]:
-    the_env = make_env(request, tmp_path_factory, "sqlite")
-    yield the_env
-    stop_env(the_env)
 
 
 def vector(size: int, at: int) -> list[float]:

@@ -12,7 +12,6 @@ returned. A report that only inflates the prompt or the cached tokens changes no
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -22,8 +21,6 @@ from api_harness import (
     ApiEnv,
     EchoSite,
     chat_prompt_tokens,
-    make_env,
-    stop_env,
     wait_for,
 )
 from openai import OpenAI
@@ -33,14 +30,6 @@ from minimill.control.sites import create_site
 BIG = 2**31 - 1
 # The built-in price (no price list set), realtime, $ per token.
 INPUT, OUTPUT = 0.10 / 1e6, 0.40 / 1e6
-
-
-@pytest.fixture(scope="module")
-def env(request: pytest.FixtureRequest,
-        tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiEnv]:
-    the_env = make_env(request, tmp_path_factory, "sqlite")
-    yield the_env
-    stop_env(the_env)
 
 
 class LyingSite:

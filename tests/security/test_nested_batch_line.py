@@ -10,22 +10,12 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
-from api_harness import MODEL, ApiEnv, EchoSite, iter_lines, make_env, stop_env, wait_for
+from api_harness import MODEL, ApiEnv, EchoSite, iter_lines, wait_for
 from openai import OpenAI
 
 from minimill.control.batch_ingest import Line, LineParser
-
-
-@pytest.fixture(scope="module")
-def env(request: pytest.FixtureRequest,
-        tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiEnv]:
-    the_env = make_env(request, tmp_path_factory, "sqlite")
-    yield the_env
-    stop_env(the_env)
 
 
 def line(custom_id: str, **body: Any) -> str:

@@ -6,8 +6,6 @@ process of its own) and by the operator route on one server: both servers refuse
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import httpx
@@ -15,8 +13,8 @@ import openai
 import pytest
 from api_harness import BACKENDS, ApiEnv, ServerThread, make_env, stop_env
 from openai import OpenAI
+from security_harness import minimill
 
-from minimill.api.app import Settings
 from minimill.control.keys import list_keys
 
 
@@ -26,19 +24,6 @@ def env(request: pytest.FixtureRequest,
     the_env = make_env(request, tmp_path_factory, request.param)
     yield the_env
     stop_env(the_env)
-
-
-@pytest.fixture(scope="module")
-def second(env: ApiEnv) -> Iterator[ServerThread]:
-    """Another control-plane server on the same store."""
-    server = ServerThread(Settings(db=env.db_url, run_janitor=False, run_webhooks=False))
-    yield server
-    server.stop()
-
-
-def minimill(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "minimill.cli", *args], capture_output=True,
-                          text=True, timeout=60)
 
 
 def works(base_url: str, key: str) -> bool:

@@ -14,23 +14,14 @@ import dataclasses
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 
 import httpx
 import pytest
-from api_harness import ApiEnv, make_env, stop_env
+from api_harness import ApiEnv
 from test_api_roles import ROUTES, call
 
 from minimill.control.records import SiteScope
 from minimill.control.sites import authenticate_site, create_site, parse_scopes
-
-
-@pytest.fixture(scope="module")
-def env(request: pytest.FixtureRequest,
-        tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiEnv]:
-    the_env = make_env(request, tmp_path_factory, "sqlite")
-    yield the_env
-    stop_env(the_env)
 
 
 def part_of(path: str) -> SiteScope | None:

@@ -11,8 +11,6 @@ The neighbour, without limits, is served throughout."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,9 +18,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from api_harness import BACKENDS, MODEL, ApiEnv, EchoSite, ServerThread, make_env, stop_env
+from security_harness import minimill
 from sqlalchemy import func, select
 
-from minimill.api.app import Settings
 from minimill.control.tables import requests, tenants
 
 
@@ -32,19 +30,6 @@ def env(request: pytest.FixtureRequest,
     the_env = make_env(request, tmp_path_factory, request.param)
     yield the_env
     stop_env(the_env)
-
-
-@pytest.fixture(scope="module")
-def second(env: ApiEnv) -> Iterator[ServerThread]:
-    """Another control-plane server on the same store."""
-    server = ServerThread(Settings(db=env.db_url, run_janitor=False, run_webhooks=False))
-    yield server
-    server.stop()
-
-
-def minimill(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "minimill.cli", *args], capture_output=True,
-                          text=True, timeout=60)
 
 
 def limit(env: ApiEnv, tenant: str, *options: str) -> None:

@@ -12,11 +12,10 @@ from __future__ import annotations
 import io
 import json
 import time
-from collections.abc import Iterator
 
 import openai
 import pytest
-from api_harness import MODEL, ApiEnv, EchoSite, make_env, stop_env, wait_for
+from api_harness import MODEL, ApiEnv, EchoSite, wait_for
 from openai import OpenAI
 from sqlalchemy import select
 
@@ -25,14 +24,6 @@ from minimill.control.config import ControlConfig
 from minimill.control.tables import checkpoint_chunks, requests
 
 SECRET = "SECRET-PLAN-42"
-
-
-@pytest.fixture(scope="module")
-def env(request: pytest.FixtureRequest,
-        tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiEnv]:
-    the_env = make_env(request, tmp_path_factory, "sqlite")
-    yield the_env
-    stop_env(the_env)
 
 
 def secret_rows(env: ApiEnv) -> list[str]:

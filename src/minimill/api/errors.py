@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from minimill.control.bodies import describe_errors
+from minimill.control.body_rules import describe_errors
 from minimill.control.errors import ControlError, NotFoundError
 
 log = logging.getLogger("minimill.api")

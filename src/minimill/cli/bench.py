@@ -28,6 +28,7 @@ def bench_callback() -> None:
 
 WorkloadOption = typer.Option(Path("../shared/workloads/throughput-256.jsonl"),
                               help="Batch-format JSONL workload.")
+LimitOption = typer.Option(None, help="Use only the first N requests.")
 
 
 @bench_app.command("engine")
@@ -36,7 +37,7 @@ def bench_engine(
     json_out: bool = JsonOption,
     model: str = ModelOption,
     dtype: str = EngineDtypeOption,
-    limit: int | None = typer.Option(None, help="Use only the first N requests."),
+    limit: int | None = LimitOption,
     skip_hf: bool = typer.Option(False, help="Skip the HF transformers baseline."),
     shape: str | None = typer.Option(
         None, help="Measure a named model shape instead of --model (e.g. llama3-8b, "
@@ -109,7 +110,7 @@ def bench_structured(
     json_out: bool = JsonOption,
     model: str = ModelOption,
     dtype: str = EngineDtypeOption,
-    limit: int | None = typer.Option(None, help="Use only the first N requests."),
+    limit: int | None = LimitOption,
     rounds: int = typer.Option(3, min=1, help="Constrained/unconstrained pairs; the median "
                                "ratio is the headline."),
 ) -> None:
@@ -167,7 +168,7 @@ def bench_batch(
     workload: Path = WorkloadOption,
     json_out: bool = JsonOption,
     model: str = ModelOption,
-    limit: int | None = typer.Option(None, help="Use only the first N requests."),
+    limit: int | None = LimitOption,
     rounds: int = typer.Option(3, min=1, help="Served runs, each between two offline runs; "
                                "the ratio printed is the median of the rounds'."),
 ) -> None:
@@ -182,7 +183,7 @@ def bench_fleet(
     workload: Path = WorkloadOption,
     json_out: bool = JsonOption,
     kill_every_s: float = typer.Option(10.0, help="Kill a random worker this often."),
-    limit: int | None = typer.Option(None, help="Use only the first N requests."),
+    limit: int | None = LimitOption,
     kv_flash: bool = typer.Option(
         True, help="Give each worker a KV flash tier: a killed worker's restart resumes its "
         "requests from the KV it wrote through to flash instead of recomputing them."),

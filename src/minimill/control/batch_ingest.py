@@ -20,7 +20,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from minimill.control.bodies import PreparedBody, parse_body, prepare_body
+from minimill.control.bodies import parse_body, prepare_body
+from minimill.control.body_rules import PreparedBody
 from minimill.control.embeddings import parse_embedding_body, prepare_embedding
 from minimill.control.errors import ControlError
 from minimill.control.records import ENDPOINT_KINDS, Kind

@@ -7,62 +7,43 @@ call rejects is rejected the same way, with the same `param`, inside a batch.
 
 from __future__ import annotations
 
-import json
-import re
-from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Discriminator,
-    Field,
-    Tag,
-    ValidationError,
-    model_validator,
+from pydantic import Field, model_validator
+
+from minimill.control.body_rules import (
+    MAX_INT32,
+    PreparedBody,
+    StrictBody,
+    check_served,
+    validate_body,
+)
+from minimill.control.errors import InvalidRequestError
+from minimill.control.records import Kind, Tier
+from minimill.control.tool_bodies import (
+    MAX_TOOLS,
+    FunctionTool,
+    NamedToolChoice,
+    ResponseFormat,
+    ResponseFormatJsonObject,
+    ToolCall,
+    check_schemas,
+    check_tools,
+    mentions_json,
 )
 
-from minimill.control.errors import InvalidRequestError, NotFoundError
-from minimill.control.records import Kind, Tier
-from minimill.models.grammar import GrammarError, GuidedDecoding, check_grammar
-
 MAX_CHOICES = 128
-MAX_INT32 = 2**31 - 1
 # OpenAI's default for /v1/completions when max_tokens is absent.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
-class _Body(BaseModel):
-    # Strict: "1" is not a number and true is not an integer, as in OpenAI's API. A field
-    # minimill does not know is refused ("Unrecognized request argument supplied"), as
-    # OpenAI refuses one: a parameter accepted and ignored would make a client believe it
-    # was honoured.
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-
-class TextPart(_Body):
+class TextPart(StrictBody):
     type: Literal["text"]
     text: str
 
 
-# OpenAI's rule for function names (tools, tool_choice, calls).
-FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
-MAX_TOOLS = 128
-
-
-class FunctionCall(_Body):
-    name: str = Field(pattern=FUNCTION_NAME)
-    arguments: str = Field(description="The call's arguments, as JSON text.")
-
-
-class ToolCall(_Body):
-    id: str = Field(min_length=1, max_length=200)
-    type: Literal["function"]
-    function: FunctionCall
-
-
-class ChatMessage(_Body):
+class ChatMessage(StrictBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -89,68 +70,11 @@ class ChatMessage(_Body):
         return self
 
 
-class FunctionDefinition(_Body):
-    name: str = Field(pattern=FUNCTION_NAME)
-    description: str | None = None
-    # A JSON schema of the arguments (absent: a function without parameters).
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class FunctionTool(_Body):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(_Body):
-    name: str = Field(pattern=FUNCTION_NAME)
-
-
-class NamedToolChoice(_Body):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class JsonSchemaFormat(_Body):
-    name: str = Field(pattern=FUNCTION_NAME)
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormatText(_Body):
-    type: Literal["text"]
-
-
-class ResponseFormatJsonObject(_Body):
-    type: Literal["json_object"]
-
-
-class ResponseFormatJsonSchema(_Body):
-    type: Literal["json_schema"]
-    json_schema: JsonSchemaFormat
-
-
-def type_tag(value: Any, default: str | None = None) -> str:
-    """A union member's tag: its `type` as "type=...", which no error's `param` shows
-    (param_from_loc keeps only identifiers), so errors name `input[0].arguments`, not
-    `input[0].function_call.arguments`."""
-    kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type",
-                                                                              default)
-    return f"type={kind}"
-
-
-ResponseFormat = Annotated[Annotated[ResponseFormatText, Tag("type=text")]
-                           | Annotated[ResponseFormatJsonObject, Tag("type=json_object")]
-                           | Annotated[ResponseFormatJsonSchema, Tag("type=json_schema")],
-                           Discriminator(type_tag)]
-
-
-class StreamOptions(_Body):
+class StreamOptions(StrictBody):
     include_usage: bool | None = None
 
 
-class _Sampling(_Body):
+class _Sampling(StrictBody):
     model: str = Field(min_length=1, max_length=200)
     n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     stop: str | list[str] | None = Field(None, description="Up to 4 stop strings.")
@@ -244,38 +168,6 @@ class CompletionBody(_Sampling):
         return self
 
 
-def check_tools(tools: list[FunctionTool] | None,
-                tool_choice: str | NamedToolChoice | None,
-                parallel_tool_calls: bool | None) -> None:
-    """OpenAI's rules for tools, tool_choice and parallel_tool_calls (errors name the
-    parameter as `param: message`)."""
-    if not tools:
-        if tool_choice is not None:
-            raise ValueError("tool_choice: only allowed when tools are specified")
-        if parallel_tool_calls is not None:
-            raise ValueError("parallel_tool_calls: only allowed when tools are specified")
-        return
-    names = [t.function.name for t in tools]
-    if len(set(names)) != len(names):
-        raise ValueError("tools: function names must be unique")
-    if isinstance(tool_choice, NamedToolChoice) and tool_choice.function.name not in names:
-        raise ValueError(f"tool_choice: the function {tool_choice.function.name!r} is not "
-                         "in tools")
-
-
-def mentions_json(messages: Iterable[Mapping[str, Any]]) -> bool:
-    """Whether a conversation asks for JSON in words: OpenAI refuses json_object output
-    otherwise (a model told nothing about JSON may write whitespace until its limit)."""
-    for message in messages:
-        content = message.get("content")
-        parts = content if isinstance(content, list) else [content]
-        for part in parts:
-            text = part.get("text") if isinstance(part, Mapping) else part
-            if isinstance(text, str) and "json" in text.lower():
-                return True
-    return False
-
-
 def check_tool_messages(messages: list[ChatMessage]) -> None:
     """Every tool message answers a call of the assistant message before it, and every call
     of an assistant message is answered before the conversation goes on (as OpenAI checks)."""
@@ -315,97 +207,9 @@ def _num_prompts(prompt: str | list[Any]) -> int:
 
 BODY_MODELS: dict[Kind, type[_Sampling]] = {Kind.CHAT: ChatBody, Kind.COMPLETION: CompletionBody}
 
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-# A parameter's path as validators name it in their messages ("tools[0].type").
-_PARAM_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\[[0-9]+\]|\.[A-Za-z_][A-Za-z0-9_]*)*$")
-# Names pydantic puts in error locations for union members; they are not parameters.
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after"}
-
-
-def param_from_loc(loc: Sequence[int | str]) -> str | None:
-    """`("messages", 0, "role")` -> "messages[0].role"; union-member tags are dropped."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif _IDENT.match(part) and part not in _TYPE_TAGS:
-            out += f".{part}" if out else part
-    return out or None
-
-
-def describe_errors(errors: Sequence[Any], skip: int = 0) -> tuple[str, str | None]:
-    """One message and `param` for pydantic errors (the first error is the one reported)."""
-    if not errors:
-        return "invalid request", None
-    first = errors[0]
-    loc = tuple(first.get("loc", ()))[skip:]
-    param = param_from_loc(loc)
-    msg = str(first.get("msg", "invalid value"))
-    if first.get("type") == "missing":
-        return f"Missing required parameter: '{param}'.", param
-    if first.get("type") == "extra_forbidden":
-        return f"Unrecognized request argument supplied: {param}", param
-    if first.get("type") == "union_tag_invalid":  # a `type` no member of the union has
-        ctx = first.get("ctx") or {}
-        tag = str(ctx.get("tag", "")).removeprefix("type=")
-        expected = str(ctx.get("expected_tags", "")).replace("type=", "")
-        where = f"{param}.type" if param else "type"
-        return f"Invalid value for '{where}': '{tag}'. Supported values are: {expected}.", where
-    # Errors raised in validators name their parameter ("stop: ...").
-    head, sep, rest = msg.removeprefix("Value error, ").partition(": ")
-    if sep and _PARAM_PATH.match(head):
-        return f"Invalid '{head}': {rest}", head if param is None else param
-    where = f"'{param}'" if param else "the request body"
-    return f"Invalid value for {where}: {msg}", param
-
-
-@dataclass(frozen=True, slots=True)
-class PreparedBody:
-    """A validated body, normalized for workers, plus the fields the store keeps in columns."""
-
-    kind: Kind
-    model: str
-    body: dict[str, Any]
-    tier: Tier
-    stream: bool
-    max_tokens: int | None
-    seed: int | None
-    # The conversation it belongs to (requests.session_key); None: no session.
-    session_key: str | None = None
-
-
 def parse_body(kind: Kind, raw: Any) -> _Sampling:
     """Validate a raw (JSON-decoded) body; raises InvalidRequestError naming the param."""
-    if not isinstance(raw, dict):
-        raise InvalidRequestError("the body must be a JSON object", param="body")
-    try:
-        return BODY_MODELS[kind].model_validate(raw)
-    except ValidationError as exc:
-        message, param = describe_errors(exc.errors())
-        raise InvalidRequestError(message, param=param) from None
-
-
-def check_schemas(parsed: ChatBody) -> None:
-    """Every schema the body gives (response_format, tools' parameters) compiles in the
-    grammar engine that will enforce it; a 400 naming it otherwise."""
-    checks: list[tuple[str, Any]] = []
-    if isinstance(parsed.response_format, ResponseFormatJsonSchema):
-        checks.append(("response_format.json_schema.schema",
-                       parsed.response_format.json_schema.schema_ or {}))
-    for i, tool in enumerate(parsed.tools or []):
-        if tool.function.parameters is not None:
-            checks.append((f"tools[{i}].function.parameters", tool.function.parameters))
-    for param, schema in checks:
-        check_schema(param, schema)
-
-
-def check_schema(param: str, schema: Any) -> None:
-    """A 400 naming `param` unless the grammar engine compiles `schema`."""
-    try:
-        check_grammar(GuidedDecoding(json_schema=json.dumps(schema)))
-    except GrammarError as exc:
-        raise InvalidRequestError(f"Invalid schema for '{param}': {exc}",
-                                  param=param, code="invalid_json_schema") from None
+    return validate_body(BODY_MODELS[kind], raw)
 
 
 def check_max_tokens(parsed: _Sampling, max_tokens: int | None,
@@ -425,14 +229,11 @@ def prepare_body(kind: Kind, parsed: _Sampling, served_models: Collection[str],
                  context_lengths: Mapping[str, int] | None = None) -> PreparedBody:
     """Check the model is served and normalize: text parts joined, OpenAI defaults filled.
     `context_lengths`: the served models' context lengths where known."""
-    if parsed.model not in served_models:
-        raise NotFoundError(f"The model '{parsed.model}' does not exist or you do not have "
-                            f"access to it. Served: {', '.join(sorted(served_models))}.",
-                            param="model", code="model_not_found")
+    check_served(parsed.model, served_models)
     body = parsed.model_dump(mode="json", exclude_none=True, by_alias=True)
     max_tokens = parsed.max_tokens
     if isinstance(parsed, ChatBody):
-        check_schemas(parsed)
+        check_schemas(parsed.response_format, parsed.tools)
         for message in body["messages"]:
             if isinstance(message.get("content"), list):
                 message["content"] = "".join(part["text"] for part in message["content"])

@@ -15,17 +15,17 @@ import struct
 from collections.abc import Collection, Mapping
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
-from minimill.control.bodies import PreparedBody, _Body, describe_errors
-from minimill.control.errors import InvalidRequestError, NotFoundError
+from minimill.control.body_rules import PreparedBody, StrictBody, check_served, validate_body
+from minimill.control.errors import InvalidRequestError
 from minimill.control.records import Kind, Tier
 
 # OpenAI's limit on the inputs of one request.
 MAX_INPUTS = 2048
 
 
-class EmbeddingBody(_Body):
+class EmbeddingBody(StrictBody):
     """POST /v1/embeddings."""
 
     model: str = Field(min_length=1, max_length=200)
@@ -77,23 +77,14 @@ def embedding_inputs(value: Any) -> list[str | list[int]]:
 
 def parse_embedding_body(raw: Any) -> EmbeddingBody:
     """Validate a raw (JSON-decoded) body, as a batch line; a 400 naming the param."""
-    if not isinstance(raw, dict):
-        raise InvalidRequestError("the body must be a JSON object", param="body")
-    try:
-        return EmbeddingBody.model_validate(raw)
-    except ValidationError as exc:
-        message, param = describe_errors(exc.errors())
-        raise InvalidRequestError(message, param=param) from None
+    return validate_body(EmbeddingBody, raw)
 
 
 def prepare_embedding(parsed: EmbeddingBody, served_models: Collection[str],
                       context_lengths: Mapping[str, int] | None = None) -> PreparedBody:
     """The row of an embedding request. Token-id inputs longer than the model's context are
     refused here; texts are checked where they are tokenized (the worker's engine)."""
-    if parsed.model not in served_models:
-        raise NotFoundError(f"The model '{parsed.model}' does not exist or you do not have "
-                            f"access to it. Served: {', '.join(sorted(served_models))}.",
-                            param="model", code="model_not_found")
+    check_served(parsed.model, served_models)
     context = (context_lengths or {}).get(parsed.model)
     for i, item in enumerate(embedding_inputs(parsed.input)):
         if context is not None and isinstance(item, list) and len(item) > context:

@@ -26,7 +26,7 @@ from typing import Any
 
 from sqlalchemy import Connection, bindparam, select, update
 
-from minimill.control.bodies import PreparedBody
+from minimill.control.body_rules import PreparedBody
 from minimill.control.embeddings import embedding_inputs
 from minimill.control.records import Kind
 from minimill.control.store import Store

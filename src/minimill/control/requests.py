@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import Connection, insert, select, update
 
 from minimill.control import checkpoints, rate_limits
-from minimill.control.bodies import PreparedBody
+from minimill.control.body_rules import PreparedBody
 from minimill.control.config import ControlConfig
 from minimill.control.errors import NotFoundError
 from minimill.control.prompt_count import PromptCount, count_prompts, num_choices, of_prepared

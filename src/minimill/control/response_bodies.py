@@ -18,16 +18,16 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
-from minimill.control.bodies import (
+from minimill.control.body_rules import (
     MAX_INT32,
     PreparedBody,
-    _Body,
-    describe_errors,
-    mentions_json,
+    StrictBody,
+    check_served,
+    validate_body,
 )
-from minimill.control.errors import InvalidRequestError, NotFoundError
+from minimill.control.errors import InvalidRequestError
 from minimill.control.records import Kind, Tier
 from minimill.control.response_items import (
     InputItem,
@@ -48,6 +48,7 @@ from minimill.control.response_tools import (
     echoed,
     refuse_unsupported_tools,
 )
+from minimill.control.tool_bodies import mentions_json
 
 MAX_METADATA_PAIRS = 16
 MAX_ITEMS = 2048
@@ -58,18 +59,18 @@ UNSUPPORTED = ("access_programs", "background_options", "context_management", "i
                "prompt_cache_retention", "reasoning", "top_logprobs")
 
 
-class TextConfig(_Body):
+class TextConfig(StrictBody):
     format: TextFormat | None = None
     verbosity: Literal["medium"] | None = Field(
         None, description="Only medium: the models served here take no verbosity hint.")
 
 
-class StreamOptions(_Body):
+class StreamOptions(StrictBody):
     include_obfuscation: Literal[False] | None = Field(
         None, description="Stream events are not padded (no obfuscation field).")
 
 
-class ResponseBody(_Body):
+class ResponseBody(StrictBody):
     """POST /v1/responses."""
 
     model: str = Field(min_length=1, max_length=200)
@@ -140,13 +141,7 @@ class ResponseBody(_Body):
 
 def parse_response_body(raw: Any) -> ResponseBody:
     """Validate a raw (JSON-decoded) body; raises InvalidRequestError naming the param."""
-    if not isinstance(raw, dict):
-        raise InvalidRequestError("the body must be a JSON object", param="body")
-    try:
-        return ResponseBody.model_validate(raw)
-    except ValidationError as exc:
-        message, param = describe_errors(exc.errors())
-        raise InvalidRequestError(message, param=param) from None
+    return validate_body(ResponseBody, raw)
 
 
 def conversation(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -185,10 +180,7 @@ def prepare_response(parsed: ResponseBody, served_models: Collection[str], *,
     `session_key` is the key when the request names none and continues nothing (the new
     response's own id for a conversation's first response); `context_lengths`: the served
     models' context lengths where known."""
-    if parsed.model not in served_models:
-        raise NotFoundError(f"The model '{parsed.model}' does not exist or you do not have "
-                            f"access to it. Served: {', '.join(sorted(served_models))}.",
-                            param="model", code="model_not_found")
+    check_served(parsed.model, served_models)
     _check_max_output_tokens(parsed, context_lengths)
     check_tool_schemas(parsed.tools, parsed.text_format)
     items = stored_items([InputMessage(role="user", content=parsed.input)]

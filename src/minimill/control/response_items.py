@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from minimill.control.bodies import FUNCTION_NAME, _Body, type_tag
+from minimill.control.body_rules import FUNCTION_NAME, StrictBody, type_tag
 from minimill.control.errors import InvalidRequestError
 from minimill.control.records import new_id
 
@@ -23,12 +23,12 @@ ITEM_TYPES = ("message", "function_call", "function_call_output")
 ID_LENGTH = 200
 
 
-class InputPart(_Body):
+class InputPart(StrictBody):
     type: Literal["input_text", "output_text"]
     text: str
 
 
-class InputMessage(_Body):
+class InputMessage(StrictBody):
     """A message item (OpenAI's EasyInputMessage or input message)."""
 
     type: Literal["message"] = "message"
@@ -36,7 +36,7 @@ class InputMessage(_Body):
     content: list[InputPart] | str
 
 
-class FunctionCallItem(_Body):
+class FunctionCallItem(StrictBody):
     """A call the model made (an earlier response's output item, sent back as input)."""
 
     type: Literal["function_call"]
@@ -47,12 +47,12 @@ class FunctionCallItem(_Body):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-class OutputTextPart(_Body):
+class OutputTextPart(StrictBody):
     type: Literal["input_text"]
     text: str
 
 
-class FunctionCallOutputItem(_Body):
+class FunctionCallOutputItem(StrictBody):
     """What a call returned: a tool message for the model."""
 
     type: Literal["function_call_output"]

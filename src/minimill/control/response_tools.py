@@ -16,13 +16,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from minimill.control.bodies import FUNCTION_NAME, MAX_TOOLS, _Body, check_schema, type_tag
+from minimill.control.body_rules import FUNCTION_NAME, StrictBody, type_tag
+from minimill.control.tool_bodies import MAX_TOOLS, check_schema
 
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 TEXT_FORMAT_TYPES = ("text", "json_object", "json_schema")
 
 
-class FunctionToolParam(_Body):
+class FunctionToolParam(StrictBody):
     """A function tool in the Responses shape: the function's fields at the top level."""
 
     type: Literal["function"]
@@ -40,20 +41,20 @@ class FunctionToolParam(_Body):
     output_schema: None = Field(None, description="Not supported.")
 
 
-class FunctionToolChoice(_Body):
+class FunctionToolChoice(StrictBody):
     type: Literal["function"]
     name: str = Field(pattern=FUNCTION_NAME)
 
 
-class TextFormatText(_Body):
+class TextFormatText(StrictBody):
     type: Literal["text"]
 
 
-class TextFormatJsonObject(_Body):
+class TextFormatJsonObject(StrictBody):
     type: Literal["json_object"]
 
 
-class TextFormatJsonSchema(_Body):
+class TextFormatJsonSchema(StrictBody):
     type: Literal["json_schema"]
     name: str = Field(pattern=FUNCTION_NAME)
     schema_: dict[str, Any] = Field(alias="schema")

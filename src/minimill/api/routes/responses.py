@@ -18,7 +18,7 @@ from minimill.api.realtime import WorkerReportedError
 from minimill.api.response_schemas import InputItemList, ResponseDeleted, ResponseObject
 from minimill.api.responses_live import EVENT_STREAM_RESPONSE, ResponseEventStream, wait_for_end
 from minimill.control import responses
-from minimill.control.bodies import MAX_INT32
+from minimill.control.body_rules import MAX_INT32
 from minimill.control.errors import ConflictError, RequestTimeoutError
 from minimill.control.records import RequestRecord, RequestStatus
 from minimill.control.response_bodies import ResponseBody
