@@ -29,7 +29,6 @@ from minimill.api.box_wakeup import Wakeup
 from minimill.api.lease_wakeup import lease_wakeup_of
 from minimill.api.limits import BodyLimitMiddleware
 from minimill.api.progress import ProgressWatcher
-from minimill.api.rate_headers import RateHeadersMiddleware
 from minimill.api.request_ids import RequestIds
 from minimill.api.routes import (
     agent_fleet,
@@ -152,7 +151,6 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     app.state.watcher = watcher
     app.state.ingest_wake = ingest_wake
     errors.install(app)
-    app.add_middleware(RateHeadersMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes,
                        max_file_bytes=settings.max_file_bytes,
                        max_fleet_body_bytes=settings.max_fleet_body_bytes)
