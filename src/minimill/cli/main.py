@@ -22,24 +22,17 @@ from minimill.cli.models import models_app
 from minimill.cli.options import (
     DEFAULT_MODEL,
     DTYPE_HELP,
-    LOCAL_SITE_USD_PER_HOUR,
-    BoxMaxCpuOption,
-    BoxMaxDiskOption,
-    BoxMaxExecOption,
-    BoxMaxMemoryOption,
-    BoxMaxProcessesOption,
-    DbOption,
     JsonOption,
     KvDtypeOption,
     ModelOption,
-    box_caps,
     print_table,
 )
+from minimill.cli.processes import serve, worker
 from minimill.cli.sites import sites_app
 from minimill.cli.tenants import tenants_app
 
 if TYPE_CHECKING:
-    from minimill.fleet.kv_options import KvOptions
+    pass
 
 class MinimillApp(typer.Typer):
     """The `minimill` command: an error it did not expect ends it with one line, the
@@ -99,39 +92,9 @@ app.add_typer(prices_app, name="prices")
 app.add_typer(webhooks_app, name="webhooks")
 app.add_typer(tenants_app, name="tenants")
 app.add_typer(models_app, name="models")
-
-
-KvCacheGbOption = typer.Option(None, "--kv-cache-gb", help="Builtin engine: the device KV pool "
-                               "in GiB (default: a share of free memory).")
-KvHostGbOption = typer.Option(0.0, "--kv-host-gb", help="Builtin engine: GiB of host RAM that "
-                              "keep KV blocks evicted from the pool (0: none).")
-KvFlashDirOption = typer.Option(None, "--kv-flash-dir", help="Builtin engine: a directory "
-                                "that keeps evicted KV blocks on flash, across restarts.")
-KvFlashGbOption = typer.Option(8.0, "--kv-flash-gb", help="Builtin engine: most GiB the "
-                               "--kv-flash-dir tier holds (least recently used go first).")
-PrefixCachingOption = typer.Option(True, "--prefix-caching/--no-prefix-caching",
-                                   help="Builtin engine: reuse the KV of prompt prefixes "
-                                   "computed before (the KV tiers need it).")
-
-
-KvPrefaultOption = typer.Option(False, "--kv-prefault/--no-kv-prefault",
-                                help="Builtin engine on CPU: back the whole KV pool with memory "
-                                "at start, so the first requests run at steady-state speed "
-                                "(a long-running factory wants this); costs start time and "
-                                "the pool's size in resident memory from the start.")
-
-
-def _kv_options(cache_gb: float | None, host_gb: float, flash_dir: str | None,
-                flash_gb: float, prefix_caching: bool, kv_dtype: str,
-                prefault: bool) -> KvOptions:
-    from minimill.fleet.kv_options import KvOptions
-
-    kv = KvOptions(cache_gb, host_gb, flash_dir, flash_gb, prefix_caching, kv_dtype, prefault)
-    try:
-        kv.check()
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
-    return kv
+# The two commands that run a factory's processes (cli/processes.py).
+app.command()(serve)
+app.command()(worker)
 
 
 @app.command()
@@ -191,83 +154,6 @@ def generate(
         err.print(f"[red]error:[/red] {exc}")
         raise SystemExit(1) from exc
     print(out.text)
-
-
-@app.command()
-def serve(
-    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
-    port: int = typer.Option(8000, help="Port to listen on."),
-    db: str | None = DbOption,
-    model: str = typer.Option(DEFAULT_MODEL, help="Model the local worker serves."),
-    dtype: str = typer.Option("auto", help="Engine dtype of the local worker: " + DTYPE_HELP),
-    kv_dtype: str = KvDtypeOption,
-    local_worker: bool = typer.Option(True, help="Start one local worker process."),
-    price_per_hour: float = typer.Option(
-        LOCAL_SITE_USD_PER_HOUR, help="What the local site costs in $/hour (cost only; "
-        "tenants are billed by `minimill prices`)."),
-    boxes: int = typer.Option(4, min=0, help="Boxes (sandboxes) the local worker holds at "
-                              "once; none where bubblewrap isolation is unavailable."),
-    insecure_no_sandbox: bool = typer.Option(
-        False, "--insecure-no-sandbox", help="Let the local worker run boxes and agents' "
-        "harnesses without bubblewrap isolation where it is unavailable."),
-    agents: int = typer.Option(8, min=0, envvar="MINIMILL_LOCAL_AGENTS",
-                               help="Durable agents (harnesses) the local worker runs at "
-                               "once; none where harnesses cannot be sandboxed."),
-    box_max_memory_mb: int | None = BoxMaxMemoryOption,
-    box_max_processes: int | None = BoxMaxProcessesOption,
-    box_max_cpu_s: int | None = BoxMaxCpuOption,
-    box_max_exec_s: int | None = BoxMaxExecOption,
-    box_max_disk_mb: int | None = BoxMaxDiskOption,
-    kv_cache_gb: float | None = KvCacheGbOption,
-    kv_host_gb: float = KvHostGbOption,
-    kv_flash_dir: str | None = KvFlashDirOption,
-    kv_flash_gb: float = KvFlashGbOption,
-    prefix_caching: bool = PrefixCachingOption,
-    kv_prefault: bool = KvPrefaultOption,
-    webhook_allow_private: bool = typer.Option(
-        False, "--webhook-allow-private", help="Let webhooks reach loopback, link-local and "
-        "private addresses (refused by default; also MINIMILL_WEBHOOK_ALLOW_PRIVATE=1)."),
-    tenant_requests_per_minute: int | None = typer.Option(
-        None, min=0, help="Every tenant's requests per minute, unless `minimill tenants set` "
-        "gives it its own (default: unlimited; also MINIMILL_TENANT_REQUESTS_PER_MINUTE)."),
-    tenant_tokens_per_minute: int | None = typer.Option(
-        None, min=0, help="Every tenant's tokens per minute (prompt plus max_tokens; "
-        "MINIMILL_TENANT_TOKENS_PER_MINUTE)."),
-    tenant_max_concurrent_realtime: int | None = typer.Option(
-        None, min=0, help="Realtime requests a tenant may have in progress at once "
-        "(MINIMILL_TENANT_MAX_CONCURRENT_REALTIME)."),
-    tenant_max_boxes: int | None = typer.Option(
-        None, min=0, help="Boxes a tenant may keep (MINIMILL_TENANT_MAX_BOXES)."),
-    tenant_max_agents: int | None = typer.Option(
-        None, min=0, help="Unfinished agents a tenant may have (MINIMILL_TENANT_MAX_AGENTS)."),
-    tenant_max_stored_bytes: int | None = typer.Option(
-        None, min=0, help="Bytes of files a tenant may keep (MINIMILL_TENANT_MAX_STORED_BYTES)."),
-    tenant_share_prefix_cache: bool = typer.Option(
-        False, "--tenant-share-prefix-cache", help="Let every tenant's cached prompt prefixes "
-        "serve other tenants (off: each tenant's are its own unless `minimill tenants set "
-        "NAME --share-prefix-cache`)."),
-) -> None:
-    """Serve the OpenAI-compatible API (control plane) plus one local worker process."""
-    from minimill.serve.run import run_serve
-
-    kv = _kv_options(kv_cache_gb, kv_host_gb, kv_flash_dir, kv_flash_gb, prefix_caching,
-                     kv_dtype, kv_prefault)
-    # The control plane's settings and the local worker both read the caps from here.
-    os.environ.update(box_caps(box_max_memory_mb, box_max_processes, box_max_cpu_s,
-                               box_max_exec_s, box_max_disk_mb))
-    tenant_defaults = {
-        "REQUESTS_PER_MINUTE": tenant_requests_per_minute,
-        "TOKENS_PER_MINUTE": tenant_tokens_per_minute,
-        "MAX_CONCURRENT_REALTIME": tenant_max_concurrent_realtime,
-        "MAX_BOXES": tenant_max_boxes, "MAX_AGENTS": tenant_max_agents,
-        "MAX_STORED_BYTES": tenant_max_stored_bytes,
-        "SHARE_PREFIX_CACHE": 1 if tenant_share_prefix_cache else None}
-    os.environ.update({f"MINIMILL_TENANT_{k}": str(v) for k, v in tenant_defaults.items()
-                       if v is not None})
-    run_serve(host=host, port=port, db=db, model=model, dtype=dtype, local_worker=local_worker,
-              price_per_hour=price_per_hour, kv=kv, boxes=boxes,
-              insecure_no_sandbox=insecure_no_sandbox, agents=agents,
-              webhook_allow_private=webhook_allow_private)
 
 
 @app.command()
@@ -348,69 +234,6 @@ def cost(
                f"${report.usd_per_ttok:,.2f} per trillion")
     for ref in report.references:
         typer.echo(f"  {ref.name}: ${ref.usd_per_mtok:g}/Mtok, {ref.ratio:g}x ours")
-
-
-@app.command()
-def worker(
-    server: str = typer.Option(..., help="Control plane URL, e.g. http://host:8000."),
-    site: str = typer.Option(..., help="This site's name."),
-    token: str = typer.Option(..., envvar="MINIMILL_SITE_TOKEN", help="Site token."),
-    price_per_hour: float | None = typer.Option(
-        None, help="What this site costs in $/hour (default: as the site was registered; "
-        "cost only, never what tenants are billed)."),
-    chip: str | None = typer.Option(
-        None, help="Chip name, for the registry (default: as the site was registered)."),
-    engine: str = typer.Option("builtin", help="'builtin', an OpenAI-compatible base URL, "
-                               "'none' (a box host serving no tokens), or 'fake:TOKENS_PER_S' "
-                               "(a test double for fleet tests: no model, made-up tokens at "
-                               "that site rate)."),
-    model: str = typer.Option(DEFAULT_MODEL, help="Model to serve."),
-    dtype: str = typer.Option("auto", help="Builtin engine dtype: " + DTYPE_HELP),
-    kv_dtype: str = KvDtypeOption,
-    capacity: int = typer.Option(256, help="Most requests in flight."),
-    boxes: int = typer.Option(0, min=0, help="Boxes (sandboxes) this site holds at once."),
-    box_dir: Path | None = typer.Option(None, help="Where box workspaces live (default: "
-                                        "under the system temp directory); emptied at start."),
-    box_snapshot_interval_s: float = typer.Option(
-        30.0, min=0.1, help="Snapshot a changed box at most this often (what losing this "
-        "site may cost a box)."),
-    insecure_no_sandbox: bool = typer.Option(
-        False, "--insecure-no-sandbox", help="Run boxes and agents' harnesses without "
-        "bubblewrap isolation where it is unavailable (they then see this host's files)."),
-    agents: int = typer.Option(0, min=0, help="Durable agents (harnesses) this site runs at "
-                               "once, each in a sandboxed process."),
-    box_max_memory_mb: int | None = BoxMaxMemoryOption,
-    box_max_processes: int | None = BoxMaxProcessesOption,
-    box_max_cpu_s: int | None = BoxMaxCpuOption,
-    box_max_exec_s: int | None = BoxMaxExecOption,
-    box_max_disk_mb: int | None = BoxMaxDiskOption,
-    kv_cache_gb: float | None = KvCacheGbOption,
-    kv_host_gb: float = KvHostGbOption,
-    kv_flash_dir: str | None = KvFlashDirOption,
-    kv_flash_gb: float = KvFlashGbOption,
-    prefix_caching: bool = PrefixCachingOption,
-    kv_prefault: bool = KvPrefaultOption,
-) -> None:
-    """Join a fleet: pull work from the control plane under leases and run it."""
-    from minimill.boxes.host_setup import BoxOptions
-    from minimill.site.worker import run_worker
-    from minimill.transport.box_protocol import DEFAULT_BOX_CAPS, BoxLimits
-
-    kv = _kv_options(kv_cache_gb, kv_host_gb, kv_flash_dir, kv_flash_gb, prefix_caching,
-                     kv_dtype, kv_prefault)
-    run_worker(server=server, site=site, token=token, price_per_hour=price_per_hour, chip=chip,
-               engine=engine, model=model, dtype=dtype, capacity=capacity, kv=kv,
-               boxes=BoxOptions(slots=boxes, box_dir=box_dir,
-                                insecure_no_sandbox=insecure_no_sandbox,
-                                snapshot_interval_s=box_snapshot_interval_s,
-                                caps=BoxLimits.model_construct(
-                                    memory_mb=box_max_memory_mb or DEFAULT_BOX_CAPS.memory_mb,
-                                    max_processes=(box_max_processes
-                                                   or DEFAULT_BOX_CAPS.max_processes),
-                                    cpu_s=box_max_cpu_s or DEFAULT_BOX_CAPS.cpu_s,
-                                    timeout_s=float(box_max_exec_s or DEFAULT_BOX_CAPS.timeout_s),
-                                    disk_mb=box_max_disk_mb or DEFAULT_BOX_CAPS.disk_mb)),
-               agents=agents)
 
 
 if __name__ == "__main__":
