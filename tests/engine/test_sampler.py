@@ -205,3 +205,43 @@ def test_native_kernel_picks_what_the_reference_picks() -> None:
                 if a is not None and b is not None:
                     assert math.isclose(a[0], b[0], abs_tol=1e-4)
                     assert [t for t, _ in a[1]] == [t for t, _ in b[1]]
+
+
+def test_native_kernel_picks_what_the_reference_picks_under_grammar_masks() -> None:
+    """Guided rows: sparse masks (gathered: only allowed logits are read) and dense ones
+    (masked in place) pick the reference's token, with every parameter kind, adjustments on
+    allowed and refused ids, a one-token mask and a mask allowing nothing (not applied)."""
+    reference, native = TorchKernels(), native_kernels()
+    rng = random.Random(3)
+    vocab, rows = 49152, 48
+    words = (vocab + 31) // 32
+    kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+             SamplingParams(top_k=5), SamplingParams(temperature=0.7, top_p=0.9),
+             SamplingParams(temperature=1.1, top_k=3, top_p=0.8),
+             SamplingParams(temperature=0.9, logit_bias=((5, 30.0), (7, -100.0), (40000, 2.0)))]
+
+    def mask(allowed: set[int]) -> torch.Tensor:
+        bits = [0] * words
+        for t in allowed:
+            bits[t // 32] |= 1 << (t % 32)
+        return torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits],
+                            dtype=torch.int32)
+
+    shapes = [set(rng.sample(range(vocab), 40)), {5, 7, 11, 40000}, {12345},
+              set(range(vocab)) - set(rng.sample(range(vocab), 400)),
+              set(rng.sample(range(vocab), vocab // 3)), set()]
+    g = torch.Generator().manual_seed(4)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
+        params = [kinds[r % len(kinds)] for r in range(rows)]
+        masks: list[torch.Tensor | None] = [
+            None if r % 7 == 6 else mask(shapes[(r // len(kinds)) % len(shapes)])
+            for r in range(rows)]
+        seeds = [rng.randrange(2**62) for _ in range(rows)]
+        want, _ = sample_with(logits, params, seeds, [3] * rows, reference, masks=masks)
+        got, _ = sample_with(logits, params, seeds, [3] * rows, native, masks=masks)
+        assert got == want
+        for r, m in enumerate(masks):
+            allowed = shapes[(r // len(kinds)) % len(shapes)] if m is not None else set()
+            if allowed:
+                assert got[r] in allowed

@@ -21,6 +21,7 @@ struct RowScratch {
   std::vector<float> e;       // exp(x - max)
   std::vector<double> chunk;  // per-chunk sums of e
   std::vector<int32_t> idx;   // candidate ids
+  std::vector<int32_t> ids;   // a compacted guided row's token ids (see gather_allowed)
 };
 
 template <typename T>
@@ -247,7 +248,7 @@ int64_t walk_kept(const float* x, const float* e, int64_t n, const KeptSet& k, d
 int64_t sample_filtered(RowScratch& s, int64_t vocab, int64_t top_k, float top_p, double u) {
   const float* x = s.x.data();
   const float m = row_max(x, vocab);
-  s.e.resize(vocab);
+  if (static_cast<int64_t>(s.e.size()) < vocab) s.e.resize(vocab);
   float* e = s.e.data();
   const double z_all = exp_and_sum(x, m, vocab, e, s.chunk);
   float lo = m;
@@ -287,24 +288,58 @@ int64_t sample_filtered(RowScratch& s, int64_t vocab, int64_t top_k, float top_p
   return idx.back();
 }
 
-// A guided row's allowed tokens: bit (i % 32) of word i / 32. Every other logit becomes -inf
-// (ids past the mask's words too); a mask that allows nothing is not applied (the engine never
-// fills one: a finished grammar still allows the end of the output).
+// A guided row's allowed tokens: bit (i % 32) of word i / 32; ids past the mask's words are
+// never allowed. A mask that allows nothing is not applied (the engine never fills one: a
+// finished grammar still allows the end of the output).
+int64_t count_allowed(const int32_t* words, int64_t num_words, int64_t vocab) {
+  int64_t count = 0;
+  const int64_t full = std::min(num_words, vocab / 32);
+  for (int64_t w = 0; w < full; ++w) count += __builtin_popcount(static_cast<uint32_t>(words[w]));
+  for (int64_t i = full * 32; i < std::min(vocab, num_words * 32); ++i) {
+    count += (static_cast<uint32_t>(words[i / 32]) >> (i % 32)) & 1u;
+  }
+  return count;
+}
+
+// Every disallowed logit of a dense row becomes -inf. Words that allow all 32 ids are skipped;
+// the others are blended without a branch per id (the compiler vectorizes the inner loop).
 void apply_mask(float* x, int64_t vocab, const int32_t* words, int64_t num_words) {
-  bool any = false;
-  for (int64_t w = 0; w < num_words && !any; ++w) any = words[w] != 0;
-  if (!any) return;
   const float ninf = -std::numeric_limits<float>::infinity();
-  for (int64_t w = 0; w < num_words; ++w) {
+  const int64_t covered = std::min(vocab, num_words * 32);
+  for (int64_t w = 0; w * 32 < covered; ++w) {
     const uint32_t bits = static_cast<uint32_t>(words[w]);
     if (bits == 0xFFFFFFFFu) continue;
-    const int64_t lo = w * 32, hi = std::min(vocab, lo + 32);
-    for (int64_t i = lo; i < hi; ++i) {
-      if (!((bits >> (i - lo)) & 1u)) x[i] = ninf;
+    const int64_t lo = w * 32, n = std::min<int64_t>(32, covered - lo);
+    float* xs = x + lo;
+    for (int64_t j = 0; j < n; ++j) xs[j] = ((bits >> j) & 1u) ? xs[j] : ninf;
+  }
+  for (int64_t i = covered; i < vocab; ++i) x[i] = ninf;
+}
+
+// A row whose grammar allows few tokens (most steps of a JSON answer outside its strings):
+// its allowed logits, in id order, into x[0, n) and their ids into `ids`. Sampling those n
+// values picks what sampling the whole row with every other logit at -inf picks (argmax,
+// temperature, top-k/top-p and the inverse CDF all run in id order and ignore -inf tokens),
+// without reading, exponentiating and summing the tens of thousands it leaves out.
+template <typename T>
+int64_t gather_allowed(const T* row, int64_t vocab, const int32_t* words, int64_t num_words,
+                       float* x, std::vector<int32_t>& ids) {
+  ids.clear();
+  for (int64_t w = 0; w < num_words; ++w) {
+    uint32_t bits = static_cast<uint32_t>(words[w]);
+    while (bits) {
+      const int64_t i = w * 32 + __builtin_ctz(bits);
+      if (i >= vocab) return static_cast<int64_t>(ids.size());
+      x[ids.size()] = to_f(row[i]);
+      ids.push_back(static_cast<int32_t>(i));
+      bits &= bits - 1;
     }
   }
-  for (int64_t i = num_words * 32; i < vocab; ++i) x[i] = ninf;
+  return static_cast<int64_t>(ids.size());
 }
+
+// Rows allowing at most vocab / kSparseShare tokens are gathered rather than masked.
+constexpr int64_t kSparseShare = 4;
 
 template <typename T>
 void sample_tokens_impl(const at::Tensor& logits, const float* temperature, const int64_t* top_k,
@@ -320,32 +355,49 @@ void sample_tokens_impl(const at::Tensor& logits, const float* temperature, cons
     s.x.resize(vocab);
     for (int64_t r = b; r < e; ++r) {
       const bool greedy = temperature[r] == 0.f || top_k[r] == 1;
-      if (greedy && adj_off[r] == adj_off[r + 1] && mask_index[r] < 0) {
+      const int32_t* words = mask_index[r] >= 0 ? mask_words + mask_index[r] * num_words
+                                                : nullptr;
+      const int64_t allowed = words ? count_allowed(words, num_words, vocab) : vocab;
+      if (allowed == 0) words = nullptr;
+      if (greedy && adj_off[r] == adj_off[r + 1] && words == nullptr) {
         out[r] = row_argmax(lp + r * stride, vocab);
         continue;
       }
       float* x = s.x.data();
-      load_row(lp + r * stride, vocab, x);
-      for (int64_t a = adj_off[r]; a < adj_off[r + 1]; ++a) {
-        if (adj_ids[a] >= 0 && adj_ids[a] < vocab) x[adj_ids[a]] += adj_vals[a];
+      // n: the width sampled; a gathered row's position j is token s.ids[j].
+      int64_t n = vocab;
+      const bool gathered = words != nullptr && allowed * kSparseShare <= vocab;
+      if (gathered) {
+        n = gather_allowed(lp + r * stride, vocab, words, num_words, x, s.ids);
+      } else {
+        load_row(lp + r * stride, vocab, x);
       }
-      if (mask_index[r] >= 0) apply_mask(x, vocab, mask_words + mask_index[r] * num_words,
-                                         num_words);
+      for (int64_t a = adj_off[r]; a < adj_off[r + 1]; ++a) {
+        if (adj_ids[a] < 0 || adj_ids[a] >= vocab) continue;
+        if (!gathered) {
+          x[adj_ids[a]] += adj_vals[a];
+          continue;
+        }
+        const auto at = std::lower_bound(s.ids.begin(), s.ids.end(), adj_ids[a]);
+        if (at != s.ids.end() && *at == adj_ids[a]) x[at - s.ids.begin()] += adj_vals[a];
+      }
+      if (words != nullptr && !gathered) apply_mask(x, vocab, words, num_words);
+      const auto token = [&](int64_t j) { return gathered ? s.ids[j] : j; };
       if (greedy) {
-        out[r] = row_argmax(x, vocab);
+        out[r] = token(row_argmax(x, n));
         continue;
       }
       const fVec vt(temperature[r]);
       int64_t i = 0;
-      for (; i + kVec <= vocab; i += kVec) (fVec::loadu(x + i) / vt).store(x + i);
-      for (; i < vocab; ++i) x[i] /= temperature[r];
+      for (; i + kVec <= n; i += kVec) (fVec::loadu(x + i) / vt).store(x + i);
+      for (; i < n; ++i) x[i] /= temperature[r];
       if (top_k[r] <= 0 && top_p[r] >= 1.f) {
-        s.e.resize(vocab);
-        const float m = row_max(x, vocab);
-        const double total = exp_and_sum(x, m, vocab, s.e.data(), s.chunk);
-        out[r] = walk_unfiltered(s.e.data(), s.chunk, total, vocab, u[r]);
+        if (static_cast<int64_t>(s.e.size()) < n) s.e.resize(n);
+        const float m = row_max(x, n);
+        const double total = exp_and_sum(x, m, n, s.e.data(), s.chunk);
+        out[r] = token(walk_unfiltered(s.e.data(), s.chunk, total, n, u[r]));
       } else {
-        out[r] = sample_filtered(s, vocab, top_k[r], top_p[r], u[r]);
+        out[r] = token(sample_filtered(s, n, top_k[r], top_p[r], u[r]));
       }
     }
   });
