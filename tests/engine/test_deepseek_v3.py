@@ -1,8 +1,127 @@
-"""DeepSeek-V3's grouped sigmoid routing against transformers' router."""
+"""DeepSeek-V3 (multi-head latent attention over a latent cache, grouped sigmoid routing with
+shared experts) against transformers: tiny random checkpoints saved as HF directories,
+with a query bottleneck and without, loaded by minimill; float32 logits and greedy tokens
+compared over prompts longer than a KV block, several sequences per batch."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+import pytest
 import torch
+from engine_helpers import engine_logits
+
+from minimill.engine.llm import LLM
+from minimill.engine.params import InvalidRequestError, SamplingParams
+from minimill.models.loader import load_model
+from minimill.models.types import LoadedModel
+from tiny_hf import DEEPSEEK_V3, VOCAB, hf_greedy, save_tiny
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["q_lora", "plain_q"])
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+         smol_f32: LoadedModel) -> tuple[Path, Any]:
+    directory = tmp_path_factory.mktemp(f"deepseek_v3_{request.param}")
+    overrides = {"q_lora_rank": None} if request.param == "plain_q" else {}
+    return directory, save_tiny("deepseek_v3", directory, smol_f32, **overrides)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    # Each past one KV block (16 tokens) and the chunk (20) of the chunked runs.
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (45, 23, 33)]
+
+
+def test_config_and_parameter_count(tiny: tuple[Path, Any]) -> None:
+    directory, hf = tiny
+    mc = load_model(str(directory), torch.float32).config
+    assert mc.architecture == "deepseek_v3" and mc.is_mla
+    assert mc.dense_layers == (0,) and [mc.is_moe(i) for i in range(3)] == [False, True, True]
+    assert (mc.n_group, mc.topk_group, mc.n_shared_experts) == (2, 1, 1)
+    assert mc.kv_layout == (1, 1, DEEPSEEK_V3["kv_lora_rank"] + DEEPSEEK_V3["qk_rope_head_dim"])
+    # Matrices a forward pass reads: every parameter but the norms and the embedding lookup.
+    matrices = sum(p.numel() for n, p in hf.named_parameters()
+                   if not n.endswith("norm.weight") and "embed_tokens" not in n)
+    assert mc.num_params == matrices
+    routed = 3 * mc.hidden_size * mc.moe_intermediate_size
+    assert mc.num_params - mc.num_active_params == 2 * (8 - 2) * routed
+
+
+@pytest.mark.parametrize("kernels", ["torch", "native"])
+def test_logits_and_greedy_match_transformers(tiny: tuple[Path, Any], kernels: str) -> None:
+    directory, hf = tiny
+    llm = LLM(load_model(str(directory), torch.float32), dtype="float32", num_kv_blocks=64,
+              kernels=kernels)
+    prompts = _prompts()
+    with torch.inference_mode():
+        refs = [hf(torch.tensor([p])).logits[0] for p in prompts]
+    for chunk in (None, 20):  # the second chunk attends to the first through the latent cache
+        for ours, ref in zip(engine_logits(llm, prompts, chunk), refs, strict=True):
+            err = ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).max()
+            assert err < 1e-4, f"{kernels} chunk {chunk}: relative error {err:.2e}"
+    outs = llm.generate(prompts, GREEDY)  # one batch: prefill together, then decode together
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.output_token_ids == hf_greedy(hf, prompt, GREEDY.max_tokens)[0]
+
+
+def test_the_cache_holds_one_latent_per_token_and_layer(tiny: tuple[Path, Any]) -> None:
+    directory, _ = tiny
+    loaded = load_model(str(directory), torch.float32)
+    mc = loaded.config
+    width = mc.kv_lora_rank + mc.qk_rope_head_dim
+    llm = LLM(loaded, dtype="float32", num_kv_blocks=8)
+    assert llm.engine.runner.kv_cache.shape == (8, mc.num_hidden_layers, 1, 1, 16 * width)
+    assert llm.config.kv_bytes_per_token(mc) == mc.num_hidden_layers * width * 4
+    int8 = LLM(loaded, dtype="float32", kv_dtype="int8", num_kv_blocks=8)
+    # int8: the values plus a float16 scale and an int8 zero point per token and layer.
+    assert int8.config.kv_bytes_per_token(mc) == mc.num_hidden_layers * (width + 3)
+    with pytest.raises(InvalidRequestError, match="int4 is not supported"):
+        LLM(loaded, dtype="float32", kv_dtype="int4", num_kv_blocks=8)
+
+
+def test_prefix_reuse_gives_the_cold_run_s_tokens(tiny: tuple[Path, Any]) -> None:
+    directory, _ = tiny
+    loaded = load_model(str(directory), torch.float32)
+    hot = LLM(loaded, dtype="float32", num_kv_blocks=64)
+    cold = LLM(loaded, dtype="float32", num_kv_blocks=64, enable_prefix_caching=False)
+    g = torch.Generator().manual_seed(5)
+    system = torch.randint(3, VOCAB, (2 * 16,), generator=g).tolist()
+    prompts = [[*system, *torch.randint(3, VOCAB, (7 + i,), generator=g).tolist()]
+               for i in range(3)]
+    out = hot.generate(prompts, GREEDY)
+    assert [o.num_cached_tokens for o in out] == [0, 32, 32]
+    assert ([o.output_token_ids for o in out]
+            == [o.output_token_ids for o in cold.generate(prompts, GREEDY)])
+    # A next turn reuses the blocks the first turn's generated tokens filled.
+    turn2 = [*prompts[0], *out[0].output_token_ids, *system[:9]]
+    again = hot.generate([turn2], GREEDY)[0]
+    assert again.num_cached_tokens == 3 * 16
+    assert again.output_token_ids == cold.generate([turn2], GREEDY)[0].output_token_ids
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+def test_compressed_latents_stay_close(tiny: tuple[Path, Any], kv_dtype: str) -> None:
+    """A bf16 model (bf16 latents), and int8 latents under a float32 model, stay close to the
+    float32 reference. Not at every position: a rounded score can move a token to another
+    expert, and a tiny random model's logits swing with that (measured: the worst position
+    of int8 latents is off by 80%, as quantizing either half of the latent alone does)."""
+    directory, hf = tiny
+    dtype = torch.bfloat16 if kv_dtype == "bfloat16" else torch.float32
+    llm = LLM(load_model(str(directory), dtype), dtype=str(dtype).removeprefix("torch."),
+              kv_dtype=kv_dtype, num_kv_blocks=64)
+    prompts = _prompts()
+    with torch.inference_mode():
+        refs = [hf(torch.tensor([p])).logits[0] for p in prompts]
+    ours = engine_logits(llm, prompts, 20)
+    errors = torch.cat([(o.float() - r).norm(dim=-1) / r.norm(dim=-1)
+                        for o, r in zip(ours, refs, strict=True)])
+    agree = torch.cat([o.float().argmax(-1) == r.argmax(-1)
+                       for o, r in zip(ours, refs, strict=True)]).float().mean()
+    assert errors.median() < 0.05 and errors.quantile(0.9) < 0.1, kv_dtype
+    assert agree >= 0.85, f"{kv_dtype}: top tokens agree at {agree:.0%} of positions"
 
 
 def test_routing_matches_transformers_router() -> None:
@@ -27,3 +146,26 @@ def test_routing_matches_transformers_router() -> None:
     assert torch.equal(ours.values, ref.values)
     torch.testing.assert_close(weights.gather(1, ours.indices),
                                ref_weights.gather(1, ref.indices))
+
+
+def test_a_sequence_computes_the_same_alone_or_in_a_batch(tiny: tuple[Path, Any]) -> None:
+    directory, _ = tiny
+    llm = LLM(load_model(str(directory), torch.float32), dtype="float32", num_kv_blocks=64,
+              kernels="native")
+    first, second, third = _prompts()
+    alone = engine_logits(llm, [first])[0]
+    crowded = engine_logits(llm, [second, first, third[:7]])[1]
+    # Bit for bit: what makes a resumed request continue exactly.
+    assert torch.equal(alone, crowded)
+
+
+def test_the_benchmark_s_transformers_model_is_the_checkpoint_s(tiny: tuple[Path, Any]
+                                                                ) -> None:
+    from minimill.bench.hf_baseline import build_hf_model
+
+    directory, hf = tiny
+    rebuilt = build_hf_model(load_model(str(directory), torch.float32), torch.float32)
+    prompt = torch.tensor([_prompts()[0]])
+    with torch.inference_mode():
+        torch.testing.assert_close(rebuilt(prompt).logits, hf(prompt).logits)
+
