@@ -169,3 +169,68 @@ def test_the_benchmark_s_transformers_model_is_the_checkpoint_s(tiny: tuple[Path
     with torch.inference_mode():
         torch.testing.assert_close(rebuilt(prompt).logits, hf(prompt).logits)
 
+
+def test_a_multi_token_prediction_layer_is_not_loaded(tiny: tuple[Path, Any],
+                                                       tmp_path: Path) -> None:
+    """DeepSeek-V3's checkpoints hold a multi-token prediction layer past the decoder's
+    (model.layers.61): the engine does not run it, so its weights are never held."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    directory, _ = tiny
+    copy = tmp_path / "with_mtp"
+    shutil.copytree(directory, copy)
+    save_file({"model.layers.3.eh_proj.weight": torch.zeros(4, 4),
+               "model.layers.3.self_attn.kv_b_proj.weight": torch.zeros(4, 4)},
+              str(copy / "mtp.safetensors"))
+    index = json.loads((copy / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({"model.layers.3.eh_proj.weight": "mtp.safetensors",
+                                "model.layers.3.self_attn.kv_b_proj.weight": "mtp.safetensors"})
+    (copy / "model.safetensors.index.json").write_text(json.dumps(index))
+    weights = load_model(str(copy), torch.float32).weights
+    assert not any(name.startswith("model.layers.3.") for name in weights)
+    assert "model.layers.2.self_attn.kv_b_proj.weight" in weights
+
+
+def test_kimi_k2_s_config() -> None:
+    """Kimi K2 ships DeepSeek-V3's architecture with its own numbers (as in its config.json,
+    less the FP8 quantization_config of the released weights)."""
+    from minimill.models.hf_config import config_from_hf
+
+    cfg = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
+           "vocab_size": 163840, "hidden_size": 7168, "intermediate_size": 18432,
+           "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 64,
+           "num_key_value_heads": 64, "n_shared_experts": 1, "n_routed_experts": 384,
+           "routed_scaling_factor": 2.827, "kv_lora_rank": 512, "q_lora_rank": 1536,
+           "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+           "topk_method": "noaux_tc", "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8,
+           "first_k_dense_replace": 1, "norm_topk_prob": True, "scoring_func": "sigmoid",
+           "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 50000.0,
+           "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0,
+                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                            "type": "yarn"},
+           "attention_bias": False, "tie_word_embeddings": False}
+    mc = config_from_hf(cfg, Path("config.json"))
+    assert mc.architecture == "deepseek_v3" and mc.kv_layout == (1, 1, 576)
+    assert (mc.num_experts, mc.n_group, mc.topk_group, mc.dense_layers) == (384, 1, 1, (0,))
+    assert mc.head_dim == 64 and mc.rope_scaling is not None
+    assert mc.rope_scaling["rope_type"] == "yarn"
+    # 192 ** -0.5 times (0.1 ln 32 + 1) squared.
+    assert mc.attention_scale == pytest.approx(192 ** -0.5 * 1.3465735902799727 ** 2)
+    assert 1.00e12 < mc.num_params < 1.05e12 and 31e9 < mc.num_active_params < 33e9
+
+
+def test_attention_in_query_slices_computes_the_same(tiny: tuple[Path, Any],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long prompt chunk's attention runs a few query positions at a time (bounded
+    scores): the same logits as all at once."""
+    from minimill.engine import mla
+
+    directory, _ = tiny
+    llm = LLM(load_model(str(directory), torch.float32), dtype="float32", num_kv_blocks=64)
+    whole = engine_logits(llm, _prompts(), 20)
+    monkeypatch.setattr(mla, "_MAX_SCORES", 3 * 4 * 48 * 3)  # 3 positions a call, 3 sequences
+    for sliced, ref in zip(engine_logits(llm, _prompts(), 20), whole, strict=True):
+        torch.testing.assert_close(sliced, ref, rtol=1e-5, atol=1e-5)

@@ -39,6 +39,9 @@ from minimill.engine.attention import (
 from minimill.engine.kernels import TorchKernels
 from minimill.models.types import ModelConfig
 
+# Most (query, head, key) scores one attention call computes (float32: 256 MiB).
+_MAX_SCORES = 1 << 26
+
 
 @dataclass(slots=True)
 class MlaWeights:
@@ -149,7 +152,9 @@ def _attend_latents(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadat
     """q: [tokens, heads, rank + rope] over the cached latents -> [tokens, heads, rank].
 
     Gathers every sequence's blocks into a padded batch (an int8 cache dequantized to float32,
-    attention then in float32) and runs one SDPA whose rows are (query, head) pairs."""
+    attention then in float32) and runs SDPA with (query, head) pairs as its rows, over as many
+    query positions at a time as keep its scores under _MAX_SCORES (a long prompt chunk's
+    128 heads x its queries x its keys would not fit)."""
     num_tokens, heads, width = q.shape
     num_seqs = meta.block_tables.shape[0]
     if num_seqs == 0:
@@ -158,11 +163,16 @@ def _attend_latents(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadat
     keys = unpacked_v(cache[meta.block_tables.long()], meta.block_size)  # [s, w, 1, bs, d]
     keys = keys.reshape(num_seqs, 1, -1, width).to(compute)
     rows, valid, mask = causal_layout(meta, None, q.device)
-    max_q = meta.max_query_len
-    queries = q[rows].reshape(num_seqs, 1, max_q * heads, width).to(compute)
-    mask = mask.repeat_interleave(heads, dim=1)[:, None]  # [seqs, 1, max_q * heads, keys]
-    out = F.scaled_dot_product_attention(queries, keys, keys[..., :rank], attn_mask=mask,
-                                         scale=scale)
+    queries = q[rows].to(compute)  # [seqs, max_q, heads, width]
+    out = queries.new_empty(num_seqs, meta.max_query_len, heads, rank)
+    step = max(1, _MAX_SCORES // (num_seqs * heads * keys.shape[2]))
+    for start in range(0, meta.max_query_len, step):
+        chunk = queries[:, start:start + step]
+        n = chunk.shape[1]
+        out[:, start:start + n] = F.scaled_dot_product_attention(
+            chunk.reshape(num_seqs, 1, n * heads, width), keys, keys[..., :rank],
+            attn_mask=mask[:, None, start:start + n].repeat_interleave(heads, dim=2),
+            scale=scale).view(num_seqs, n, heads, rank)
     result = q.new_empty(num_tokens, heads, rank)
-    result[rows[valid]] = out.view(num_seqs, max_q, heads, rank)[valid].to(q.dtype)
+    result[rows[valid]] = out[valid].to(q.dtype)
     return result
