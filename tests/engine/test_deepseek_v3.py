@@ -170,6 +170,16 @@ def test_the_benchmark_s_transformers_model_is_the_checkpoint_s(tiny: tuple[Path
         torch.testing.assert_close(rebuilt(prompt).logits, hf(prompt).logits)
 
 
+def test_random_weight_shapes_are_the_checkpoint_s(tiny: tuple[Path, Any]) -> None:
+    """`bench engine --shape` builds DeepSeek-V3 shapes from weight_shapes: every tensor of
+    a real checkpoint, no more."""
+    from minimill.models.shapes import weight_shapes
+
+    directory, _ = tiny
+    loaded = load_model(str(directory), torch.float32)
+    assert weight_shapes(loaded.config) == {n: tuple(w.shape) for n, w in loaded.weights.items()}
+
+
 def test_a_multi_token_prediction_layer_is_not_loaded(tiny: tuple[Path, Any],
                                                        tmp_path: Path) -> None:
     """DeepSeek-V3's checkpoints hold a multi-token prediction layer past the decoder's
