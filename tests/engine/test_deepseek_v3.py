@@ -244,3 +244,33 @@ def test_attention_in_query_slices_computes_the_same(tiny: tuple[Path, Any],
     monkeypatch.setattr(mla, "_MAX_SCORES", 3 * 4 * 48 * 3)  # 3 positions a call, 3 sequences
     for sliced, ref in zip(engine_logits(llm, _prompts(), 20), whole, strict=True):
         torch.testing.assert_close(sliced, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_latent_blocks_restored_from_host_ram_and_flash(tiny: tuple[Path, Any],
+                                                        tmp_path: Path) -> None:
+    """The KV tiers copy whole latent blocks as they copy K and V: a prompt's blocks pushed out
+    of a small pool come back from host RAM, and in a new engine from flash, and give the
+    tokens a cold engine computes."""
+    directory, _ = tiny
+    loaded = load_model(str(directory), torch.float32)
+    small = {"dtype": "float32", "num_kv_blocks": 24, "max_model_len": 256}
+    g = torch.Generator().manual_seed(9)
+    prompt, *others = (torch.randint(3, VOCAB, (n,), generator=g).tolist()
+                       for n in (160, 200, 200))
+    expected = LLM(loaded, enable_prefix_caching=False, **small).generate(
+        [prompt], GREEDY)[0].output_token_ids
+    flash = str(tmp_path / "flash")
+    tiered = LLM(loaded, kv_host_bytes=16 << 20, kv_flash_dir=flash, kv_flash_bytes=64 << 20,
+                 **small)
+    assert tiered.generate([prompt], GREEDY)[0].output_token_ids == expected
+    for other in others:  # push the prompt's blocks out of the pool
+        tiered.generate([other], GREEDY)
+    out = tiered.generate([prompt], GREEDY)[0]
+    assert tiered.engine.tiers is not None and tiered.engine.tiers.stats.host_hits == 9
+    assert out.num_cached_tokens == 144 and out.output_token_ids == expected
+    tiered.close()
+    restarted = LLM(loaded, kv_flash_dir=flash, kv_flash_bytes=64 << 20, **small)
+    out = restarted.generate([prompt], GREEDY)[0]
+    assert restarted.engine.tiers is not None and restarted.engine.tiers.stats.flash_hits == 9
+    assert out.num_cached_tokens == 144 and out.output_token_ids == expected
+    restarted.close()
