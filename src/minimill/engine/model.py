@@ -85,11 +85,11 @@ class DecoderModel:
         self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item()
                             if config.scale_embeddings else None)
 
-        def w(name: str) -> torch.Tensor:
+        def w(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
             tensor = weights.pop(name, None) if release_weights else weights.get(name)
             if tensor is None:
                 raise ModelFileError(f"weight {name!r} is missing from the model")
-            return tensor.to(device=device, dtype=dtype)
+            return tensor.to(device=device, dtype=as_dtype)
 
         def norm(name: str) -> torch.Tensor:
             # Gemma's norms scale by (1 + weight): folded in once, here.

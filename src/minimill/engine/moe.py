@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -54,13 +55,20 @@ def load_experts(prefix: str, num_experts: int, w: Callable[[str], torch.Tensor]
                          down=down)
 
 
-def load_deepseek_experts(prefix: str, num_experts: int, w: Callable[[str], torch.Tensor],
+class WeightReader(Protocol):
+    """A weight by its HF name, in the model dtype or `as_dtype`."""
+
+    def __call__(self, name: str, as_dtype: torch.dtype = ...) -> torch.Tensor: ...
+
+
+def load_deepseek_experts(prefix: str, num_experts: int, w: WeightReader,
                           pack: Callable[[torch.Tensor], torch.Tensor]) -> ExpertWeights:
     """DeepSeek-V3's routed experts (Qwen3-MoE's naming) and its router's correction bias,
-    both router tensors float32, as HF keeps them."""
+    both router tensors in float32 whatever the model dtype, as HF keeps them (the loader
+    reads them so, hf_loader._FLOAT32_WEIGHTS)."""
     weights = load_experts(prefix, num_experts, w, pack)
-    weights.router = weights.router.float()
-    weights.score_bias = w(prefix + "gate.e_score_correction_bias").float().contiguous()
+    weights.router = w(prefix + "gate.weight", torch.float32).contiguous()
+    weights.score_bias = w(prefix + "gate.e_score_correction_bias", torch.float32).contiguous()
     return weights
 
 
