@@ -34,6 +34,23 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
                 "swiglu_limit": 1.0},
 }
 
+# Architectures with tests of their own (not parametrized over with the ones above).
+DEEPSEEK_V3: dict[str, Any] = {
+    # MLA: a query bottleneck (None: one q_proj), a latent of 32 + a shared rotary key of 16.
+    "num_key_value_heads": 4, "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 16, "head_dim": 16, "v_head_dim": 24,
+    # YaRN with mscale_all_dim: scales the rotary and the softmax.
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                        "original_max_position_embeddings": 64, "mscale": 1.0,
+                        "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
+    # The first layer dense; 8 routed experts in 2 groups, one group and 2 experts per token,
+    # and one shared expert.
+    "first_k_dense_replace": 1, "n_routed_experts": 8, "n_shared_experts": 1,
+    "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "moe_intermediate_size": 48,
+    "norm_topk_prob": True, "routed_scaling_factor": 2.5, "num_mtp_layers": 0,
+}
+MORE_ARCHITECTURES: dict[str, dict[str, Any]] = {"deepseek_v3": DEEPSEEK_V3}
+
 
 def _classes(arch: str) -> tuple[Any, Any]:
     import transformers as tf
@@ -41,14 +58,18 @@ def _classes(arch: str) -> tuple[Any, Any]:
     return {"qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
             "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
             "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
-            "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM)}[arch]
+            "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
+            "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM)}[arch]
 
 
-def save_tiny(arch: str, directory: Path, tokenizer_from: LoadedModel, seed: int = 0) -> Any:
-    """Save a random `arch` checkpoint in `directory`; returns transformers' model of it."""
+def save_tiny(arch: str, directory: Path, tokenizer_from: LoadedModel, seed: int = 0,
+              **overrides: Any) -> Any:
+    """Save a random `arch` checkpoint in `directory` (its config with `overrides`); returns
+    transformers' model of it."""
     config_cls, model_cls = _classes(arch)
     torch.manual_seed(seed)
-    config = config_cls(**COMMON, **ARCHITECTURES[arch])
+    settings = {**COMMON, **(ARCHITECTURES.get(arch) or MORE_ARCHITECTURES[arch]), **overrides}
+    config = config_cls(**settings)
     # transformers' own choice for these two (sinks need eager; Gemma recommends it).
     config._attn_implementation = "eager" if arch in ("gemma3", "gpt_oss") else "sdpa"
     model = model_cls(config).eval()
@@ -59,6 +80,9 @@ def save_tiny(arch: str, directory: Path, tokenizer_from: LoadedModel, seed: int
             if name.endswith("norm.weight"):
                 param.copy_(torch.rand_like(param) * 0.5 + 0.75
                             - (1.0 if arch == "gemma3" else 0.0))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek: zero would hide it
+                buffer.copy_(torch.randn_like(buffer) * 0.1)
     model.save_pretrained(directory, max_shard_size="2MB")
     tokenizer_from.tokenizer.backend.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps(

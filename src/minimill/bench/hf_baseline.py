@@ -46,6 +46,18 @@ def _hf_config(config: ModelConfig, dtype: torch.dtype) -> Any:
             moe_intermediate_size=config.moe_intermediate_size,
             norm_topk_prob=config.norm_topk_prob, mlp_only_layers=list(config.dense_layers),
             **common)
+    if arch == "deepseek_v3":
+        return tf.DeepseekV3Config(
+            attention_bias=config.attention_bias, q_lora_rank=config.q_lora_rank,
+            kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
+            rope_interleave=config.rope_interleave, n_routed_experts=config.num_experts,
+            n_shared_experts=config.n_shared_experts,
+            num_experts_per_tok=config.num_experts_per_tok, n_group=config.n_group,
+            topk_group=config.topk_group, routed_scaling_factor=config.routed_scaling_factor,
+            norm_topk_prob=config.norm_topk_prob,
+            moe_intermediate_size=config.moe_intermediate_size,
+            first_k_dense_replace=len(config.dense_layers), num_mtp_layers=0, **common)
     layer_types = [_LAYER_TYPES[t] for t in config.layer_types] or None
     if arch == "gpt_oss":
         common.pop("hidden_act")
@@ -74,7 +86,8 @@ def _hf_class(architecture: str) -> Any:
 
     return {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
             "qwen3": tf.Qwen3ForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM,
-            "gemma3": tf.Gemma3ForCausalLM, "gpt_oss": tf.GptOssForCausalLM}[architecture]
+            "gemma3": tf.Gemma3ForCausalLM, "gpt_oss": tf.GptOssForCausalLM,
+            "deepseek_v3": tf.DeepseekV3ForCausalLM}[architecture]
 
 
 def build_hf_model(loaded: LoadedModel, dtype: torch.dtype) -> PreTrainedModel:
@@ -105,9 +118,10 @@ def build_hf_model(loaded: LoadedModel, dtype: torch.dtype) -> PreTrainedModel:
 
 def _fused_experts(weights: dict[str, torch.Tensor], config: ModelConfig
                    ) -> dict[str, torch.Tensor]:
-    """Qwen3-MoE's per-expert checkpoint tensors as the [experts, ...] parameters transformers
-    (>= 5) holds them in (its from_pretrained converts them the same way)."""
-    if config.architecture != "qwen3_moe":
+    """Qwen3-MoE's (and DeepSeek-V3's) per-expert checkpoint tensors as the [experts, ...]
+    parameters transformers (>= 5) holds them in (its from_pretrained converts them the same
+    way)."""
+    if config.architecture not in ("qwen3_moe", "deepseek_v3"):
         return weights
     for layer in range(config.num_hidden_layers):
         if not config.is_moe(layer):

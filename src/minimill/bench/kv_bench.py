@@ -7,7 +7,9 @@ would come: every token attends to the earlier chunks through the compressed cac
 cache reads a step's own tokens at full precision, so there a chunk's own tokens are exact;
 int8 reads them back from the cache too); greedy agreement with the reference over prompts
 from the same text; and, at one fixed KV memory budget, how many sequences fit at once and
-the output tokens/s a workload reaches.
+the output tokens/s a workload reaches. Beside them, what the budget holds by the engine's
+arithmetic (kv_capacity.py); with `shape` (a named shape, models/shapes.py), only that: no
+weights are loaded, so a model too big for this machine can be sized.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class KvBenchOptions:
     new_tokens: int = 128
     budget_mb: float = 48.0
     workload_requests: int = 128
+    shape: str | None = None  # a named shape: the capacity arithmetic only
+    context_tokens: int = 4096  # a sequence's tokens, for the capacity arithmetic
 
 
 def run_kv_bench(options: KvBenchOptions) -> None:
@@ -65,13 +69,35 @@ def run_kv_bench(options: KvBenchOptions) -> None:
         print(f"{key:>24}: {value}")
 
 
+def _shape_capacity(options: KvBenchOptions) -> dict[str, Any]:
+    from minimill.bench.kv_capacity import capacity
+    from minimill.engine.config import EngineConfig
+    from minimill.models.shapes import NAMED_SHAPES
+
+    if options.shape not in NAMED_SHAPES:
+        raise ValueError(f"unknown shape {options.shape!r}; known: {', '.join(NAMED_SHAPES)}")
+    mc = NAMED_SHAPES[options.shape]
+    dtype = EngineConfig(dtype=options.dtype).dtype
+    return {"shape": options.shape, "architecture": mc.architecture, "dtype": dtype,
+            "layers": mc.num_hidden_layers,
+            **capacity(mc, dtype, options.kv_dtypes, int(options.budget_mb * (1 << 20)),
+                       options.context_tokens)}
+
+
 def _bench(options: KvBenchOptions, err: Any) -> dict[str, Any]:
+    from minimill.bench.kv_capacity import capacity
     from minimill.engine.config import load_with_config
     from minimill.engine.hardware import cpu_report
     from minimill.engine.llm import LLM
 
+    if options.shape is not None:
+        return _shape_capacity(options)
     quiet = options.json_out
     loaded, config = load_with_config(options.model, {"dtype": options.dtype}, auto_pull=True)
+    sized = capacity(loaded.config, config.dtype, options.kv_dtypes,
+                     int(options.budget_mb * (1 << 20)), options.context_tokens)
+    # What this model cannot cache (int4 for MLA) is reported, not run.
+    kv_dtypes = tuple(k for k in options.kv_dtypes if sized["kv"][k].get("supported", True))
     text_ids = loaded.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
     ppl_ids = text_ids[:options.perplexity_tokens]
     stride = max(1, (len(text_ids) - 96) // options.prompts)
@@ -79,7 +105,7 @@ def _bench(options: KvBenchOptions, err: Any) -> dict[str, Any]:
     reference = config.dtype
     results: dict[str, dict[str, Any]] = {}
     greedy: dict[str, list[list[int]]] = {}
-    for kv_dtype in (reference, *options.kv_dtypes):
+    for kv_dtype in (reference, *kv_dtypes):
         with err.status(f"KV {kv_dtype}: perplexity and greedy runs ...") if not quiet \
                 else nullcontext():
             llm = LLM(loaded, dtype=config.dtype, kv_dtype=kv_dtype, num_kv_blocks=2048,
@@ -96,7 +122,7 @@ def _bench(options: KvBenchOptions, err: Any) -> dict[str, Any]:
             row.update(_at_budget(loaded, config.dtype, kv_dtype, options))
         results[kv_dtype] = row
     base = results[reference]
-    for kv_dtype in options.kv_dtypes:
+    for kv_dtype in kv_dtypes:
         row = results[kv_dtype]
         row["bytes_ratio"] = round(base["bytes_per_token"] / row["bytes_per_token"], 3)
         row["perplexity_increase"] = round(row["perplexity"] / base["perplexity"] - 1, 5)
@@ -120,7 +146,7 @@ def _bench(options: KvBenchOptions, err: Any) -> dict[str, Any]:
             "cpu": cpu_report(),
             "text": TEXT.name, "perplexity_tokens": len(ppl_ids),
             "prompts": len(prompts), "new_tokens": options.new_tokens,
-            "budget_mb": options.budget_mb, "kv": results}
+            "budget_mb": options.budget_mb, "kv": results, "capacity": sized}
 
 
 def _perplexity(llm: Any, ids: list[int], window: int, chunk: int) -> float:

@@ -157,14 +157,17 @@ def speed_of_light(model: DecoderModel, steps: list[StepShape], stick: Yardstick
     mc = model.config
     itemsize = model.embed.element_size()
     layers = mc.num_hidden_layers
-    kv_bytes_per_token = layers * 2 * mc.num_key_value_heads * mc.head_dim * itemsize
+    parts, kv_heads, kv_dim = mc.kv_layout
+    kv_bytes_per_token = layers * parts * kv_heads * kv_dim * itemsize
     # Every linear weight and the vocabulary projection, read once per step; of the experts,
     # those the step's rows are expected to touch.
     weight_bytes = itemsize * mc.num_params
     moe_layers = _moe_layers(model)
     expert_bytes = itemsize * 3 * mc.hidden_size * mc.moe_intermediate_size
     weight_bytes -= moe_layers * mc.num_experts * expert_bytes
-    attention_flops_per_pair = 4 * layers * mc.num_attention_heads * mc.head_dim
+    # Per head, a score over the key's width and a sum over the value's (MLA: the latent's).
+    value_dim = mc.kv_lora_rank if mc.is_mla else mc.head_dim
+    attention_flops_per_pair = 2 * layers * mc.num_attention_heads * (kv_dim + value_dim)
     total = compute_total = memory_total = 0.0
     memory_bound = 0
     for step in steps:

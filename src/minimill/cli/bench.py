@@ -41,8 +41,8 @@ def bench_engine(
     skip_hf: bool = typer.Option(False, help="Skip the HF transformers baseline."),
     shape: str | None = typer.Option(
         None, help="Measure a named model shape instead of --model (e.g. llama3-8b, "
-        "qwen3-0.6b, qwen3-moe-2.9b-a0.7b, gemma3-1b, gpt-oss-20b); needs "
-        "--random-weights."),
+        "qwen3-0.6b, qwen3-moe-2.9b-a0.7b, gemma3-1b, gpt-oss-20b, deepseek-v3-mla-4l); "
+        "needs --random-weights."),
     config: Path | None = typer.Option(
         None, exists=True, dir_okay=False,
         help="An HF config.json whose shape to measure; needs --random-weights."),
@@ -152,6 +152,11 @@ def bench_kv(
     budget_mb: float = typer.Option(48.0, help="The fixed KV memory budget, MB."),
     workload_requests: int = typer.Option(
         128, min=1, help="Requests of the throughput-at-budget workload."),
+    shape: str | None = typer.Option(
+        None, help="A named model shape (e.g. deepseek-v3): only what the budget holds per KV "
+        "dtype, by the engine's arithmetic; no weights are loaded."),
+    context_tokens: int = typer.Option(
+        4096, min=1, help="Tokens per sequence for what the budget holds."),
 ) -> None:
     """KV cache dtypes: bytes/token, perplexity, greedy agreement, throughput at one budget."""
     from minimill.bench.kv_bench import KvBenchOptions, run_kv_bench
@@ -160,7 +165,8 @@ def bench_kv(
         json_out=json_out, model=model, dtype=dtype,
         kv_dtypes=tuple(k.strip() for k in kv_dtypes.split(",") if k.strip()),
         perplexity_tokens=perplexity_tokens, prompts=prompts, new_tokens=new_tokens,
-        budget_mb=budget_mb, workload_requests=workload_requests))
+        budget_mb=budget_mb, workload_requests=workload_requests, shape=shape,
+        context_tokens=context_tokens))
 
 
 @bench_app.command("batch")

@@ -14,7 +14,9 @@ block_size int8 zero points, one of each per token (value = scale * (int8 - zero
 token's head_dim values, asymmetric: a range [min(x, 0), max(x, 0)] in 255 steps, so a
 lopsided vector keeps up to twice the resolution of a symmetric one): about half the bytes of
 bf16. Attention dequantizes as it reads, never into a copy. An int4 cache (a uint8 pool) has
-its own layout, its staging of open blocks and its reference path in kv_int4.py.
+its own layout, its staging of open blocks and its reference path in kv_int4.py. A model
+with multi-head latent attention (DeepSeek-V3) caches one latent vector per token and layer
+instead of K and V: its pool has one part and one head, laid out as V is (mla.py).
 
 A step's tokens are the new tokens of every scheduled sequence back to back (decodes and prompt
 chunks in any order). Sequence s owns query rows [query_start[s], query_start[s + 1]) and, once
@@ -108,13 +110,15 @@ def block_elems(block_size: int, head_dim: int, kv_dtype: torch.dtype) -> int:
 
 def allocate_kv_cache(num_blocks: int, num_layers: int, num_kv_heads: int, block_size: int,
                       head_dim: int, dtype: torch.dtype, device: torch.device,
-                      prefault: bool = False) -> torch.Tensor:
-    """The KV pool, zeroed: [num_blocks, layers, 2, kv_heads, block elements].
+                      prefault: bool = False, kv_parts: int = 2) -> torch.Tensor:
+    """The KV pool, zeroed: [num_blocks, layers, kv_parts, kv_heads, block elements];
+    kv_parts is 2 (K and V) but for MLA's latent cache (mla.py: one part, one head).
 
     `prefault` (CPU): have the OS back every page now. Otherwise the first write to each page
     waits while the OS zeroes it, inside a kernel the other cores wait on: the first pass
     through a 2 GiB pool costs a 2-core machine ~7% of its throughput (bench engine)."""
-    shape = (num_blocks, num_layers, 2, num_kv_heads, block_elems(block_size, head_dim, dtype))
+    shape = (num_blocks, num_layers, kv_parts, num_kv_heads,
+             block_elems(block_size, head_dim, dtype))
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     # Anonymous memory: the OS zeroes pages on first touch, so a large pool costs neither
@@ -149,7 +153,7 @@ def layer_views(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch
     return kv_cache[:, layer, 0], kv_cache[:, layer, 1]
 
 
-def _int8_parts(blocks: torch.Tensor, block_size: int
+def int8_parts(blocks: torch.Tensor, block_size: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(int8 values [..., bs * d], float16 scales [..., bs], int8 zero points [..., bs]) of
     int8 blocks (views)."""
@@ -158,7 +162,7 @@ def _int8_parts(blocks: torch.Tensor, block_size: int
     return values, scales, blocks[..., -block_size:]
 
 
-def _dequantized(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+def dequantized(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
                  ) -> torch.Tensor:
     """[..., bs, d] int8 values, [..., bs] scales and zero points -> float32 [..., bs, d]."""
     return (values.float() - zeros.float()[..., None]) * scales.float()[..., None]
@@ -167,9 +171,9 @@ def _dequantized(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
 def unpacked_k(k_blocks: torch.Tensor, block_size: int) -> torch.Tensor:
     """[..., kv_heads, block elements] in the K layout -> [..., kv_heads, bs, d]."""
     if k_blocks.dtype == torch.int8:
-        values, scales, zeros = _int8_parts(k_blocks, block_size)
+        values, scales, zeros = int8_parts(k_blocks, block_size)
         head_dim = values.shape[-1] // block_size
-        return _dequantized(values.unflatten(-1, (head_dim, block_size)).transpose(-1, -2),
+        return dequantized(values.unflatten(-1, (head_dim, block_size)).transpose(-1, -2),
                             scales, zeros)
     p = kv_pack(k_blocks.dtype)
     head_dim = k_blocks.shape[-1] // block_size
@@ -180,8 +184,8 @@ def unpacked_k(k_blocks: torch.Tensor, block_size: int) -> torch.Tensor:
 def unpacked_v(v_blocks: torch.Tensor, block_size: int) -> torch.Tensor:
     """[..., kv_heads, block elements] in the V layout -> [..., kv_heads, bs, d]."""
     if v_blocks.dtype == torch.int8:
-        values, scales, zeros = _int8_parts(v_blocks, block_size)
-        return _dequantized(values.unflatten(-1, (block_size, -1)), scales, zeros)
+        values, scales, zeros = int8_parts(v_blocks, block_size)
+        return dequantized(values.unflatten(-1, (block_size, -1)), scales, zeros)
     p = kv_pack(v_blocks.dtype)
     head_dim = v_blocks.shape[-1] // block_size
     v = v_blocks.unflatten(-1, (block_size // p, head_dim, p))  # [..., bs/p, d, p]
@@ -209,27 +213,36 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 def write_kv_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> None:
     """k, v: [num_tokens, kv_heads, head_dim] into one layer's cache at their slots."""
-    num_tokens, kv_heads, head_dim = k.shape
+    write_values_reference(k_cache, k, slot_mapping, block_size, as_k=True)
+    write_values_reference(v_cache, v, slot_mapping, block_size, as_k=False)
+
+
+def write_values_reference(cache: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor,
+                           block_size: int, as_k: bool) -> None:
+    """x: [num_tokens, kv_heads, head_dim] into one layer's K cache (`as_k`) or V cache
+    ([blocks, kv_heads, block elements]) at their slots."""
+    num_tokens, kv_heads, head_dim = x.shape
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    if k_cache.dtype == torch.int8:
-        for cache, x, transposed in ((k_cache, k, True), (v_cache, v, False)):
-            values, scales, zeros = _int8_parts(cache, block_size)
-            q, s, z = quantize_int8(x)
-            if transposed:  # K: [kv_heads, d, bs] -> [blocks, bs, kv_heads, d] at (b, o)
-                view = values.unflatten(-1, (head_dim, block_size)).permute(0, 3, 1, 2)
-            else:  # V: [kv_heads, bs, d] -> [blocks, bs, kv_heads, d]
-                view = values.unflatten(-1, (block_size, head_dim)).transpose(1, 2)
-            view[blocks, offsets] = q
-            scales.transpose(1, 2)[blocks, offsets] = s
-            zeros.transpose(1, 2)[blocks, offsets] = z
+    if cache.dtype == torch.int8:
+        values, scales, zeros = int8_parts(cache, block_size)
+        q, s, z = quantize_int8(x)
+        if as_k:  # K: [kv_heads, d, bs] -> [blocks, bs, kv_heads, d] at (b, o)
+            view = values.unflatten(-1, (head_dim, block_size)).permute(0, 3, 1, 2)
+        else:  # V: [kv_heads, bs, d] -> [blocks, bs, kv_heads, d]
+            view = values.unflatten(-1, (block_size, head_dim)).transpose(1, 2)
+        view[blocks, offsets] = q
+        scales.transpose(1, 2)[blocks, offsets] = s
+        zeros.transpose(1, 2)[blocks, offsets] = z
         return
-    p = kv_pack(k_cache.dtype)
-    # K [blocks, kv_heads, d/p, bs, p] indexed at (block, offset): [tokens, kv_heads, d/p, p].
-    k_view = k_cache.unflatten(-1, (head_dim // p, block_size, p)).permute(0, 3, 1, 2, 4)
-    k_view[blocks, offsets] = k.to(k_cache.dtype).view(num_tokens, kv_heads, head_dim // p, p)
+    p = kv_pack(cache.dtype)
+    if as_k:
+        # K [blocks, kv_heads, d/p, bs, p] at (block, offset): [tokens, kv_heads, d/p, p].
+        k_view = cache.unflatten(-1, (head_dim // p, block_size, p)).permute(0, 3, 1, 2, 4)
+        k_view[blocks, offsets] = x.to(cache.dtype).view(num_tokens, kv_heads, head_dim // p, p)
+        return
     # V [blocks, kv_heads, bs/p, d, p] indexed at (block, offset // p, offset % p).
-    v_view = v_cache.unflatten(-1, (block_size // p, head_dim, p)).permute(0, 2, 4, 1, 3)
-    v_view[blocks, offsets // p, offsets % p] = v.to(v_cache.dtype)
+    v_view = cache.unflatten(-1, (block_size // p, head_dim, p)).permute(0, 2, 4, 1, 3)
+    v_view[blocks, offsets // p, offsets % p] = x.to(cache.dtype)
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -274,6 +287,28 @@ def _attend_with_sinks(queries: torch.Tensor, keys: torch.Tensor, values: torch.
     return (probs.to(values.dtype) @ values).to(queries.dtype)
 
 
+def causal_layout(meta: AttentionMetadata, window: int | None, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where the step's query rows sit in a padded [seqs, max_q] batch over keys gathered per
+    sequence ([seqs, width * block_size]): (rows [seqs, max_q], the step's row of each,
+    valid [seqs, max_q], which are real, mask [seqs, max_q, keys], which keys each sees)."""
+    width = meta.block_tables.shape[1]
+    starts = meta.query_start.long()
+    q_lens = starts[1:] - starts[:-1]
+    seq_lens = meta.seq_lens.long()
+    j = torch.arange(meta.max_query_len, device=device)
+    valid = j[None, :] < q_lens[:, None]  # [seqs, max_q]
+    # Padded query rows repeat the sequence's last row (never an empty mask row).
+    rows = starts[:-1, None] + torch.minimum(j[None, :], (q_lens - 1).clamp(min=0)[:, None])
+    q_pos = (seq_lens - q_lens)[:, None] + torch.minimum(j[None, :], q_lens[:, None] - 1)
+    k_pos = torch.arange(width * meta.block_size, device=device)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :]
+                                                         < seq_lens[:, None, None])
+    if window is not None:
+        mask &= k_pos[None, None, :] > q_pos[:, :, None] - window
+    return rows, valid, mask
+
+
 def attend_gathered(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
                     window: int | None = None,
@@ -281,23 +316,9 @@ def attend_gathered(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     """Causal, length-aware SDPA of the step's queries over keys and values gathered per
     sequence ([seqs, kv_heads, width * block_size, d], in the compute dtype)."""
     num_tokens, num_heads, head_dim = q.shape
-    num_seqs, width = meta.block_tables.shape
-    block_size = meta.block_size
-    compute = keys.dtype
-    starts = meta.query_start.long()
-    q_lens = starts[1:] - starts[:-1]
-    seq_lens = meta.seq_lens.long()
-    j = torch.arange(meta.max_query_len, device=q.device)
-    valid = j[None, :] < q_lens[:, None]  # [seqs, max_q]
-    # Padded query rows repeat the sequence's last row (never an empty mask row).
-    rows = starts[:-1, None] + torch.minimum(j[None, :], (q_lens - 1).clamp(min=0)[:, None])
-    queries = q[rows].transpose(1, 2).to(compute)  # [seqs, heads, max_q, d]
-    q_pos = (seq_lens - q_lens)[:, None] + torch.minimum(j[None, :], q_lens[:, None] - 1)
-    k_pos = torch.arange(width * block_size, device=q.device)
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :]
-                                                         < seq_lens[:, None, None])
-    if window is not None:
-        mask &= k_pos[None, None, :] > q_pos[:, :, None] - window
+    num_seqs = meta.block_tables.shape[0]
+    rows, valid, mask = causal_layout(meta, window, q.device)
+    queries = q[rows].transpose(1, 2).to(keys.dtype)  # [seqs, heads, max_q, d]
     if sinks is not None:
         out = _attend_with_sinks(queries, keys, values, mask[:, None], scale, sinks)
     else:

@@ -105,6 +105,10 @@ class EngineConfig:
             self.num_threads = os.cpu_count() or 1
         if model_config is None:
             return
+        if self.kv_dtype == "int4" and model_config.is_mla:
+            raise InvalidRequestError(
+                f"kv_dtype int4 is not supported for {model_config.architecture}'s latent "
+                f"(MLA) cache yet; use int8, {self.dtype} or auto")
         if self.max_model_len is None:
             self.max_model_len = model_config.max_position_embeddings
         # int4 stages open blocks in slices of pool blocks (kv_int4.py): the whole budget is
@@ -146,8 +150,9 @@ class EngineConfig:
         from minimill.engine.attention import block_elems
 
         dtype = self.kv_torch_dtype
-        return (model_config.num_hidden_layers * 2 * model_config.num_key_value_heads
-                * block_elems(self.block_size, model_config.head_dim, dtype) * dtype.itemsize)
+        parts, heads, dim = model_config.kv_layout
+        return (model_config.num_hidden_layers * parts * heads
+                * block_elems(self.block_size, dim, dtype) * dtype.itemsize)
 
     def kv_bytes_per_token(self, model_config: ModelConfig) -> float:
         """Bytes per token of full blocks (int4: sealed; an open block's staging takes one unit

@@ -332,9 +332,11 @@ class CpuKernels(TorchKernels):
 
 
 def select_kernels(choice: str, device: torch.device, dtype: torch.dtype, block_size: int,
-                   head_dim: int) -> tuple[TorchKernels, str]:
+                   head_dim: int | None) -> tuple[TorchKernels, str]:
     """The kernels for this engine and why: `auto` takes the compiled CPU kernels where they
-    apply and build, `native` insists on them, `torch` is the portable path."""
+    apply and build, `native` insists on them, `torch` is the portable path. `head_dim`: the
+    kv heads' width that paged attention reads (None: the model's attention never calls it,
+    as MLA's does not)."""
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {choice!r}")
     if choice == "torch":
@@ -344,7 +346,7 @@ def select_kernels(choice: str, device: torch.device, dtype: torch.dtype, block_
         why_not = f"no compiled kernels for {device.type}"
     elif dtype not in (torch.float32, torch.bfloat16):
         why_not = f"the CPU kernels support float32 and bfloat16, not {dtype}"
-    elif block_size % 16 or head_dim % 32 or head_dim > 256:
+    elif block_size % 16 or (head_dim is not None and (head_dim % 32 or head_dim > 256)):
         why_not = (f"the CPU kernels need block_size a multiple of 16 and head_dim a multiple "
                    f"of 32 up to 256, not {block_size} and {head_dim}")
     else:

@@ -1,12 +1,13 @@
 """The decoder of every architecture the engine runs (Llama, Mistral, Qwen2, Qwen3,
-Qwen3-MoE, Gemma 3) over flattened tokens with a paged KV cache.
+Qwen3-MoE, Gemma 3, gpt-oss, DeepSeek-V3) over flattened tokens with a paged KV cache.
 
 Weights arrive in HF naming and are fused at load: q/k/v into one matrix (plus bias for
 Qwen2), gate/up into one, so each layer runs four matmuls; everything between them (norms with
 the residual add, rotary with the KV write, attention, SiLU * up) is one call each into the
 engine's kernels (kernels.py). What newer families add is per layer and optional: q/k norms
 (Qwen3, Gemma 3), norms of the attention and MLP outputs (Gemma), sliding-window layers with
-their own rotary base (Gemma 3), routed experts in place of the MLP (moe.py).
+their own rotary base (Gemma 3), routed experts in place of the MLP (moe.py), and multi-head
+latent attention over a cache of latents in place of q/k/v (mla.py, DeepSeek-V3).
 
 Activations are [num_tokens, hidden] for the whole step (every request's new tokens back to
 back); positions and the attention metadata say where each token sits. Arithmetic follows HF
@@ -24,9 +25,12 @@ import torch.nn.functional as F
 from minimill.engine.attention import AttentionMetadata, layer_views
 from minimill.engine.kernels import TorchKernels
 from minimill.engine.kv_int4 import stage_layer_views
+from minimill.engine.mla import MlaWeights, latent_view, load_mla, mla_attention
 from minimill.engine.moe import (
     ExpertWeights,
+    GroupedRouting,
     experts_forward,
+    load_deepseek_experts,
     load_experts,
     load_gpt_oss_experts,
 )
@@ -38,12 +42,13 @@ from minimill.models.types import ModelConfig, ModelFileError
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
     # Matrices are as kernels.prepare_weight left them (e.g. prepacked for oneDNN).
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim, hidden]; None for MLA
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [hidden, heads * head_dim]
+    o: torch.Tensor  # [hidden, heads * head_dim] (MLA: heads * v_head_dim)
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor  # [hidden]: the norm before the MLP
-    gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None where experts run
+    # [2 * intermediate, hidden]; where experts run, None or DeepSeek's shared experts
+    gate_up: torch.Tensor | None
     down: torch.Tensor | None  # [hidden, intermediate]
     experts: ExpertWeights | None = None
     q_norm: torch.Tensor | None = None  # [head_dim], Qwen3 / Gemma 3
@@ -53,6 +58,7 @@ class LayerWeights:
     window: int | None = None  # a sliding-window layer's window
     sinks: torch.Tensor | None = None  # float32 [heads], gpt-oss's attention sinks
     rotary: int = 0  # index into DecoderModel.rotaries
+    mla: MlaWeights | None = None  # multi-head latent attention in place of qkv
 
 
 class DecoderModel:
@@ -69,16 +75,21 @@ class DecoderModel:
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.eps = config.rms_norm_eps
-        self.scale = config.attention_scale or config.head_dim ** -0.5
+        qk_dim = (config.qk_nope_head_dim + config.qk_rope_head_dim if config.is_mla
+                  else config.head_dim)
+        self.scale = config.attention_scale or qk_dim ** -0.5
+        self.grouped = (GroupedRouting(config.n_group, config.topk_group,
+                                       config.routed_scaling_factor)
+                        if config.expert_style == "deepseek_v3" else None)
         # Gemma multiplies the embeddings by sqrt(hidden), rounded to the model dtype as HF does.
         self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item()
                             if config.scale_embeddings else None)
 
-        def w(name: str) -> torch.Tensor:
+        def w(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
             tensor = weights.pop(name, None) if release_weights else weights.get(name)
             if tensor is None:
                 raise ModelFileError(f"weight {name!r} is missing from the model")
-            return tensor.to(device=device, dtype=dtype)
+            return tensor.to(device=device, dtype=as_dtype)
 
         def norm(name: str) -> torch.Tensor:
             # Gemma's norms scale by (1 + weight): folded in once, here.
@@ -98,13 +109,16 @@ class DecoderModel:
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
-            bias = None
-            if config.attention_bias:
+            bias = qkv = mla = None
+            if config.is_mla:
+                mla = load_mla(a, config, w, pack)
+            else:
+                qkv = pack(torch.cat([w(a + f"{n}_proj.weight") for n in "qkv"]))
+            if config.attention_bias and not config.is_mla:
                 bias = torch.cat([w(a + f"{n}_proj.bias") for n in "qkv"]).contiguous()
             layer = LayerWeights(
                 input_norm=norm(p + "input_layernorm.weight"),
-                qkv=pack(torch.cat([w(a + f"{n}_proj.weight") for n in "qkv"])),
-                qkv_bias=bias,
+                qkv=qkv, qkv_bias=bias, mla=mla,
                 o=pack(w(a + "o_proj.weight")),
                 o_bias=w(a + "o_proj.bias").contiguous() if config.o_proj_bias else None,
                 post_norm=norm(p + ("pre_feedforward_layernorm.weight" if config.gemma_norms
@@ -112,6 +126,13 @@ class DecoderModel:
                 gate_up=None, down=None)
             if config.is_moe(i) and config.expert_style == "gpt_oss":
                 layer.experts = load_gpt_oss_experts(m, w, pack)
+            elif config.is_moe(i) and config.expert_style == "deepseek_v3":
+                layer.experts = load_deepseek_experts(m, config.num_experts, w, pack)
+                if config.n_shared_experts:
+                    shared = m + "shared_experts."
+                    layer.gate_up = pack(torch.cat([w(shared + "gate_proj.weight"),
+                                                    w(shared + "up_proj.weight")]))
+                    layer.down = pack(w(shared + "down_proj.weight"))
             elif config.is_moe(i):
                 layer.experts = load_experts(m, config.num_experts, w, pack)
             else:
@@ -155,16 +176,48 @@ class DecoderModel:
     def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         ops = self.kernels
         c = self.config
+        routed = None
         if layer.experts is not None:
             swiglu = ((c.swiglu_alpha, c.swiglu_limit) if c.expert_style == "gpt_oss"
                       else None)
-            return experts_forward(ops, x, layer.experts, c.num_experts_per_tok,
-                                   c.norm_topk_prob, swiglu)
+            routed = experts_forward(ops, x, layer.experts, c.num_experts_per_tok,
+                                     c.norm_topk_prob, swiglu, self.grouped)
+            if layer.gate_up is None:
+                return routed
         assert layer.gate_up is not None and layer.down is not None
         gate_up = ops.linear(x, layer.gate_up)
         act = (ops.gelu_tanh_and_mul(gate_up) if self.config.hidden_act == "gelu_tanh"
                else ops.silu_and_mul(gate_up))
-        return ops.linear(act, layer.down)
+        dense = ops.linear(act, layer.down)
+        # DeepSeek's shared experts: added after the routed ones, as HF does.
+        return dense if routed is None else routed + dense
+
+    def _attention(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                   kv_cache: torch.Tensor, i: int, layer: LayerWeights) -> torch.Tensor:
+        """Layer i's attention output before o_proj, [tokens, heads * value width]; writes
+        the tokens' KV into the pool."""
+        ops = self.kernels
+        cos_sin = self.rotaries[layer.rotary].cos_sin
+        if layer.mla is not None:
+            return mla_attention(ops, x, positions, cos_sin, latent_view(kv_cache, i), meta,
+                                 layer.mla, self.config, self.scale)
+        assert layer.qkv is not None
+        qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
+        if layer.q_norm is not None:
+            qkv = self._qk_norm(qkv, layer)
+        k_cache, v_cache = layer_views(kv_cache, i)
+        if meta.int4 is not None:
+            k_stage, v_stage = stage_layer_views(meta.int4.kv_stage, i)
+            q, k_new, v_new = ops.rotary_kv_write_int4(
+                qkv, positions, cos_sin, k_cache, v_cache, k_stage, v_stage, meta,
+                self.num_heads, self.num_kv_heads)
+            return ops.paged_attention_int4(q, k_new, v_new, k_cache, v_cache, k_stage,
+                                            v_stage, meta, self.scale)
+        q = ops.rotary_kv_write(qkv, positions, cos_sin, k_cache, v_cache,
+                                meta.slot_mapping, self.num_heads, self.num_kv_heads,
+                                meta.block_size)
+        return ops.paged_attention(q, k_cache, v_cache, meta, self.scale, layer.window,
+                                   layer.sinks)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor,
@@ -183,24 +236,7 @@ class DecoderModel:
                 x = ops.rms_norm(hidden, layer.input_norm, eps)
             else:
                 x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, eps)
-            qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
-            if layer.q_norm is not None:
-                qkv = self._qk_norm(qkv, layer)
-            cos_sin = self.rotaries[layer.rotary].cos_sin
-            k_cache, v_cache = layer_views(kv_cache, i)
-            if meta.int4 is not None:
-                k_stage, v_stage = stage_layer_views(meta.int4.kv_stage, i)
-                q, k_new, v_new = ops.rotary_kv_write_int4(
-                    qkv, positions, cos_sin, k_cache, v_cache, k_stage, v_stage, meta,
-                    self.num_heads, self.num_kv_heads)
-                attn = ops.paged_attention_int4(q, k_new, v_new, k_cache, v_cache, k_stage,
-                                                v_stage, meta, self.scale)
-            else:
-                q = ops.rotary_kv_write(qkv, positions, cos_sin, k_cache, v_cache,
-                                        meta.slot_mapping, self.num_heads, self.num_kv_heads,
-                                        meta.block_size)
-                attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, layer.window,
-                                           layer.sinks)
+            attn = self._attention(x, positions, meta, kv_cache, i, layer)
             hidden = ops.linear(attn, layer.o, layer.o_bias)
             if layer.attn_out_norm is not None:
                 hidden = ops.rms_norm(hidden, layer.attn_out_norm, eps)

@@ -56,7 +56,8 @@ class ModelRunner:
         mc = loaded.config
         self.model_config = mc
         self.kernels, self.kernels_reason = select_kernels(
-            config.kernels, self.device, config.torch_dtype, config.block_size, mc.head_dim)
+            config.kernels, self.device, config.torch_dtype, config.block_size,
+            None if mc.is_mla else mc.head_dim)
         pinned = self.kernels.pin_threads() if config.pin_threads else []
         log.info("engine: dtype %s (%s); KV %s, %d blocks of %d tokens; kernels %s (%s); "
                  "%d threads, pinned to CPUs %s", config.dtype, config.dtype_reason,
@@ -68,10 +69,11 @@ class ModelRunner:
         if config.kv_dtype == "int4" and self.model.has_sliding_layers:
             raise ValueError("kv_dtype int4 does not support sliding-window layers yet; "
                              "use bfloat16, float32 or int8 KV for this model")
-        self.kv_cache = allocate_kv_cache(config.num_kv_blocks, mc.num_hidden_layers,
-                                          mc.num_key_value_heads, config.block_size,
-                                          mc.head_dim, config.kv_torch_dtype, self.device,
-                                          prefault=config.prefault_kv)
+        kv_parts, kv_heads, kv_dim = mc.kv_layout
+        self.kv_cache = allocate_kv_cache(config.num_kv_blocks, mc.num_hidden_layers, kv_heads,
+                                          config.block_size, kv_dim, config.kv_torch_dtype,
+                                          self.device, prefault=config.prefault_kv,
+                                          kv_parts=kv_parts)
         # int4: open blocks are staged in pool blocks, seen through this int8 view.
         self.kv_stage: torch.Tensor | None = None
         if config.kv_dtype == "int4":

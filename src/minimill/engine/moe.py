@@ -1,5 +1,5 @@
-"""Routed experts (Qwen3-MoE, gpt-oss): each token goes through its top-k experts' gated MLPs,
-and their outputs are summed with the router's weights.
+"""Routed experts (Qwen3-MoE, gpt-oss, DeepSeek-V3): each token goes through its top-k
+experts' gated MLPs, and their outputs are summed with the router's weights.
 
 Tokens are grouped by expert, so each expert that any token chose runs one GEMM for its gate
 and up (fused) and one for its down projection, on prepacked weights, over all of its tokens
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -28,6 +29,17 @@ class ExpertWeights:
     router_bias: torch.Tensor | None = None
     gate_up_bias: list[torch.Tensor] | None = None
     down_bias: list[torch.Tensor] | None = None
+    # DeepSeek-V3: float32 [num_experts], added to the sigmoid scores to choose experts.
+    score_bias: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GroupedRouting:
+    """DeepSeek-V3's routing (ModelConfig's n_group, topk_group, routed_scaling_factor)."""
+
+    n_group: int
+    topk_group: int
+    scaling: float
 
 
 def load_experts(prefix: str, num_experts: int, w: Callable[[str], torch.Tensor],
@@ -41,6 +53,23 @@ def load_experts(prefix: str, num_experts: int, w: Callable[[str], torch.Tensor]
         down.append(pack(w(p + "down_proj.weight")))
     return ExpertWeights(router=w(prefix + "gate.weight").contiguous(), gate_up=gate_up,
                          down=down)
+
+
+class WeightReader(Protocol):
+    """A weight by its HF name, in the model dtype or `as_dtype`."""
+
+    def __call__(self, name: str, as_dtype: torch.dtype = ...) -> torch.Tensor: ...
+
+
+def load_deepseek_experts(prefix: str, num_experts: int, w: WeightReader,
+                          pack: Callable[[torch.Tensor], torch.Tensor]) -> ExpertWeights:
+    """DeepSeek-V3's routed experts (Qwen3-MoE's naming) and its router's correction bias,
+    both router tensors in float32 whatever the model dtype, as HF keeps them (the loader
+    reads them so, hf_loader._FLOAT32_WEIGHTS)."""
+    weights = load_experts(prefix, num_experts, w, pack)
+    weights.router = w(prefix + "gate.weight", torch.float32).contiguous()
+    weights.score_bias = w(prefix + "gate.e_score_correction_bias", torch.float32).contiguous()
+    return weights
 
 
 def load_gpt_oss_experts(prefix: str, w: Callable[[str], torch.Tensor],
@@ -84,12 +113,38 @@ def route_top_logits(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, 
     return experts, torch.softmax(values, dim=-1)
 
 
+def route_grouped(x: torch.Tensor, router: torch.Tensor, score_bias: torch.Tensor,
+                  top_k: int, normalize: bool, grouped: GroupedRouting
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing, in float32 as HF computes it: sigmoid scores; the experts are
+    chosen by score + bias, among the `topk_group` groups whose two best biased scores sum
+    highest; their weights are the unbiased scores (renormalised), times the scaling."""
+    scores = torch.nn.functional.linear(x.float(), router).sigmoid()  # [tokens, experts]
+    choice = scores + score_bias
+    per_group = choice.view(x.shape[0], grouped.n_group, -1)
+    group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1)[0].sum(dim=-1)
+    groups = group_scores.topk(grouped.topk_group, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+    choice = choice.masked_fill(~keep.repeat_interleave(per_group.shape[-1], dim=1),
+                                float("-inf"))
+    experts = choice.topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, experts)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return experts, weights * grouped.scaling
+
+
 def experts_forward(ops: TorchKernels, x: torch.Tensor, weights: ExpertWeights, top_k: int,
-                    normalize: bool, swiglu: tuple[float, float] | None = None
-                    ) -> torch.Tensor:
+                    normalize: bool, swiglu: tuple[float, float] | None = None,
+                    grouped: GroupedRouting | None = None) -> torch.Tensor:
     """x: [tokens, hidden] -> the weighted sum of each token's top-k experts' outputs.
-    `swiglu`: gpt-oss's (alpha, limit); else the experts' gate is SiLU."""
-    if weights.router_bias is not None:
+    `swiglu`: gpt-oss's (alpha, limit); else the experts' gate is SiLU. `grouped`: route
+    as DeepSeek-V3 does (the weights have a score_bias)."""
+    if grouped is not None:
+        assert weights.score_bias is not None
+        experts, routing = route_grouped(x, weights.router, weights.score_bias, top_k,
+                                         normalize, grouped)
+    elif weights.router_bias is not None:
         experts, routing = route_top_logits(x, weights.router, weights.router_bias, top_k)
     else:
         experts, routing = route(x, weights.router, top_k, normalize)
@@ -115,7 +170,7 @@ def experts_forward(ops: TorchKernels, x: torch.Tensor, weights: ExpertWeights, 
     # Back to (token, choice) order, weighted, and each token's choices summed one after the
     # other: the same additions in the same order whatever else is in the batch.
     weighted = torch.empty_like(outputs)
-    weighted[order] = outputs * routing.flatten()[order, None]
+    weighted[order] = (outputs * routing.flatten()[order, None]).to(outputs.dtype)
     per_choice = weighted.view(x.shape[0], top_k, -1)
     out = per_choice[:, 0].clone()
     for choice in range(1, top_k):

@@ -6,6 +6,7 @@ an activation it has no kernel for) is an error naming the field, never silently
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +21,12 @@ HF_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma3ForCausalLM": "gemma3",
     "GptOssForCausalLM": "gpt_oss",
+    # DeepSeek-V3 and the checkpoints that share its architecture (Kimi K2).
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 # Defaults of the corresponding transformers config classes, for keys a config.json omits.
 _MAX_POSITIONS_DEFAULT = {"llama": 2048, "qwen2": 32768, "qwen3": 40960, "qwen3_moe": 40960,
-                          "gemma3": 131072, "gpt_oss": 131072}
+                          "gemma3": 131072, "gpt_oss": 131072, "deepseek_v3": 4096}
 _ROPE_THETA_DEFAULT = {"gemma3": 1_000_000.0}
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 _LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
@@ -107,7 +110,55 @@ def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int, path: Path
     return None, ()
 
 
+def _deepseek_v3(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """MLA and the experts of DeepSeek-V3 (Kimi K2): the first first_k_dense_replace layers
+    keep a dense MLP."""
+    q_lora = cfg.get("q_lora_rank")
+    num_experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0)
+    n_group, topk_group = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    if num_experts % n_group or not 0 < topk_group <= n_group:
+        raise ValueError(f"{num_experts} experts in n_group {n_group} with topk_group "
+                         f"{topk_group}")
+    if cfg.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ValueError(f"topk_method {cfg['topk_method']!r} (only noaux_tc is supported)")
+    if cfg.get("scoring_func", "sigmoid") != "sigmoid":
+        raise ValueError(f"scoring_func {cfg['scoring_func']!r} (only sigmoid is supported)")
+    first_dense = int(cfg.get("first_k_dense_replace") or 0) if num_experts else num_layers
+    return {"kv_lora_rank": int(cfg["kv_lora_rank"]),
+            "q_lora_rank": None if q_lora is None else int(q_lora),
+            "qk_nope_head_dim": int(cfg["qk_nope_head_dim"]),
+            "qk_rope_head_dim": int(cfg["qk_rope_head_dim"]),
+            "v_head_dim": int(cfg["v_head_dim"]),
+            "rope_interleave": bool(cfg.get("rope_interleave", True)),
+            "o_proj_bias": bool(cfg.get("attention_bias", False)),
+            "head_dim": int(cfg["qk_rope_head_dim"]),
+            "num_experts": num_experts,
+            "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or 0),
+            "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or 0),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+            "dense_layers": tuple(range(min(first_dense, num_layers))),
+            "expert_style": "deepseek_v3",
+            "n_shared_experts": int(cfg.get("n_shared_experts") or 0),
+            "n_group": n_group, "topk_group": topk_group,
+            "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0))}
+
+
+def mla_scale(qk_head_dim: int, rope_scaling: dict[str, Any] | None) -> float:
+    """MLA's softmax scale: qk_head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim)
+    squared where the rope is scaled (DeepSeek's reference, and HF's yarn_apply_mscale)."""
+    scale = qk_head_dim ** -0.5
+    s = rope_scaling or {}
+    mscale_all_dim = s.get("mscale_all_dim") or 0
+    if s.get("rope_type", "default") != "default" and mscale_all_dim:
+        factor = float(s["factor"])
+        mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
 def _moe(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
+    if arch == "deepseek_v3":
+        return _deepseek_v3(cfg, num_layers)
     if arch == "gpt_oss":  # every layer routes; experts are intermediate_size wide
         return {"num_experts": int(cfg["num_local_experts"]),
                 "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
@@ -162,6 +213,13 @@ def config_from_hf(cfg: dict[str, Any], path: Path, eos_token_ids: tuple[int, ..
         rope_theta, rope_scaling, sliding_theta = _rope(cfg, arch, path)
         window, layer_types = _layer_types(cfg, arch, num_layers, path)
         gemma = arch == "gemma3"
+        fields = {"head_dim": int(cfg.get("head_dim") or hidden // num_heads),
+                  "attention_scale": (float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5
+                                      if gemma else None),
+                  **_moe(cfg, arch, num_layers)}
+        if arch == "deepseek_v3":
+            fields["attention_scale"] = mla_scale(
+                fields["qk_nope_head_dim"] + fields["qk_rope_head_dim"], rope_scaling)
         return ModelConfig(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -170,7 +228,6 @@ def config_from_hf(cfg: dict[str, Any], path: Path, eos_token_ids: tuple[int, ..
             num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             max_position_embeddings=int(cfg.get("max_position_embeddings")
@@ -184,12 +241,10 @@ def config_from_hf(cfg: dict[str, Any], path: Path, eos_token_ids: tuple[int, ..
             gemma_norms=gemma,
             hidden_act=hidden_act,
             scale_embeddings=gemma,
-            attention_scale=(float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5
-                             if gemma else None),
             sliding_window=window,
             layer_types=layer_types,
             sliding_rope_theta=sliding_theta if window else None,
-            **_moe(cfg, arch, num_layers),
+            **fields,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelFileError(f"{path}: config.json is missing or has a bad value: {exc}") from exc

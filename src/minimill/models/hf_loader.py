@@ -81,7 +81,22 @@ def _shard_files(directory: Path) -> list[Path]:
     return shards
 
 
-def _load_weights(directory: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _beyond_layers(name: str, num_layers: int) -> bool:
+    """A weight of a layer past the decoder's (DeepSeek-V3's multi-token prediction layer,
+    which the engine does not run)."""
+    if not name.startswith("model.layers."):
+        return False
+    index = name.split(".", 3)[2]
+    return index.isdigit() and int(index) >= num_layers
+
+
+# Weights transformers keeps in float32 whatever the model dtype, by architecture: DeepSeek-V3's
+# router (its scores pick the experts, and its correction bias is stored in float32).
+_FLOAT32_WEIGHTS = {"deepseek_v3": (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")}
+
+
+def _load_weights(directory: Path, dtype: torch.dtype, num_layers: int,
+                  float32_suffixes: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     for shard in _shard_files(directory):
         if not shard.is_file():
@@ -93,9 +108,12 @@ def _load_weights(directory: Path, dtype: torch.dtype) -> dict[str, torch.Tensor
         for name, tensor in tensors.items():
             if name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints kept
                 continue
+            if _beyond_layers(name, num_layers):
+                continue
             # MXFP4 codes and scales stay bytes until they are dequantized below.
             quantized = name.endswith(("_blocks", "_scales")) and tensor.dtype == torch.uint8
-            weights[name] = tensor if quantized else tensor.to(dtype)
+            keep = torch.float32 if name.endswith(float32_suffixes) else dtype
+            weights[name] = tensor if quantized else tensor.to(keep)
     _dequantize_mxfp4(weights, dtype)
     return weights
 
@@ -112,7 +130,8 @@ def load_hf_dir(directory: str | Path, dtype: torch.dtype = torch.bfloat16,
     architecture_of(cfg, directory / "config.json")  # before reading any weights
     eos_ids, bos = _special_ids(cfg, tokenizer, generation_eos)
     config = config_from_hf(cfg, directory / "config.json", eos_ids, bos)
-    weights = _load_weights(directory, dtype)
+    weights = _load_weights(directory, dtype, config.num_hidden_layers,
+                            _FLOAT32_WEIGHTS.get(config.architecture, ()))
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # same tensor as the embedding; keep one layout
     last = f"model.layers.{config.num_hidden_layers - 1}."

@@ -14,9 +14,23 @@ from typing import Any
 
 import torch
 
-from minimill.models.hf_config import config_from_hf
+from minimill.models.hf_config import config_from_hf, mla_scale
 from minimill.models.tokenizer import Tokenizer
 from minimill.models.types import LoadedModel, ModelConfig, ModelFileError
+
+# What DeepSeek-V3's layers share whatever their width: MLA's dimensions, the routing.
+_DEEPSEEK_V3_MLA: dict[str, Any] = dict(
+    architecture="deepseek_v3", num_attention_heads=128, num_key_value_heads=128, head_dim=64,
+    rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=163840,
+    tie_word_embeddings=False,
+    rope_scaling={"rope_type": "yarn", "factor": 40.0, "beta_fast": 32, "beta_slow": 1,
+                  "mscale": 1.0, "mscale_all_dim": 1.0,
+                  "original_max_position_embeddings": 4096},
+    attention_scale=mla_scale(192, {"rope_type": "yarn", "factor": 40.0,
+                                    "mscale_all_dim": 1.0}),
+    kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, rope_interleave=True, num_experts_per_tok=8, expert_style="deepseek_v3",
+    n_shared_experts=1, n_group=8, topk_group=4, routed_scaling_factor=2.5)
 
 NAMED_SHAPES: dict[str, ModelConfig] = {
     "smollm2-135m": ModelConfig(
@@ -84,6 +98,19 @@ NAMED_SHAPES: dict[str, ModelConfig] = {
         layer_types=tuple("sliding" if i % 2 == 0 else "full" for i in range(24)),
         num_experts=32, num_experts_per_tok=4, moe_intermediate_size=2880,
         o_proj_bias=True, attention_sinks=True, expert_style="gpt_oss"),
+    # DeepSeek-V3 (and Kimi K2, with 384 experts): 671B parameters with the MTP layer, which
+    # the engine does not run; too big for most single machines, here for its arithmetic.
+    "deepseek-v3": ModelConfig(**_DEEPSEEK_V3_MLA, vocab_size=129280, hidden_size=7168,
+                               intermediate_size=18432, num_hidden_layers=61,
+                               num_experts=256, moe_intermediate_size=2048,
+                               dense_layers=(0, 1, 2)),
+    # DeepSeek-V3's attention exactly (so its KV bytes per token and layer are the real ones:
+    # a latent of 512 + 64 values where 128 heads would cache 40,960) in 4 layers of a
+    # narrower model with fewer, smaller experts (first layer dense, top-8 of 32 in 8 groups).
+    "deepseek-v3-mla-4l": ModelConfig(**_DEEPSEEK_V3_MLA, vocab_size=129280,
+                                      hidden_size=1024, intermediate_size=2816,
+                                      num_hidden_layers=4, num_experts=32,
+                                      moe_intermediate_size=256, dense_layers=(0,)),
 }
 
 
@@ -110,12 +137,30 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (config.vocab_size, h)
     for layer in range(config.num_hidden_layers):
         p = f"model.layers.{layer}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-        })
-        if config.is_moe(layer) and config.expert_style == "gpt_oss":
+        shapes.update({p + "input_layernorm.weight": (h,),
+                       p + "post_attention_layernorm.weight": (h,)})
+        if config.is_mla:
+            shapes.update(_mla_shapes(config, p + "self_attn."))
+        else:
+            shapes.update({
+                p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            })
+        if config.is_moe(layer) and config.expert_style == "deepseek_v3":
+            e, m = config.num_experts, config.moe_intermediate_size
+            x = p + "mlp."
+            shapes.update({x + "gate.weight": (e, h), x + "gate.e_score_correction_bias": (e,)})
+            for expert in range(e):
+                y = f"{x}experts.{expert}."
+                shapes.update({y + "gate_proj.weight": (m, h), y + "up_proj.weight": (m, h),
+                               y + "down_proj.weight": (h, m)})
+            shared = m * config.n_shared_experts
+            if shared:
+                y = x + "shared_experts."
+                shapes.update({y + "gate_proj.weight": (shared, h),
+                               y + "up_proj.weight": (shared, h),
+                               y + "down_proj.weight": (h, shared)})
+        elif config.is_moe(layer) and config.expert_style == "gpt_oss":
             e, m = config.num_experts, config.moe_intermediate_size
             x = p + "mlp."
             shapes.update({x + "router.weight": (e, h), x + "router.bias": (e,),
@@ -139,13 +184,35 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.gemma_norms:
             shapes.update({p + "pre_feedforward_layernorm.weight": (h,),
                            p + "post_feedforward_layernorm.weight": (h,)})
-        if config.attention_bias:
+        if config.attention_bias and not config.is_mla:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
         if config.o_proj_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
         if config.attention_sinks:
             shapes[p + "self_attn.sinks"] = (config.num_attention_heads,)
+    return shapes
+
+
+def _mla_shapes(config: ModelConfig, a: str) -> dict[str, tuple[int, ...]]:
+    """One layer's multi-head latent attention weights under `a` ("...self_attn.")."""
+    h, heads, rank = config.hidden_size, config.num_attention_heads, config.kv_lora_rank
+    qk = heads * (config.qk_nope_head_dim + config.qk_rope_head_dim)
+    shapes: dict[str, tuple[int, ...]] = {
+        a + "kv_a_proj_with_mqa.weight": (rank + config.qk_rope_head_dim, h),
+        a + "kv_a_layernorm.weight": (rank,),
+        a + "kv_b_proj.weight": (heads * (config.qk_nope_head_dim + config.v_head_dim), rank),
+        a + "o_proj.weight": (h, heads * config.v_head_dim)}
+    if config.q_lora_rank is None:
+        shapes[a + "q_proj.weight"] = (qk, h)
+    else:
+        shapes.update({a + "q_a_proj.weight": (config.q_lora_rank, h),
+                       a + "q_a_layernorm.weight": (config.q_lora_rank,),
+                       a + "q_b_proj.weight": (qk, config.q_lora_rank)})
+    if config.attention_bias:  # (o_proj's bias is o_proj_bias's)
+        shapes[a + "kv_a_proj_with_mqa.bias"] = (rank + config.qk_rope_head_dim,)
+        if config.q_lora_rank is not None:
+            shapes[a + "q_a_proj.bias"] = (config.q_lora_rank,)
     return shapes
 
 

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 # Architectures the engine runs, by the name ModelConfig.architecture carries.
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "gpt_oss")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "gpt_oss", "deepseek_v3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +66,7 @@ class ModelConfig:
     sliding_rope_theta: float | None = None
     # Mixture of experts (Qwen3-MoE): num_experts routed experts of moe_intermediate_size,
     # num_experts_per_tok of them per token, their weights renormalised to sum to 1 where
-    # norm_topk_prob. Layers listed in dense_layers keep a dense MLP.
+    # norm_topk_prob. Layers listed in dense_layers keep a dense MLP (of intermediate_size).
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -80,6 +80,26 @@ class ModelConfig:
     expert_style: str = "qwen3"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # DeepSeek-V3 experts (expert_style "deepseek_v3"): sigmoid scores plus a per-expert
+    # correction bias pick the experts, first the best `topk_group` of `n_group` groups; the
+    # chosen scores (renormalised where norm_topk_prob) times routed_scaling_factor weigh
+    # them, and n_shared_experts experts' worth of an MLP every token runs is added.
+    n_shared_experts: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # Multi-head latent attention (DeepSeek-V3), on where kv_lora_rank > 0. Each token's keys
+    # and values come from one latent of kv_lora_rank values (kv_a_proj_with_mqa, normed)
+    # plus one qk_rope_head_dim rotary key shared by the heads: what the KV cache holds.
+    # Queries go through a q_lora_rank bottleneck (None: one q_proj). head_dim is the rotary
+    # part's width (qk_rope_head_dim), as in HF. rope_interleave: the checkpoint's rotary
+    # dimensions are paired (0, 1), (2, 3), ... rather than (i, i + d / 2).
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding"
@@ -87,13 +107,38 @@ class ModelConfig:
     def is_moe(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
 
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_layout(self) -> tuple[int, int, int]:
+        """What the KV cache holds per token and layer: (tensors, heads, values per head):
+        K and V per kv head, or MLA's one latent (kv_lora_rank + qk_rope_head_dim values)."""
+        if self.is_mla:
+            return 1, 1, self.kv_lora_rank + self.qk_rope_head_dim
+        return 2, self.num_key_value_heads, self.head_dim
+
+    def _attention_params(self) -> int:
+        h, heads = self.hidden_size, self.num_attention_heads
+        if not self.is_mla:
+            q = heads * self.head_dim
+            kv = self.num_key_value_heads * self.head_dim
+            return h * q + 2 * h * kv + q * h
+        qk = heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+        rank = self.kv_lora_rank
+        q_params = (h * qk if self.q_lora_rank is None
+                    else h * self.q_lora_rank + self.q_lora_rank * qk)
+        kv_params = (h * (rank + self.qk_rope_head_dim)
+                     + rank * heads * (self.qk_nope_head_dim + self.v_head_dim))
+        return q_params + kv_params + heads * self.v_head_dim * h
+
     def _layer_params(self, layer: int, experts: int) -> int:
         h = self.hidden_size
-        q = self.num_attention_heads * self.head_dim
-        kv = self.num_key_value_heads * self.head_dim
-        attention = h * q + 2 * h * kv + q * h
+        attention = self._attention_params()
         if self.is_moe(layer):
-            mlp = h * self.num_experts + experts * 3 * h * self.moe_intermediate_size
+            mlp = h * self.num_experts + (experts + self.n_shared_experts) * 3 * h \
+                * self.moe_intermediate_size
         else:
             mlp = 3 * h * self.intermediate_size
         return attention + mlp
