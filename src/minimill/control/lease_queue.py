@@ -53,6 +53,12 @@ def _queued_tenants(conn: Connection, tier: Tier) -> list[str]:
     return found
 
 
+def any_queued(conn: Connection) -> bool:
+    """Whether any request waits in the queue (one index seek)."""
+    return conn.execute(select(requests.c.id).where(requests.c.status == _QUEUED)
+                        .limit(1)).first() is not None
+
+
 def _leased_tokens(conn: Connection, default_tokens: int) -> dict[str, float]:
     """Tokens each tenant holds leased now: what fair share counts as its service."""
     rows = conn.execute(

@@ -66,7 +66,7 @@ from minimill.control.records import (
     new_id,
 )
 from minimill.control.release import handback_for
-from minimill.control.site_view import site_states
+from minimill.control.site_view import PeerView, site_state, site_states
 from minimill.control.sites import touch_site
 from minimill.control.store import JsonText, Store, retry_conflicts
 from minimill.control.tables import requests, sites
@@ -136,10 +136,17 @@ def policy_for(config: ControlConfig,
 
 
 def _snapshot(conn: Connection, site: Site, ask: LeaseRequest, capacity: int, models: list[str],
-              now: float, policy: PlacementPolicy, default_weight: float = 1.0) -> Snapshot:
-    """The state placement decides on: every site, and enough of the queue to find what the
-    asking site gets after the peers that go before it take theirs."""
-    states = site_states(conn)
+              now: float, policy: PlacementPolicy, default_weight: float = 1.0,
+              peers: PeerView | None = None) -> Snapshot:
+    """The state placement decides on: every site (as `peers` last read them, the asking one
+    read now), and enough of the queue to find what the asking site gets after the peers that
+    go before it take theirs."""
+    if capacity <= 0 or not lease_queue.any_queued(conn):
+        # Nothing to place: only the asking site matters (what it holds, for its row).
+        own = site_state(conn, site.id)
+        states = {} if own is None else {site.id: own}
+    else:
+        states = site_states(conn) if peers is None else peers.states(conn, site.id, now)
     me = states[site.id]
     if ask.price_per_hour is not None:
         # The price the worker declares now counts for this call too (its row is written last,
@@ -180,8 +187,10 @@ def checkpoint_interval_s(config: ControlConfig, site_holds: int) -> float:
 
 @retry_conflicts
 def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: ControlConfig,
-          policy: PlacementPolicy = DEFAULT_POLICY) -> LeaseResponse:
-    """Grant the asking site up to `ask.capacity` leases, as placement decides."""
+          policy: PlacementPolicy = DEFAULT_POLICY, peers: PeerView | None = None
+          ) -> LeaseResponse:
+    """Grant the asking site up to `ask.capacity` leases, as placement decides (`peers`: the
+    process's view of the other sites; None reads them all now)."""
     capacity = min(ask.capacity, MAX_LEASES_PER_CALL)
     models = [m for m in ask.models if m]
     expires_at = now + config.lease_ttl_s
@@ -213,7 +222,7 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
         taken_back = {r.id for r in adopted}
         rows: list[Any] = []
         snapshot = _snapshot(conn, site, ask, capacity, models, now, policy,
-                             config.tenant_limits.weight)
+                             config.tenant_limits.weight, peers)
         picked = place(snapshot, now, policy) if snapshot.candidates and capacity else []
         if picked:
             rows = list(conn.execute(
@@ -238,7 +247,7 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
                    busy=snapshot.site.in_flight > 0,
                    free_capacity=min(ask.capacity, MAX_COUNT) - len(rows), capacity_at=now,
                    models=[m[:200] for m in models[:MAX_MODELS_RECORDED]],
-                   leases_granted=sites.c.leases_granted + len(rows), **_declared(ask))
+                   added={"leases_granted": len(rows)}, **_declared(ask))
     # Hand leases out in placement order (RETURNING order is unspecified).
     rank = {request_id: i for i, request_id in enumerate(picked)}
     interval_s = checkpoint_interval_s(config, site_holds)
@@ -369,12 +378,9 @@ def complete(store: Store, site: Site, done: CompleteRequest, now: float,
         touch_site(
             conn, site.id, now, config.lease_ttl_s, busy=bool(accepted) or stale > 0,
             accepted_tokens=generated,
-            completions=sites.c.completions + len(finished),
-            tokens_generated=sites.c.tokens_generated + generated,
-            stale_completions=sites.c.stale_completions + stale,
-            usage_rejections=sites.c.usage_rejections + refused,
-            wasted_tokens=sites.c.wasted_tokens + wasted,
-            billed_usd=sites.c.billed_usd + billed_total)
+            added={"completions": len(finished), "tokens_generated": generated,
+                   "stale_completions": stale, "usage_rejections": refused,
+                   "wasted_tokens": wasted, "billed_usd": billed_total})
     if refused:
         log.warning("site %s: %d completions rejected, their usage reports disagree with what "
                     "they returned (%s)", site.name, refused,

@@ -29,6 +29,7 @@ from minimill.api.schemas import (
 )
 from minimill.control import batch_finalize, leases, release
 from minimill.control.config import ControlConfig
+from minimill.control.placement import DEFAULT_POLICY
 from minimill.control.records import Site
 from minimill.control.sites import add_outage, list_outages, remove_outage
 from minimill.control.store import Store
@@ -55,7 +56,8 @@ async def lease(ask: LeaseRequest, request: Request, store: StoreDep, site: Toke
     deadline = time.monotonic() + min(ask.wait_s, config.lease_ttl_s / 3)
     while True:
         answer = await anyio.to_thread.run_sync(leases.lease, store, site, ask, time.time(),
-                                                config)
+                                                config, DEFAULT_POLICY,
+                                                request.app.state.peer_view)
         left = deadline - time.monotonic()
         if answer.leases or left <= 0:
             return answer
