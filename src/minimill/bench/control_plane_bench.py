@@ -56,8 +56,8 @@ class ControlPlaneBenchOptions:
     compare: bool = True  # with `db`: SQLite's run too
     requests: int | None = None  # None: 10 per site, at least 200
     realtime_share: float = 0.1
-    capacity: int = 4  # requests a site runs at once
-    request_s: float = 2.0  # how long a site takes over a request
+    capacity: int = 16  # requests a site runs at once
+    request_s: float = 4.0  # how long a site takes over a request
     max_tokens: int = 8
     drivers: int = 2  # processes that run the sites
     lease_ttl_s: float = 30.0
@@ -349,6 +349,8 @@ def _run_one(options: ControlPlaneBenchOptions, store: str, url: str, processes:
         "control_plane_cpu_ms_per_request": round(1000 * run["cpu_s"] / total, 3),
         "latency": {route: _percentiles(latencies.get(route, []))
                     for route in ("lease", "heartbeat", "complete")},
+        "calls_per_request": {route: round(sum(r["calls"][route] for r in reports) / total, 2)
+                              for route in ("lease", "heartbeat", "complete", "release")},
         "leases_expired": counts["leases_expired"],
         "leases_revoked_at_sites": stats.get("revoked", 0),
         "leases_granted": counts["leases_granted"],

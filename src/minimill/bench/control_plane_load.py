@@ -30,7 +30,7 @@ class Realtime:
     model: str
     count: int
     max_tokens: int
-    concurrency: int = 8
+    concurrency: int = 64
     answered: int = 0
     errors: list[str] = field(default_factory=list)
     _next: int = 0

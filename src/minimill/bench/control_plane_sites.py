@@ -44,6 +44,8 @@ class Latencies:
     """Seconds per answered call, by route (`/lease` without the leading slash)."""
 
     seconds: dict[str, list[float]] = field(default_factory=lambda: {r: [] for r in ROUTES})
+    # Every call answered, by route, held lease calls included.
+    calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ROUTES, 0))
     failed: int = 0
     failovers: int = 0
 
@@ -70,6 +72,7 @@ class BalancedClient(ControlPlaneClient):
             if isinstance(exc.__cause__, httpx.TransportError) and len(self._servers) > 1:
                 self._fail_over()
             raise
+        self._latencies.calls[path.strip("/")] += 1
         held_open = isinstance(message, LeaseRequest) and message.wait_s > 0
         if not held_open:
             self._latencies.seconds[path.strip("/")].append(time.perf_counter() - started)
@@ -89,6 +92,7 @@ async def _run_sites(spec: dict[str, Any]) -> dict[str, Any]:
     # The orchestrator says when the measured part starts ("mark") and when to stop.
     while (await loop.run_in_executor(None, sys.stdin.readline)).strip() == "mark":
         latencies.seconds = {r: [] for r in ROUTES}
+        latencies.calls = dict.fromkeys(ROUTES, 0)
     for worker in workers:
         worker.stop()
         worker.stop()  # no drain: whatever still runs is handed back
@@ -99,8 +103,8 @@ async def _run_sites(spec: dict[str, Any]) -> dict[str, Any]:
     for worker in workers:
         for key, value in worker.stats.items():
             stats[key] = stats.get(key, 0) + value
-    return {"latencies": latencies.seconds, "failed_calls": latencies.failed,
-            "failovers": latencies.failovers, "stats": stats,
+    return {"latencies": latencies.seconds, "calls": latencies.calls,
+            "failed_calls": latencies.failed, "failovers": latencies.failovers, "stats": stats,
             "errors": [repr(r) for r in results if isinstance(r, BaseException)][:5]}
 
 

@@ -303,9 +303,9 @@ def bench_control_plane(
     realtime_share: float = typer.Option(
         0.1, min=0.0, max=1.0, help="Share of the requests made as streaming realtime calls; "
         "the rest are one batch."),
-    capacity: int = typer.Option(4, min=1, help="Requests each site runs at once."),
+    capacity: int = typer.Option(16, min=1, help="Requests each site runs at once."),
     request_s: float = typer.Option(
-        2.0, min=0.01, help="Seconds a site takes over a request (its declared rate)."),
+        4.0, min=0.01, help="Seconds a site takes over a request (its declared rate)."),
     max_tokens: int = typer.Option(8, min=1, help="Tokens each request generates."),
     drivers: int = typer.Option(2, min=1, help="Processes that run the simulated sites."),
     lease_ttl_s: float = typer.Option(30.0, min=1.0, help="The control plane's lease TTL."),

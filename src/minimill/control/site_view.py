@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, func, select
+from sqlalchemy import Connection, bindparam, func, select
 
 from minimill.control import metering, price_schedule, site_health
 from minimill.control.placement import DEFAULT_POLICY, Outage, PlacementPolicy, SiteState
@@ -66,15 +66,22 @@ def site_states(conn: Connection) -> dict[str, SiteState]:
 
 def site_state(conn: Connection, site_id: str) -> SiteState | None:
     """One site as placement sees it (None: not registered)."""
-    row = conn.execute(select(sites).where(sites.c.id == site_id)).first()
+    params = {"b_site_id": site_id}
+    row = conn.execute(_SITE, params).first()
     if row is None:
         return None
-    held = conn.execute(select(func.count()).select_from(requests)
-                        .where(requests.c.site_id == site_id,
-                               requests.c.status == _LEASED)).scalar()
-    windows = [Outage(o.start_at, o.end_at) for o in conn.execute(
-        select(outages.c.start_at, outages.c.end_at).where(outages.c.site_id == site_id))]
+    held = conn.execute(_SITE_HELD, params).scalar()
+    windows = [Outage(o.start_at, o.end_at) for o in conn.execute(_SITE_OUTAGES, params)]
     return _state(row, int(held or 0), windows)
+
+
+# One site's rows, built once: every lease call reads them.
+_SITE = select(sites).where(sites.c.id == bindparam("b_site_id"))
+_SITE_HELD = (select(func.count()).select_from(requests)
+              .where(requests.c.site_id == bindparam("b_site_id"),
+                     requests.c.status == _LEASED))
+_SITE_OUTAGES = (select(outages.c.start_at, outages.c.end_at)
+                 .where(outages.c.site_id == bindparam("b_site_id")))
 
 
 class PeerView:
