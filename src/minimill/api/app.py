@@ -56,6 +56,7 @@ from minimill.api.webhook_sender import run_webhook_sender
 from minimill.control.config import ControlConfig
 from minimill.control.janitor import batch_jobs, run_batch_jobs, tick
 from minimill.control.prompt_count import counter_for
+from minimill.control.site_view import PeerView
 from minimill.control.store import Store, open_store
 
 __all__ = ["Settings", "create_app"]
@@ -149,6 +150,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     app.state.config = config
     app.state.settings = settings
     app.state.watcher = watcher
+    app.state.peer_view = PeerView(settings.peer_view_max_age_s)
     app.state.ingest_wake = ingest_wake
     errors.install(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes,

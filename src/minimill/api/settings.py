@@ -40,6 +40,9 @@ class Settings(BaseSettings):
     site_checkpoints_per_s: float = Field(default=32.0, gt=0)
     background_price_factor: float = Field(default=0.5, ge=0)
     realtime_timeout_s: float = Field(default=600.0, gt=0)
+    # Lease calls read the other sites as this process last read them, up to this old
+    # (control/site_view.py's PeerView; 0: read them all at every call).
+    peer_view_max_age_s: float = Field(default=0.5, ge=0)
     # How often the janitor reaps leases and finalizes batches.
     janitor_interval_s: float = Field(default=0.5, gt=0)
     run_janitor: bool = True

@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 
 from minimill.bench.batch_wait import wait_for_batch
+from minimill.bench.proc_tree import process_tree
 
 NUM_LINES = 50_000
 LINE_BYTES = 4_000  # ~200 MB in all, under the default 200 MiB file limit
@@ -65,26 +66,11 @@ def write_batch_file(path: Path, num_lines: int = NUM_LINES,
     return path.stat().st_size
 
 
-def _tree(pid: int) -> list[int]:
-    """The process and its descendants (the control plane runs batch jobs in a child)."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            # The command name, in parentheses, may hold spaces: fields follow its end.
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-    tree, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        tree.append(current)
-        todo.extend(child for child, parent in parents.items() if parent == current)
-    return tree
-
-
 def _rss_kb(pid: int, field: str = "VmRSS", members: list[int] | None = None) -> int:
     """`field` of /proc/PID/status summed over the process and its descendants (for VmHWM,
     the sum of each one's own peak: at least the tree's peak)."""
     total = 0
-    for member in members if members is not None else _tree(pid):
+    for member in members if members is not None else process_tree(pid):
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{member}/status").read_text().splitlines():
                 if line.startswith(field + ":"):
@@ -103,10 +89,10 @@ class RssSampler:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        members, listed_at = _tree(self.pid), time.monotonic()
+        members, listed_at = process_tree(self.pid), time.monotonic()
         while not self._stop.is_set():
             if time.monotonic() - listed_at > 1.0:  # listing /proc is the costly part
-                members, listed_at = _tree(self.pid), time.monotonic()
+                members, listed_at = process_tree(self.pid), time.monotonic()
             with contextlib.suppress(OSError, RuntimeError):
                 self.peak_kb = max(self.peak_kb, _rss_kb(self.pid, members=members))
             time.sleep(RSS_SAMPLE_S)

@@ -277,3 +277,82 @@ def bench_fairness(
         return
     for key, value in report.items():
         typer.echo(f"{key:>36}: {value}")
+
+
+def _counts(text: str, what: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise typer.BadParameter(f"{what}: comma-separated whole numbers, e.g. 10,100") from None
+    if not values or min(values) < 1:
+        raise typer.BadParameter(f"{what}: at least one number, each 1 or more")
+    return values
+
+
+@bench_app.command("control-plane")
+def bench_control_plane(
+    json_out: bool = JsonOption,
+    sites: str = typer.Option("10,100,1000", help="Site counts to run, comma-separated: a "
+                              "run of each."),
+    db: str | None = typer.Option(
+        None, "--db", help="A PostgreSQL URL (postgresql://...): also run the control plane "
+        "on it, with each of --processes processes (its tables are dropped first)."),
+    processes: str = typer.Option(
+        "1,2,4", help="With --db: control-plane processes sharing the PostgreSQL store, "
+        "comma-separated (a run of each); the sites spread over them as behind a load "
+        "balancer."),
+    compare: bool = typer.Option(
+        True, "--compare/--no-compare", help="With --db: run SQLite with one process too, "
+        "side by side (--no-compare: PostgreSQL only)."),
+    requests: int | None = typer.Option(
+        None, min=1, help="Requests per run (default: 10 per site, at least 200)."),
+    realtime_share: float = typer.Option(
+        0.1, min=0.0, max=1.0, help="Share of the requests made as streaming realtime calls; "
+        "the rest are one batch."),
+    capacity: int = typer.Option(16, min=1, help="Requests each site runs at once."),
+    request_s: float = typer.Option(
+        4.0, min=0.01, help="Seconds a site takes over a request (its declared rate)."),
+    max_tokens: int = typer.Option(8, min=1, help="Tokens each request generates."),
+    drivers: int = typer.Option(2, min=1, help="Processes that run the simulated sites."),
+    lease_ttl_s: float = typer.Option(30.0, min=1.0, help="The control plane's lease TTL."),
+    checkpoint_interval_s: float = typer.Option(
+        1.0, min=0.05, help="How often sites checkpoint batch requests (streams: as often as "
+        "the control plane asks)."),
+    kill_one: bool = typer.Option(
+        False, "--kill-one", help="SIGKILL the last control-plane process once half the batch "
+        "is done (needs 2 or more processes); its sites move to the others."),
+) -> None:
+    """Control-plane CPU per request, calls' latency and exactly-once completion with 10 to
+    1,000 simulated sites speaking the fleet protocol; SQLite beside PostgreSQL."""
+    import json
+
+    from minimill.bench.control_plane_bench import (
+        ControlPlaneBenchOptions,
+        run_control_plane_bench,
+    )
+    from minimill.bench.local_fleet import BenchError
+
+    try:
+        report = run_control_plane_bench(ControlPlaneBenchOptions(
+            sites=_counts(sites, "--sites"), db=db,
+            processes=_counts(processes, "--processes"), compare=compare, requests=requests,
+            realtime_share=realtime_share, capacity=capacity, request_s=request_s,
+            max_tokens=max_tokens, drivers=drivers, lease_ttl_s=lease_ttl_s,
+            checkpoint_interval_s=checkpoint_interval_s, kill_one=kill_one))
+    except (BenchError, RuntimeError, TimeoutError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    if json_out:
+        typer.echo(json.dumps(report))
+        return
+    typer.echo(f"cpu: {report['cpu_model']} ({report['cores']} cores)")
+    for run in report["runs"]:
+        lat = run["latency"]
+        typer.echo(
+            f"{run['store']:>10} x{run['processes']} {run['sites']:>5} sites: "
+            f"{run['completed_per_s']:>8} req/s  {run['control_plane_cpu_ms_per_request']:>7} "
+            f"ms CPU/req  lease p50/p99 {lat['lease']['p50_ms']}/{lat['lease']['p99_ms']} ms  "
+            f"heartbeat {lat['heartbeat']['p50_ms']}/{lat['heartbeat']['p99_ms']} ms  "
+            f"complete {lat['complete']['p50_ms']}/{lat['complete']['p99_ms']} ms  "
+            f"expired {run['leases_expired']}  rows/req {run['rows_written_per_request']}  "
+            f"exactly once: {run['exactly_once']}")

@@ -205,8 +205,7 @@ def save(conn: Connection, items: Sequence[HeartbeatItem],
     ids = list({i.request_id for i in wanted})
     for start in range(0, len(ids), ID_GROUP):
         current.update({r.id: Progress.of(r.progress) for r in conn.execute(
-            select(requests.c.id, requests.c.progress)
-            .where(requests.c.id.in_(ids[start:start + ID_GROUP])))})
+            _PROGRESS, {"b_ids": ids[start:start + ID_GROUP]})})
     resync: list[str] = []
     cleared: list[str] = []
     chunks: dict[tuple[str, int], JsonText] = {}
@@ -233,20 +232,34 @@ def save(conn: Connection, items: Sequence[HeartbeatItem],
             stored[item.request_id] = (item.epoch, new)
     drop(conn, cleared)
     if chunks:
-        conn.execute(insert(checkpoint_chunks), [
+        conn.execute(_APPEND, [
             {"request_id": request_id, "seq": seq, "data": data}
             for (request_id, seq), data in chunks.items()])
     if stored:
         conn.execute(
-            update(requests)
-            .where(requests.c.id == bindparam("b_id"), requests.c.epoch == bindparam("b_epoch"),
-                   requests.c.status == RequestStatus.LEASED.value)
-            .values(progress=bindparam("b_progress"), checkpoint_tokens=bindparam("b_tokens"),
-                    version=requests.c.version + 1),
+            _STORE_PROGRESS,
             [{"b_id": request_id, "b_epoch": epoch, "b_progress": p.as_json(),
               "b_tokens": _tokens(p)}
              for request_id, (epoch, p) in stored.items()])
     return resync
+
+
+# The statements of every heartbeat and completion, built once.
+_PROGRESS = (select(requests.c.id, requests.c.progress)
+             .where(requests.c.id.in_(bindparam("b_ids", expanding=True))))
+_APPEND = insert(checkpoint_chunks)
+_STORE_PROGRESS = (update(requests)
+                   .where(requests.c.id == bindparam("b_id"),
+                          requests.c.epoch == bindparam("b_epoch"),
+                          requests.c.status == RequestStatus.LEASED.value)
+                   .values(progress=bindparam("b_progress"),
+                           checkpoint_tokens=bindparam("b_tokens"),
+                           version=requests.c.version + 1))
+_DROP = (delete(checkpoint_chunks)
+         .where(checkpoint_chunks.c.request_id.in_(bindparam("b_ids", expanding=True))))
+_LOAD = (select(checkpoint_chunks.c.request_id, checkpoint_chunks.c.data)
+         .where(checkpoint_chunks.c.request_id.in_(bindparam("b_ids", expanding=True)))
+         .order_by(checkpoint_chunks.c.request_id, checkpoint_chunks.c.seq))
 
 
 def load(conn: Connection, request_ids: Iterable[str]) -> dict[str, Checkpoint]:
@@ -254,10 +267,7 @@ def load(conn: Connection, request_ids: Iterable[str]) -> dict[str, Checkpoint]:
     ids = list(request_ids)
     out: dict[str, Checkpoint] = {}
     for start in range(0, len(ids), ID_GROUP):
-        rows = conn.execute(
-            select(checkpoint_chunks.c.request_id, checkpoint_chunks.c.data)
-            .where(checkpoint_chunks.c.request_id.in_(ids[start:start + ID_GROUP]))
-            .order_by(checkpoint_chunks.c.request_id, checkpoint_chunks.c.seq))
+        rows = conn.execute(_LOAD, {"b_ids": ids[start:start + ID_GROUP]})
         pieces: dict[str, list[dict[str, Any]]] = {}
         for row in rows:
             pieces.setdefault(row.request_id, []).append(row.data)
@@ -305,8 +315,7 @@ def drop(conn: Connection, request_ids: Sequence[str]) -> None:
     """Delete the chunks of these requests (they ended, or a full checkpoint replaces them)."""
     ids = list(request_ids)
     for start in range(0, len(ids), ID_GROUP):
-        conn.execute(delete(checkpoint_chunks)
-                     .where(checkpoint_chunks.c.request_id.in_(ids[start:start + ID_GROUP])))
+        conn.execute(_DROP, {"b_ids": ids[start:start + ID_GROUP]})
 
 
 def drop_for_batches(conn: Connection, batch_ids: Sequence[str]) -> None:

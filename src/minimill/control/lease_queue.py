@@ -10,9 +10,11 @@ Rows are locked (`FOR UPDATE SKIP LOCKED` on PostgreSQL) as the lease call reads
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import Any
 
-from sqlalchemy import Connection, func, select
+from sqlalchemy import Connection, Float, Integer, Select, String, bindparam, func, select
 
 from minimill.control import tenant_limits
 from minimill.control.placement import Candidate
@@ -37,20 +39,32 @@ class QueueHead:
     tenant_weights: dict[str, float] = field(default_factory=dict)
 
 
+# The statements a lease call runs, built once (building them cost more than running them).
+_FIRST_TENANT = (select(requests.c.tenant_id)
+                 .where(requests.c.status == _QUEUED,
+                        requests.c.tier == bindparam("b_tier", type_=String()))
+                 .order_by(requests.c.tenant_id).limit(1))
+_NEXT_TENANT = _FIRST_TENANT.where(requests.c.tenant_id > bindparam("b_after", type_=String()))
+_ANY_QUEUED = select(requests.c.id).where(requests.c.status == _QUEUED).limit(1)
+
+
 def _queued_tenants(conn: Connection, tier: Tier) -> list[str]:
     """Tenants with work of the tier queued: one index seek per tenant (a loose index scan
     over ix_requests_tenant_queue), not a pass over every queued row."""
     found: list[str] = []
     while len(found) < MAX_TENANTS_SCANNED:
-        query = select(requests.c.tenant_id).where(requests.c.status == _QUEUED,
-                                                   requests.c.tier == tier.value)
-        if found:
-            query = query.where(requests.c.tenant_id > found[-1])
-        following = conn.execute(query.order_by(requests.c.tenant_id).limit(1)).scalar()
+        following = conn.execute(_NEXT_TENANT if found else _FIRST_TENANT,
+                                 {"b_tier": tier.value,
+                                  "b_after": found[-1] if found else None}).scalar()
         if following is None:
             break
         found.append(str(following))
     return found
+
+
+def any_queued(conn: Connection) -> bool:
+    """Whether any request waits in the queue (one index seek)."""
+    return conn.execute(_ANY_QUEUED).first() is not None
 
 
 def _leased_tokens(conn: Connection, default_tokens: int) -> dict[str, float]:
@@ -67,20 +81,28 @@ def _candidates(conn: Connection, tier: Tier, models: list[str], limit: int, now
     """Queued work a site may get (of one tenant, if named). Work past its deadline is not
     handed out: the janitor expires it (a batch past its window expires, it does not complete
     late)."""
+    params = {"b_models": models, "b_now": now, "b_limit": limit, "b_tenant": tenant_id}
+    return [Candidate(request_id=r.id, tier=tier, model=r.model, seq=r.seq, deadline=r.deadline,
+                      remaining_tokens=remaining_tokens(r.max_tokens, r.checkpoint_tokens),
+                      session=session_tag(r.session_key) if r.session_key else None,
+                      tenant=r.tenant_id)
+            for r in conn.execute(_candidates_query(tier, tenant_id is not None), params)]
+
+
+@functools.cache
+def _candidates_query(tier: Tier, of_one_tenant: bool) -> Select[Any]:
+    """The queue read of `_candidates` (parameters b_models, b_now, b_limit, b_tenant)."""
     order = (requests.c.seq,) if tier == Tier.REALTIME else (requests.c.deadline, requests.c.seq)
     query = (select(requests.c.id, requests.c.model, requests.c.seq, requests.c.deadline,
                     requests.c.max_tokens, requests.c.checkpoint_tokens, requests.c.session_key,
                     requests.c.tenant_id)
              .where(requests.c.status == _QUEUED, requests.c.tier == tier.value,
-                    requests.c.model.in_(models), requests.c.deadline >= now))
-    if tenant_id is not None:
-        query = query.where(requests.c.tenant_id == tenant_id)
-    query = query.order_by(*order).limit(limit).with_for_update(skip_locked=True)
-    return [Candidate(request_id=r.id, tier=tier, model=r.model, seq=r.seq, deadline=r.deadline,
-                      remaining_tokens=remaining_tokens(r.max_tokens, r.checkpoint_tokens),
-                      session=session_tag(r.session_key) if r.session_key else None,
-                      tenant=r.tenant_id)
-            for r in conn.execute(query)]
+                    requests.c.model.in_(bindparam("b_models", expanding=True)),
+                    requests.c.deadline >= bindparam("b_now", type_=Float())))
+    if of_one_tenant:
+        query = query.where(requests.c.tenant_id == bindparam("b_tenant", type_=String()))
+    return (query.order_by(*order).limit(bindparam("b_limit", type_=Integer()))
+            .with_for_update(skip_locked=True))
 
 
 def read(conn: Connection, models: list[str], window: int, now: float, default_tokens: int,

@@ -35,12 +35,13 @@ from collections import Counter
 from dataclasses import replace
 from typing import Any
 
-from sqlalchemy import Connection, case, func, select, tuple_, update
+from sqlalchemy import Connection, Update, case, func, select, update
 
 from minimill.control import (
     checkpoints,
     lease_queue,
     lease_rules,
+    lease_sql,
     prices,
     prompt_count,
     tenant_limits,
@@ -66,7 +67,7 @@ from minimill.control.records import (
     new_id,
 )
 from minimill.control.release import handback_for
-from minimill.control.site_view import site_states
+from minimill.control.site_view import PeerView, site_state, site_states
 from minimill.control.sites import touch_site
 from minimill.control.store import JsonText, Store, retry_conflicts
 from minimill.control.tables import requests, sites
@@ -95,7 +96,6 @@ MAX_COUNT = 2**31 - 1
 _QUEUED = RequestStatus.QUEUED.value
 _LEASED = RequestStatus.LEASED.value
 # The state machine's status sets (lease_rules), as column values.
-_GRANTABLE = [s.value for s in lease_rules.GRANTABLE]
 _HELD = [s.value for s in lease_rules.HELD]
 _COMPLETABLE = [s.value for s in lease_rules.COMPLETABLE]
 
@@ -136,10 +136,17 @@ def policy_for(config: ControlConfig,
 
 
 def _snapshot(conn: Connection, site: Site, ask: LeaseRequest, capacity: int, models: list[str],
-              now: float, policy: PlacementPolicy, default_weight: float = 1.0) -> Snapshot:
-    """The state placement decides on: every site, and enough of the queue to find what the
-    asking site gets after the peers that go before it take theirs."""
-    states = site_states(conn)
+              now: float, policy: PlacementPolicy, default_weight: float = 1.0,
+              peers: PeerView | None = None) -> Snapshot:
+    """The state placement decides on: every site (as `peers` last read them, the asking one
+    read now), and enough of the queue to find what the asking site gets after the peers that
+    go before it take theirs."""
+    if capacity <= 0 or not lease_queue.any_queued(conn):
+        # Nothing to place: only the asking site matters (what it holds, for its row).
+        own = site_state(conn, site.id)
+        states = {} if own is None else {site.id: own}
+    else:
+        states = site_states(conn) if peers is None else peers.states(conn, site.id, now)
     me = states[site.id]
     if ask.price_per_hour is not None:
         # The price the worker declares now counts for this call too (its row is written last,
@@ -180,16 +187,16 @@ def checkpoint_interval_s(config: ControlConfig, site_holds: int) -> float:
 
 @retry_conflicts
 def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: ControlConfig,
-          policy: PlacementPolicy = DEFAULT_POLICY) -> LeaseResponse:
-    """Grant the asking site up to `ask.capacity` leases, as placement decides."""
+          policy: PlacementPolicy = DEFAULT_POLICY, peers: PeerView | None = None
+          ) -> LeaseResponse:
+    """Grant the asking site up to `ask.capacity` leases, as placement decides (`peers`: the
+    process's view of the other sites; None reads them all now)."""
     capacity = min(ask.capacity, MAX_LEASES_PER_CALL)
     models = [m for m in ask.models if m]
     expires_at = now + config.lease_ttl_s
     lease_id = new_id("lse_")
     policy = policy_for(config, policy)
-    granted = (requests.c.id, requests.c.epoch, requests.c.kind, requests.c.model,
-               requests.c.body, requests.c.seed, requests.c.progress, requests.c.stream,
-               requests.c.session_key, requests.c.tenant_id)
+    granted = lease_sql.GRANTED
     with store.write() as conn:
         adopted: list[Any] = []
         held: list[str] = []
@@ -213,17 +220,12 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
         taken_back = {r.id for r in adopted}
         rows: list[Any] = []
         snapshot = _snapshot(conn, site, ask, capacity, models, now, policy,
-                             config.tenant_limits.weight)
+                             config.tenant_limits.weight, peers)
         picked = place(snapshot, now, policy) if snapshot.candidates and capacity else []
         if picked:
-            rows = list(conn.execute(
-                update(requests)
-                .where(requests.c.id.in_(picked), requests.c.status.in_(_GRANTABLE))
-                .values(status=_LEASED, epoch=requests.c.epoch + 1, lease_id=lease_id,
-                        site_id=site.id, lease_expires_at=expires_at, leased_at=now,
-                        attempts=requests.c.attempts + 1, version=requests.c.version + 1,
-                        lease_base_tokens=requests.c.checkpoint_tokens)
-                .returning(*granted)).all())
+            rows = list(conn.execute(lease_sql.GRANT, {
+                "b_ids": picked, "b_lease_id": lease_id, "b_site_id": site.id,
+                "b_expires_at": expires_at, "b_now": now}).all())
         # Adopted leases are in `in_flight` already.
         site_holds = snapshot.site.in_flight + len(rows)
         rows = adopted + rows
@@ -238,14 +240,14 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
                    busy=snapshot.site.in_flight > 0,
                    free_capacity=min(ask.capacity, MAX_COUNT) - len(rows), capacity_at=now,
                    models=[m[:200] for m in models[:MAX_MODELS_RECORDED]],
-                   leases_granted=sites.c.leases_granted + len(rows), **_declared(ask))
+                   added={"leases_granted": len(rows)}, **_declared(ask))
     # Hand leases out in placement order (RETURNING order is unspecified).
     rank = {request_id: i for i, request_id in enumerate(picked)}
     interval_s = checkpoint_interval_s(config, site_holds)
     leases = [Lease(request_id=r.id, lease_id=lease_id, epoch=r.epoch, expires_at=expires_at,
                     kind=Kind(r.kind).wire_kind, model=r.model, body=r.body, seed=r.seed,
                     checkpoint=resumed.get(r.id),
-                    stream=bool(r.stream),
+                    stream=bool(r.stream), background=r.tier == Tier.BACKGROUND.value,
                     checkpoint_interval_s=(config.stream_checkpoint_interval_s if r.stream
                                            else interval_s),
                     session_key=r.session_key,
@@ -265,13 +267,9 @@ def heartbeat(store: Store, site: Site, beat: HeartbeatRequest, now: float,
     with store.write(urgent=True) as conn:
         for start in range(0, len(plausible), 500):
             part = plausible[start:start + 500]
-            held = conn.execute(
-                update(requests)
-                .where(requests.c.site_id == site.id, requests.c.status.in_(_HELD),
-                       tuple_(requests.c.id, requests.c.epoch).in_(
-                           [(i.request_id, i.epoch) for i in part]))
-                .values(lease_expires_at=expires_at)
-                .returning(requests.c.id)).scalars().all()
+            held = conn.execute(lease_sql.EXTEND, {
+                "b_site_id": site.id, "b_expires_at": expires_at,
+                "b_pairs": [(i.request_id, i.epoch) for i in part]}).scalars().all()
             extended.update(held)
         resync = checkpoints.save(conn, [i for i in plausible if i.request_id in extended],
                                   encoded)
@@ -304,8 +302,9 @@ def complete(store: Store, site: Site, done: CompleteRequest, now: float,
     with store.write() as conn:
         price_list = prices.load_price_list(conn)
         for item, verdict, result in zip(done.results, verdicts, encoded, strict=True):
-            values: dict[str, Any] = {"finished_at": now, "lease_expires_at": None,
-                                      "version": requests.c.version + 1, "progress": None}
+            finish: Update | None = None
+            values: dict[str, Any] = {"b_request_id": item.request_id,
+                                      "b_epoch": item.epoch, "b_site_id": site.id, "b_now": now}
             billed = 0.0
             tokens_out = _returned_tokens(item)
             if verdict is not None and verdict.refused is not None \
@@ -322,32 +321,28 @@ def complete(store: Store, site: Site, done: CompleteRequest, now: float,
                 billed = prices.billed_usd(
                     price_list.lookup(model, tier, config.background_price_factor),
                     verdict.prompt_tokens, tokens_out, verdict.cached_tokens)
+                finish = lease_sql.SUCCEED
                 values.update(
-                    status=RequestStatus.SUCCEEDED.value, result=result,
-                    prompt_tokens=verdict.prompt_tokens, completion_tokens=tokens_out,
-                    billed_usd=billed, cached_tokens=verdict.cached_tokens)
+                    b_result=result, b_prompt_tokens=verdict.prompt_tokens,
+                    b_completion_tokens=tokens_out, b_billed_usd=billed,
+                    b_cached_tokens=verdict.cached_tokens)
             elif item.outcome == "failed":
                 error = item.error.model_dump() if item.error else {
                     "code": "server_error", "message": "the worker reported a failure"}
-                values.update(status=RequestStatus.FAILED.value,
-                              error={**error, "source": "serving"})
+                finish = lease_sql.FAIL
+                values["b_error"] = {**error, "source": "serving"}
             # A succeeded one without a verdict names no request (or a refused one this site
             # does not hold): the fencing below rejects it.
-            hit = "status" in values and _epoch_ok(item.epoch) and conn.execute(
-                update(requests)
-                .where(requests.c.id == item.request_id, requests.c.epoch == item.epoch,
-                       requests.c.site_id == site.id,
-                       requests.c.status.in_(_COMPLETABLE))
-                .values(**values)).rowcount
+            hit = finish is not None and _epoch_ok(item.epoch) and conn.execute(
+                finish, values).rowcount
             if hit:
                 accepted.append(item.request_id)
                 finished.append(item.request_id)
                 generated += tokens_out
                 billed_total += billed
                 continue
-            row = conn.execute(select(requests.c.status, requests.c.epoch, requests.c.site_id,
-                                      requests.c.lease_base_tokens, requests.c.wasted_epoch)
-                               .where(requests.c.id == item.request_id)).first()
+            row = conn.execute(lease_sql.ROW_STATE,
+                               {"b_request_id": item.request_id}).first()
             if row is not None and _completed_by(row, item.epoch, site.id):
                 accepted.append(item.request_id)  # a resend after a lost answer
                 continue
@@ -356,10 +351,8 @@ def complete(store: Store, site: Site, done: CompleteRequest, now: float,
             rejected.append(RejectedCompletion(request_id=item.request_id, reason=reason))
             # Counted once per (request, epoch): a resend of a refused result is the same work.
             if row is not None and _epoch_ok(item.epoch) and conn.execute(
-                    update(requests)
-                    .where(requests.c.id == item.request_id,
-                           requests.c.wasted_epoch.is_distinct_from(item.epoch))
-                    .values(wasted_epoch=item.epoch)).rowcount:
+                    lease_sql.MARK_WASTED,
+                    {"b_request_id": item.request_id, "b_epoch": item.epoch}).rowcount:
                 stale += 1
                 # What a later lease resumed from was kept; the rest was generated for nothing.
                 kept = row.lease_base_tokens if row.epoch > item.epoch else 0
@@ -369,12 +362,9 @@ def complete(store: Store, site: Site, done: CompleteRequest, now: float,
         touch_site(
             conn, site.id, now, config.lease_ttl_s, busy=bool(accepted) or stale > 0,
             accepted_tokens=generated,
-            completions=sites.c.completions + len(finished),
-            tokens_generated=sites.c.tokens_generated + generated,
-            stale_completions=sites.c.stale_completions + stale,
-            usage_rejections=sites.c.usage_rejections + refused,
-            wasted_tokens=sites.c.wasted_tokens + wasted,
-            billed_usd=sites.c.billed_usd + billed_total)
+            added={"completions": len(finished), "tokens_generated": generated,
+                   "stale_completions": stale, "usage_rejections": refused,
+                   "wasted_tokens": wasted, "billed_usd": billed_total})
     if refused:
         log.warning("site %s: %d completions rejected, their usage reports disagree with what "
                     "they returned (%s)", site.name, refused,
@@ -440,11 +430,8 @@ def _admitted(store: Store, request_ids: list[str]
     with store.read() as conn:
         rows: list[Any] = []
         for start in range(0, len(request_ids), 500):
-            rows += conn.execute(
-                select(requests.c.id, requests.c.model, requests.c.tier,
-                       requests.c.counted_prompt_tokens, requests.c.prompt_count_exact,
-                       requests.c.num_choices, requests.c.max_tokens, requests.c.kind)
-                .where(requests.c.id.in_(request_ids[start:start + 500]))).all()
+            rows += conn.execute(lease_sql.ADMITTED,
+                                 {"b_ids": request_ids[start:start + 500]}).all()
         # Batch lines completed before the batch jobs counted their prompts: counted now.
         late = prompt_count.count_rows(conn, [
             r.id for r in rows if r.counted_prompt_tokens is None and r.num_choices is not None])
@@ -456,6 +443,12 @@ def _admitted(store: Store, request_ids: list[str]
             num_choices=r.num_choices, max_tokens=r.max_tokens,
             embedding=r.kind == Kind.EMBEDDING.value))
     return found
+
+
+def work_queued(store: Store) -> bool:
+    """Whether any request waits in the queue (a read: a held lease call's later looks)."""
+    with store.read() as conn:
+        return lease_queue.any_queued(conn)
 
 
 def held_by(store: Store, site_id: str) -> int:

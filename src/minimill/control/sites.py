@@ -10,11 +10,12 @@ from __future__ import annotations
 import math
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Connection, case, delete, func, insert, select, update
+from sqlalchemy import Connection, bindparam, delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from minimill.control import metering
@@ -23,6 +24,7 @@ from minimill.control.keys import hash_secret
 from minimill.control.price_schedule import PriceSchedule
 from minimill.control.price_schedule import parse as parse_schedule
 from minimill.control.records import ALL_SITE_SCOPES, Site, SiteScope, new_id
+from minimill.control.site_contact import contact_params, contact_update
 from minimill.control.store import Store
 from minimill.control.tables import outages, sites
 from minimill.transport.protocol import MAX_PRICE_PER_HOUR
@@ -32,8 +34,6 @@ TOKEN_PREFIX = "mms-"
 # agents' harnesses hold tenants' credentials, so a site takes them only when it is named for
 # them.
 DEFAULT_SCOPES = frozenset({SiteScope.TOKENS})
-# A full site's stored throughput moves this fraction of the way to each new measurement.
-RATE_SMOOTHING = 0.5
 
 
 def parse_scopes(text: str) -> frozenset[SiteScope]:
@@ -104,10 +104,11 @@ def authenticate_site(store: Store, token: str) -> Site | None:
 
 def touch_site(conn: Connection, site_id: str, now: float, up_grace_s: float,
                tokens_per_s: float | None = None, *, busy: bool = True, accepted_tokens: int = 0,
-               **more: Any) -> None:
+               added: Mapping[str, float] | None = None, **more: Any) -> None:
     """Record contact from a site: last seen, observed up time, held time and its cost, the
     throughput the control plane measures, the rate the worker reports, plus any `more` column
-    values (counters). Callers touch the site row after the request rows, so every transaction
+    values and `added` counter increments (site_contact.py builds the statement). Callers
+    touch the site row after the request rows, so every transaction
     locks rows in one order (batches, requests, sites): no deadlocks.
 
     `busy` says the site held at least one lease since its last contact (leases are granted
@@ -128,51 +129,29 @@ def touch_site(conn: Connection, site_id: str, now: float, up_grace_s: float,
       raises the stored rate (a half-empty site is at least that fast).
     Measurements below metering.MIN_TOKENS_PER_S are noise and ignored.
     """
-    gap = now - sites.c.last_seen_at
-    up_gap = case(((sites.c.last_seen_at.is_not(None)) & (gap > 0) & (gap <= up_grace_s), gap),
-                  else_=0.0)
-    values: dict[str, Any] = {
-        "last_seen_at": now,
-        "first_seen_at": func.coalesce(sites.c.first_seen_at, now),
-        "up_s": sites.c.up_s + up_gap,
-    }
-    if busy:
-        keep = metering.METER_WINDOW_S / (metering.METER_WINDOW_S + up_gap)
-        values.update(busy_s=sites.c.busy_s + up_gap,
-                      cost_usd=sites.c.cost_usd + _price_now(conn, site_id, now) * up_gap
-                      / 3600.0,
-                      window_busy_s=sites.c.window_busy_s * keep + up_gap,
-                      window_tokens=sites.c.window_tokens * keep + accepted_tokens)
-    elif accepted_tokens:
-        values["window_tokens"] = sites.c.window_tokens + accepted_tokens
-    if (tokens_per_s is not None and math.isfinite(tokens_per_s)
-            and tokens_per_s >= metering.MIN_TOKENS_PER_S):
-        old = sites.c.tokens_per_s
-        if busy:
-            values["tokens_per_s"] = case(
-                (old.is_(None), tokens_per_s),
-                (sites.c.free_capacity <= 0, old + RATE_SMOOTHING * (tokens_per_s - old)),
-                (old < tokens_per_s, tokens_per_s),
-                else_=old)
-        else:
-            values["tokens_per_s"] = func.coalesce(old, tokens_per_s)
-    values.update(more)
-    conn.execute(update(sites).where(sites.c.id == site_id).values(**values))
+    rate = (tokens_per_s if tokens_per_s is not None and math.isfinite(tokens_per_s)
+            and tokens_per_s >= metering.MIN_TOKENS_PER_S else None)
+    price = _scheduled_price(conn, site_id, now) if busy else None
+    counters = dict(added or {})
+    statement = contact_update(busy, price is not None, rate is not None, bool(accepted_tokens),
+                               tuple(more), tuple(counters))
+    conn.execute(statement, contact_params(site_id, now, up_grace_s, price, accepted_tokens,
+                                           rate, more, counters))
 
 
-def _price_now(conn: Connection, site_id: str, now: float) -> Any:
-    """The site's $/h now, for the cost of its held time: its price schedule's hour (read
-    here, a literal), else its price_per_hour column."""
-    schedule = conn.execute(select(sites.c.price_schedule)
-                            .where(sites.c.id == site_id)).scalar()
+_SCHEDULE = select(sites.c.price_schedule).where(sites.c.id == bindparam("site_id"))
+
+
+def _scheduled_price(conn: Connection, site_id: str, now: float) -> float | None:
+    """The site's $/h now from its price schedule, for the cost of its held time (None: it
+    has none, and its price_per_hour column counts)."""
+    schedule = conn.execute(_SCHEDULE, {"site_id": site_id}).scalar()
     if schedule is not None:
         try:
-            price = parse_schedule(schedule, 0.0).price_at(now)
+            return parse_schedule(schedule, 0.0).price_at(now)
         except ValueError:
-            price = None
-        if price is not None:
-            return price
-    return sites.c.price_per_hour
+            return None
+    return None
 
 
 def parse_time(text: str, param: str) -> float:

@@ -180,33 +180,39 @@ def _add_missing(conn: Connection, name: str) -> None:
 
 
 class _WriteQueue:
-    """SQLite's one write lock, handed out in the order asked for, urgent askers first."""
+    """SQLite's one write lock, handed out in the order asked for, urgent askers first.
+
+    The holder hands it straight to the next in line, waking that thread alone: a condition
+    variable notified on every release woke every waiting thread (dozens under load) to find
+    it was not its turn, and that cost more CPU than the transactions themselves."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._busy = False
-        self._waiting: tuple[deque[object], deque[object]] = (deque(), deque())
-
-    def _first(self) -> object:
-        urgent, normal = self._waiting
-        return urgent[0] if urgent else normal[0]
+        # A held lock per waiting thread, released to hand the write lock over.
+        self._waiting: tuple[deque[threading.Lock], deque[threading.Lock]] = (deque(), deque())
 
     @contextmanager
     def hold(self, urgent: bool) -> Iterator[None]:
-        me = object()
-        with self._cond:
-            line = self._waiting[0 if urgent else 1]
-            line.append(me)
-            while self._busy or self._first() is not me:
-                self._cond.wait()
-            line.popleft()
-            self._busy = True
+        gate: threading.Lock | None = None
+        with self._lock:
+            if self._busy:
+                gate = threading.Lock()
+                gate.acquire()
+                self._waiting[0 if urgent else 1].append(gate)
+            else:
+                self._busy = True
+        if gate is not None:
+            gate.acquire()  # until the holder hands over (it stays busy meanwhile)
         try:
             yield
         finally:
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()
+            with self._lock:
+                line = next((q for q in self._waiting if q), None)
+                if line is None:
+                    self._busy = False
+                else:
+                    line.popleft().release()
 
 
 class Store:

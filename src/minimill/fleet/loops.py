@@ -24,6 +24,7 @@ import logging
 import time
 
 from minimill.fleet.engines import EngineAdapter
+from minimill.fleet.gathering import COMPLETE_GATHER_S, LEASE_GATHER_S, lease_batch
 from minimill.fleet.held import HeldLease, SentCheckpoint, Tally, approx_bytes
 from minimill.fleet.releases import Releases
 from minimill.fleet.sessions import HeldSessions
@@ -87,6 +88,7 @@ class Worker:
         self._wake_complete = asyncio.Event()
         self._engine_cooldown_until = 0.0
         self._last_full_heartbeat = time.monotonic()
+        self._free_since: float | None = None  # when a slot first stood free (gathering.py)
         self._max_per_post = MAX_COMPLETIONS_PER_POST
         self.stats = {"leased": 0, "succeeded": 0, "failed": 0, "rejected": 0, "revoked": 0,
                       "handed_back": 0}
@@ -171,6 +173,11 @@ class Worker:
             if free <= 0 or time.monotonic() < self._engine_cooldown_until:
                 await self.wait(self._wake_lease, IDLE_POLL_S)
                 continue
+            gather_s = self._lease_gather_s(free)
+            if gather_s > 0:
+                await self.wait(self._wake_lease, gather_s)
+                continue
+            self._free_since = None
             try:
                 held_sessions = self.sessions.changed()
                 resp = await self.client.lease(LeaseRequest(
@@ -205,6 +212,15 @@ class Worker:
                          + (" ..." if len(resumed) > 8 else ""))
             wait_s = 0.0 if resp.leases else LEASE_WAIT_S
             await asyncio.sleep(BUSY_POLL_S)
+
+    def _lease_gather_s(self, free: int) -> float:
+        """How much longer to wait for more free slots before asking (0: ask now)."""
+        if free >= lease_batch(self.capacity) or not self.held or self.adopt_held:
+            return 0.0
+        now = time.monotonic()
+        if self._free_since is None:
+            self._free_since = now
+        return max(0.0, self._free_since + LEASE_GATHER_S - now)
 
     async def _give_back_held(self, backoff: Backoff) -> None:
         try:
@@ -363,11 +379,21 @@ class Worker:
             del self.held[item.request_id]
             self._wake_lease.set()
 
+    def _results_wait(self) -> bool:
+        """Whether every result ready is of background work and may wait for company."""
+        if self.stopping.is_set() or len(self.outbox) >= self._max_per_post:
+            return False
+        return all((held := self.held.get(request_id)) is not None and held.lease.background
+                   for request_id in self.outbox)
+
     async def complete_loop(self) -> None:
         backoff = Backoff()
         while True:
             await self.wait(self._wake_complete, 1.0)
             await asyncio.sleep(COMPLETE_BATCH_S)
+            gather_until = time.monotonic() + COMPLETE_GATHER_S
+            while self.outbox and self._results_wait() and time.monotonic() < gather_until:
+                await self.wait(self._wake_complete, gather_until - time.monotonic())
             while self.outbox:
                 try:
                     await self.complete_once()

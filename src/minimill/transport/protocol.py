@@ -143,6 +143,9 @@ class Lease(BaseModel):
     checkpoint: Checkpoint | None = None
     # Realtime streaming requests want fresh checkpoints often; others every checkpoint_interval_s.
     stream: bool = False
+    # Background work (a batch line, a flex or background request): nobody waits on its
+    # result as it finishes, so the worker may hold it a moment to share a completion call.
+    background: bool = False
     checkpoint_interval_s: float = 2.0
     # The conversation the request belongs to (a Responses chain's root id, or the client's
     # prompt_cache_key): requests sharing it share a prompt prefix. None: no session.

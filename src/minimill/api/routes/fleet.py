@@ -29,6 +29,7 @@ from minimill.api.schemas import (
 )
 from minimill.control import batch_finalize, leases, release
 from minimill.control.config import ControlConfig
+from minimill.control.placement import DEFAULT_POLICY
 from minimill.control.records import Site
 from minimill.control.sites import add_outage, list_outages, remove_outage
 from minimill.control.store import Store
@@ -53,9 +54,10 @@ async def lease(ask: LeaseRequest, request: Request, store: StoreDep, site: Toke
                 config: ConfigDep, wakeup: LeaseWakeupDep) -> LeaseResponse:
     """Work for the worker; with `wait_s`, held open until there is some or the time is up."""
     deadline = time.monotonic() + min(ask.wait_s, config.lease_ttl_s / 3)
+    peers = request.app.state.peer_view
+    answer = await anyio.to_thread.run_sync(leases.lease, store, site, ask, time.time(),
+                                            config, DEFAULT_POLICY, peers)
     while True:
-        answer = await anyio.to_thread.run_sync(leases.lease, store, site, ask, time.time(),
-                                                config)
         left = deadline - time.monotonic()
         if answer.leases or left <= 0:
             return answer
@@ -64,6 +66,8 @@ async def lease(ask: LeaseRequest, request: Request, store: StoreDep, site: Toke
             # A stopping worker dropped the call: what it would be granted would wait out
             # its lease.
             return answer
+        if not await anyio.to_thread.run_sync(leases.work_queued, store):
+            continue  # an idle fleet's held calls cost a read per look, not a write
         # Later looks of this call only look for work (the first touched the site, adopted
         # any held leases and recorded its sessions), with the slots its finished requests
         # freed meanwhile.
@@ -72,6 +76,8 @@ async def lease(ask: LeaseRequest, request: Request, store: StoreDep, site: Toke
             held = await anyio.to_thread.run_sync(leases.held_by, store, site.id)
             update["capacity"] = max(0, ask.slots - held)
         ask = ask.model_copy(update=update)
+        answer = await anyio.to_thread.run_sync(leases.lease, store, site, ask, time.time(),
+                                                config, DEFAULT_POLICY, peers)
 
 
 @router.post("/heartbeat", response_model=HeartbeatResponse)

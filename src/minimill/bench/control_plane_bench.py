@@ -1,0 +1,402 @@
+"""`minimill bench control-plane`: what the control plane costs per request at fleet scale.
+
+For each store setup (SQLite with one process; PostgreSQL with 1, 2, 4 ... processes) and each
+site count, it starts fresh `minimill serve --no-local-worker` processes on one store, registers
+the sites, and runs them from a few processes (control_plane_sites.py: the real worker loop and
+HTTP client, the fake engine at a declared rate), each site reaching the control-plane processes
+as through a load balancer. Once every site asks for work, one tenant submits a batch and
+another makes streaming realtime calls (control_plane_load.py); the run ends when all of them
+are done.
+
+Figures per run: completed requests/s; the control plane's CPU seconds per completed request
+(user + system of the serve processes and their children, from /proc, over the run); p50 and
+p99 of lease (those not held open), heartbeat and complete calls as the sites saw them; leases
+that expired (the control plane did not extend them in time: no site dies here) and leases the
+sites heard were revoked; on PostgreSQL the rows written per request (pg_stat_database's
+inserted + updated + deleted tuples); and the exactly-once checks: every batch line in the
+output exactly once, every realtime stream finished, the store's rows all succeeded, and the
+accepted completions the sites' counters hold equal to the requests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from minimill.bench.control_plane_load import BatchJob, Realtime, batch_lines, exactly_once
+from minimill.bench.local_fleet import BenchError, LocalProcess, free_port
+from minimill.bench.proc_tree import cpu_seconds, process_tree
+from minimill.bench.steal import StealMeter
+
+MODEL = "bench-fake"
+READY_TIMEOUT_S = 120.0
+# Requests of the unmeasured round before each measured one.
+WARM_UP_REQUESTS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class ControlPlaneBenchOptions:
+    sites: tuple[int, ...] = (10, 100, 1000)
+    db: str | None = None  # a PostgreSQL URL: its runs beside SQLite's
+    processes: tuple[int, ...] = (1, 2, 4)  # control-plane processes on PostgreSQL
+    compare: bool = True  # with `db`: SQLite's run too
+    requests: int | None = None  # None: 10 per site, at least 200
+    realtime_share: float = 0.1
+    capacity: int = 16  # requests a site runs at once
+    request_s: float = 4.0  # how long a site takes over a request
+    max_tokens: int = 8
+    drivers: int = 2  # processes that run the sites
+    lease_ttl_s: float = 30.0
+    checkpoint_interval_s: float = 1.0
+    kill_one: bool = False  # SIGKILL one control-plane process halfway (needs 2 or more)
+    timeout_s: float = 900.0
+
+
+@dataclass
+class Setup:
+    """One run's store and processes."""
+
+    store: str  # "sqlite" | "postgresql"
+    url: str
+    processes: int
+    sites: int
+    home: Path
+    serves: list[LocalProcess] = field(default_factory=list)
+    ports: list[int] = field(default_factory=list)
+    drivers: list[subprocess.Popen[str]] = field(default_factory=list)
+    keys: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def servers(self) -> list[str]:
+        return [f"http://127.0.0.1:{p}" for p in self.ports]
+
+
+def _percentiles(values: list[float]) -> dict[str, Any]:
+    if not values:
+        return {"n": 0, "p50_ms": None, "p99_ms": None}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return round(1000 * ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)], 2)
+
+    return {"n": len(ordered), "p50_ms": at(0.50), "p99_ms": at(0.99)}
+
+
+def _env(options: ControlPlaneBenchOptions, home: Path) -> dict[str, str]:
+    return {**os.environ, "MINIMILL_HOME": str(home), "MINIMILL_LOG_LEVEL": "WARNING",
+            "MINIMILL_LEASE_TTL_S": str(options.lease_ttl_s),
+            "MINIMILL_CHECKPOINT_INTERVAL_S": str(options.checkpoint_interval_s)}
+
+
+def _fresh_store(url: str) -> None:
+    """An empty store at `url` (a PostgreSQL database keeps its tables between runs)."""
+    from minimill.control.store import open_store
+    from minimill.control.tables import metadata
+
+    store = open_store(url)
+    try:
+        if store.is_postgres:
+            with store.write() as conn:
+                metadata.drop_all(conn)
+    finally:
+        store.close()
+
+
+def _register(setup: Setup) -> list[str]:
+    """The sites' tokens, and the tenants' keys in `setup.keys`."""
+    from minimill.control.keys import create_key
+    from minimill.control.sites import create_site
+    from minimill.control.store import open_store
+
+    store = open_store(setup.url)
+    try:
+        setup.keys = {t: create_key(store, t) for t in ("batch-tenant", "realtime-tenant")}
+        return [create_site(store, f"site-{i}", 1.0) for i in range(setup.sites)]
+    finally:
+        store.close()
+
+
+def _start_serves(setup: Setup, options: ControlPlaneBenchOptions) -> None:
+    env = _env(options, setup.home)
+    for i in range(setup.processes):
+        port = free_port()
+        args = [sys.executable, "-m", "minimill.cli", "serve", "--no-local-worker",
+                "--port", str(port), "--model", MODEL, "--db", setup.url]
+        proc = LocalProcess(args, env, setup.home / f"serve-{i}.log")
+        proc.start()
+        setup.serves.append(proc)
+        setup.ports.append(port)
+    deadline = time.time() + READY_TIMEOUT_S
+    for proc, url in zip(setup.serves, setup.servers, strict=True):
+        key = proc.wait_for_log(r"OPENAI_API_KEY=(\S+)", timeout=READY_TIMEOUT_S).group(1)
+        while time.time() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/v1/models", timeout=2,
+                             headers={"Authorization": f"Bearer {key}"}).is_success:
+                    break
+            time.sleep(0.1)
+
+
+def _start_drivers(setup: Setup, options: ControlPlaneBenchOptions,
+                   tokens: list[str]) -> None:
+    drivers = max(1, min(options.drivers, len(tokens)))
+    rate = options.max_tokens * options.capacity / options.request_s
+    for d in range(drivers):
+        first = d * len(tokens) // drivers
+        mine = tokens[first:(d + 1) * len(tokens) // drivers]
+        proc = subprocess.Popen([sys.executable, "-m", "minimill.bench.control_plane_sites"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                env=_env(options, setup.home), start_new_session=True,
+                                stderr=(setup.home / f"sites-{d}.log").open("a"))
+        setup.drivers.append(proc)
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps({"servers": setup.servers, "tokens": mine,
+                                     "first_site": first, "model": MODEL,
+                                     "capacity": options.capacity, "rate": rate}) + "\n")
+        proc.stdin.flush()
+    for proc in setup.drivers:
+        line = _readline(proc.stdout, READY_TIMEOUT_S)
+        if line.strip() != "ready":
+            raise BenchError(f"a sites process did not start; see {setup.home}/sites-*.log")
+
+
+def _readline(stream: IO[str] | None, timeout_s: float) -> str:
+    import select
+
+    assert stream is not None
+    ready, _, _ = select.select([stream], [], [], timeout_s)
+    return stream.readline() if ready else ""
+
+
+def _tell_drivers(setup: Setup, line: str) -> None:
+    for proc in setup.drivers:
+        assert proc.stdin is not None
+        with contextlib.suppress(OSError):
+            proc.stdin.write(line + "\n")
+            proc.stdin.flush()
+
+
+def _stop_drivers(setup: Setup) -> list[dict[str, Any]]:
+    reports = []
+    _tell_drivers(setup, "stop")
+    for proc in setup.drivers:
+        line = _readline(proc.stdout, 60.0)
+        with contextlib.suppress(ValueError):
+            reports.append(json.loads(line))
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    setup.drivers.clear()
+    return reports
+
+
+def _serve_cpu(setup: Setup) -> dict[int, float]:
+    pids = [pid for p in setup.serves if p.popen is not None and p.popen.poll() is None
+            for pid in process_tree(p.popen.pid)]
+    return cpu_seconds(pids)
+
+
+def _pg_rows_written(url: str) -> int | None:
+    """Tuples inserted, updated and deleted in the store's database so far (PostgreSQL)."""
+    if not url.startswith("postgres"):
+        return None
+    from sqlalchemy import text
+
+    from minimill.control.store import open_store
+
+    store = open_store(url)
+    try:
+        with store.read() as conn:
+            return int(conn.execute(text(
+                "SELECT tup_inserted + tup_updated + tup_deleted FROM pg_stat_database "
+                "WHERE datname = current_database()")).scalar() or 0)
+    finally:
+        store.close()
+
+
+def _store_counts(url: str) -> dict[str, int]:
+    """Requests by status, and the sites' counters, as the store holds them."""
+    from sqlalchemy import func, select
+
+    from minimill.control.store import open_store
+    from minimill.control.tables import requests, sites
+
+    store = open_store(url)
+    try:
+        with store.read() as conn:
+            statuses: dict[str, int] = dict(conn.execute(select(requests.c.status, func.count())
+                                         .group_by(requests.c.status)).tuples().all())
+            totals = conn.execute(select(
+                func.coalesce(func.sum(sites.c.completions), 0),
+                func.coalesce(func.sum(sites.c.leases_expired), 0),
+                func.coalesce(func.sum(sites.c.stale_completions), 0),
+                func.coalesce(func.sum(sites.c.leases_granted), 0))).one()
+    finally:
+        store.close()
+    return {"succeeded": int(statuses.get("succeeded", 0)),
+            "unfinished": sum(n for s, n in statuses.items()
+                              if s not in ("succeeded", "failed", "cancelled", "expired")),
+            "completions_accepted": int(totals[0]), "leases_expired": int(totals[1]),
+            "stale_completions": int(totals[2]), "leases_granted": int(totals[3])}
+
+
+def _kill_one_when_half_done(setup: Setup, job: BatchJob, total: int) -> bool:
+    """SIGKILL the last control-plane process once half the batch is done; True if it was."""
+    counts = job.batch.get("request_counts") or {}
+    if counts.get("completed", 0) * 2 < total:
+        return False
+    setup.serves[-1].kill9()
+    return True
+
+
+def _drive(setup: Setup, options: ControlPlaneBenchOptions, total: int,
+           tag: str = "req", may_kill: bool = False) -> dict[str, Any]:
+    """Submit `total` requests, wait for all of them; the figures measured meanwhile."""
+    realtime_count = round(total * options.realtime_share)
+    batch_count = total - realtime_count
+    base = setup.servers[0] + "/v1"
+    job = BatchJob(base, setup.keys["batch-tenant"])
+    realtime = Realtime(base, setup.keys["realtime-tenant"], MODEL, realtime_count,
+                        options.max_tokens)
+    killed = not (may_kill and options.kill_one and setup.processes >= 2)
+    cpu_before = _serve_cpu(setup)
+    started = time.perf_counter()
+    try:
+        with StealMeter() as steal:
+            job.submit(batch_lines(MODEL, batch_count, options.max_tokens, tag))
+            realtime.start()
+            deadline = time.monotonic() + options.timeout_s
+            while not job.done():
+                if time.monotonic() > deadline:
+                    raise BenchError(f"the batch did not finish in {options.timeout_s:.0f}s; "
+                                     f"see {setup.home}")
+                if not killed:
+                    killed = _kill_one_when_half_done(setup, job, batch_count)
+                time.sleep(0.25)
+            if not realtime.join(max(1.0, deadline - time.monotonic())):
+                raise BenchError("realtime calls did not finish in time")
+        seconds = time.perf_counter() - started
+        cpu_after = _serve_cpu(setup)
+        ids, failed = job.custom_ids()
+    finally:
+        job.close()
+    # A process that ended meanwhile (the one killed) counts up to its last reading.
+    cpu = sum(cpu_after.get(pid, cpu_before.get(pid, 0.0)) - cpu_before.get(pid, 0.0)
+              for pid in set(cpu_before) | set(cpu_after))
+    return {"seconds": seconds, "cpu_s": cpu, "batch_status": job.batch.get("status"),
+            "batch_failed": failed, "realtime_answered": realtime.answered,
+            "realtime_expected": realtime_count, "realtime_errors": realtime.errors[:3],
+            "killed_one": may_kill and options.kill_one and setup.processes >= 2 and killed,
+            "steal": steal.share, **exactly_once(ids, batch_count, tag)}
+
+
+def _run_one(options: ControlPlaneBenchOptions, store: str, url: str, processes: int,
+             sites: int, home: Path) -> dict[str, Any]:
+    total = options.requests or max(200, 10 * sites)
+    setup = Setup(store, url, processes, sites, home)
+    _fresh_store(url)
+    try:
+        _start_serves(setup, options)
+        tokens = _register(setup)
+        _start_drivers(setup, options, tokens)
+        # Unmeasured: every site's first calls, and the first batch's start-up costs (the
+        # batch-jobs process, the first imports of each route).
+        warm = _drive(setup, options, WARM_UP_REQUESTS, tag="warm")
+        rows_before = _pg_rows_written(url)
+        _tell_drivers(setup, "mark")
+        run = _drive(setup, options, total, may_kill=True)
+        reports = _stop_drivers(setup)
+    finally:
+        _stop_drivers(setup)
+        for proc in setup.serves:
+            proc.stop()
+    rows_after = _pg_rows_written(url)  # after the processes flushed their statistics
+    counts = _store_counts(url)
+    latencies: dict[str, list[float]] = {}
+    stats: dict[str, int] = {}
+    for report in reports:
+        for route, values in report["latencies"].items():
+            latencies.setdefault(route, []).extend(values)
+        for key, value in report["stats"].items():
+            stats[key] = stats.get(key, 0) + value
+    rows = (rows_after - rows_before if rows_after is not None and rows_before is not None
+            else None)
+    everything = total + WARM_UP_REQUESTS
+    ok = all(r["lost"] == 0 and r["duplicates"] == 0 and r["batch_failed"] == 0
+             and r["realtime_answered"] == r["realtime_expected"] for r in (warm, run)) \
+        and counts["succeeded"] == everything and counts["completions_accepted"] == everything
+    return {
+        "store": store, "processes": processes, "sites": sites, "requests": total,
+        "seconds": round(run["seconds"], 2),
+        "completed_per_s": round(total / run["seconds"], 1),
+        "control_plane_cpu_s": round(run["cpu_s"], 2),
+        "control_plane_cpu_ms_per_request": round(1000 * run["cpu_s"] / total, 3),
+        "latency": {route: _percentiles(latencies.get(route, []))
+                    for route in ("lease", "heartbeat", "complete")},
+        "calls_per_request": {route: round(sum(r["calls"][route] for r in reports) / total, 2)
+                              for route in ("lease", "heartbeat", "complete", "release")},
+        "leases_expired": counts["leases_expired"],
+        "leases_revoked_at_sites": stats.get("revoked", 0),
+        "leases_granted": counts["leases_granted"],
+        "stale_completions": counts["stale_completions"],
+        "rows_written_per_request": round(rows / total, 2) if rows is not None else None,
+        "exactly_once": ok, "lost": run["lost"], "duplicates": run["duplicates"],
+        "unfinished": counts["unfinished"], "batch_status": run["batch_status"],
+        "realtime_answered": run["realtime_answered"],
+        "realtime_errors": run["realtime_errors"],
+        "failed_calls": sum(r["failed_calls"] for r in reports),
+        "failovers": sum(r["failovers"] for r in reports),
+        "killed_one_process": run["killed_one"],
+        "site_errors": [e for r in reports for e in r["errors"]][:3],
+        "cpu_steal": None if run["steal"] is None else round(run["steal"], 3),
+    }
+
+
+def setups(options: ControlPlaneBenchOptions, sqlite_url: str) -> Iterator[tuple[str, str, int]]:
+    """(store kind, URL, processes) of each configuration to run."""
+    if options.db is None or options.compare:
+        yield "sqlite", sqlite_url, 1
+    if options.db is not None:
+        for k in options.processes:
+            yield "postgresql", options.db, k
+
+
+def run_control_plane_bench(options: ControlPlaneBenchOptions) -> dict[str, Any]:
+    """Every configuration at every site count; the report as a dict."""
+    from minimill.engine.hardware import cpu_info
+
+    runs = []
+    root = Path(tempfile.mkdtemp(prefix="minimill-cp-bench-"))
+    try:
+        for n, sites in enumerate(options.sites):
+            for m, (store, url, processes) in enumerate(setups(options, "")):
+                home = root / f"run-{n}-{m}"
+                home.mkdir()
+                url = url or f"sqlite:///{home / 'data' / 'minimill.db'}"
+                runs.append(_run_one(options, store, url, processes, sites, home))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {"bench": "control-plane", "cpu_model": cpu_info().model, "cores": os.cpu_count(),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "options": {"capacity": options.capacity, "request_s": options.request_s,
+                        "max_tokens": options.max_tokens,
+                        "realtime_share": options.realtime_share, "drivers": options.drivers,
+                        "lease_ttl_s": options.lease_ttl_s,
+                        "checkpoint_interval_s": options.checkpoint_interval_s},
+            "runs": runs}
