@@ -19,9 +19,11 @@ from typing import Any
 
 import anyio
 import anyio.to_process
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from sqlalchemy.engine import make_url
+from starlette.routing import Route
 
 from minimill import __version__
 from minimill.api import errors, metrics
@@ -169,7 +171,22 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     app.state.operator_paths = [r.path_regex for router in operator_routers
                                 for r in router.routes if isinstance(r, APIRoute)]
     _openapi_without_422(app)
+    _openapi_off_the_loop(app)
     return app
+
+
+def _openapi_off_the_loop(app: FastAPI) -> None:
+    """/openapi.json builds the schema in a thread: for an app this size that takes seconds
+    (FastAPI's route runs it on the event loop, where it would hold every other call, sites'
+    leases and heartbeats included, until it is done); it is cached after the first call."""
+
+    async def openapi_json(_request: Request) -> JSONResponse:
+        return JSONResponse(await anyio.to_thread.run_sync(app.openapi))
+
+    routes = app.router.routes
+    for i, route in enumerate(routes):
+        if isinstance(route, Route) and route.path == app.openapi_url:
+            routes[i] = Route(route.path, openapi_json, include_in_schema=False)
 
 
 def _openapi_without_422(app: FastAPI) -> None:
