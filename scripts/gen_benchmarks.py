@@ -38,6 +38,11 @@ BENCHES = {
                  "alone and beside a tenant submitting ten times its load: its p50 finish "
                  "time beside the heavy tenant over its p50 alone (target 1.5), and the share "
                  "of the site's slots kept busy meanwhile."),
+    "control-plane": ("The control plane at fleet scale", "Real `serve` processes on SQLite "
+                      "or PostgreSQL, simulated sites speaking the fleet protocol over HTTP (the "
+                      "real worker loop, the fake engine), a batch and streaming realtime calls: "
+                      "completed requests/s, the control plane's CPU per request, call "
+                      "latencies, rows written per request, exactly-once completion."),
     "fleet": ("A fleet with failures", "Three workers on one machine, one killed every 10 s: "
               "goodput against the same fleet with no kills; nothing lost or duplicated."),
 }
@@ -64,6 +69,9 @@ LABELS = {
     "light_p50_beside_heavy_s": "light p50 beside heavy, s", "p50_ratio": "beside / alone",
     "ratio_target": "target", "busy_share_beside": "site busy share",
     "light_share_of_slots_beside": "light tenant's share of slots",
+    "completed_per_s": "requests/s", "control_plane_cpu_ms_per_request": "CPU ms per request",
+    "lease_p99_ms": "lease p99, ms", "complete_p99_ms": "complete p99, ms",
+    "rows_written_per_request": "rows written per request", "exactly_once": "exactly once",
 }
 
 

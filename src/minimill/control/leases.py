@@ -241,6 +241,10 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
                    free_capacity=min(ask.capacity, MAX_COUNT) - len(rows), capacity_at=now,
                    models=[m[:200] for m in models[:MAX_MODELS_RECORDED]],
                    added={"leases_granted": len(rows)}, **_declared(ask))
+    if peers is not None:
+        peers.remember(replace(snapshot.site, in_flight=site_holds,
+                               free_capacity=min(ask.capacity, MAX_COUNT) - len(rows),
+                               capacity_at=now, last_seen_at=now))
     # Hand leases out in placement order (RETURNING order is unspecified).
     rank = {request_id: i for i, request_id in enumerate(picked)}
     interval_s = checkpoint_interval_s(config, site_holds)

@@ -114,6 +114,13 @@ class PeerView:
             states[site_id] = me
         return states
 
+    def remember(self, state: SiteState) -> None:
+        """What a lease call of this process just wrote of its site (its held leases, its
+        free room): the process's next calls weigh that site as it is now."""
+        with self._lock:
+            if state.site_id in self._states:
+                self._states[state.site_id] = state
+
 
 @dataclass(frozen=True, slots=True)
 class SiteStatus:

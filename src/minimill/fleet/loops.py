@@ -1,6 +1,8 @@
 """The worker's loops over the leases it holds (see site/worker.py for the process around them).
 
-The lease loop asks for as many requests as the engine has free sequences; the heartbeat loop
+The lease loop asks for as many requests as the engine has free sequences (a busy worker
+gathers a few free slots first, and holds finished background results a moment to share a
+completion call: gathering.py); the heartbeat loop
 extends every lease each ttl/3 and sends checkpoints every lease's checkpoint_interval_s (the
 control plane's settings, streaming leases more often), each holding only what is new since the
 last accepted one, and hands back the leases its answers name (an outage of the site is near:
