@@ -41,8 +41,11 @@ class Settings(BaseSettings):
     background_price_factor: float = Field(default=0.5, ge=0)
     realtime_timeout_s: float = Field(default=600.0, gt=0)
     # Lease calls read the other sites as this process last read them, up to this old
-    # (control/site_view.py's PeerView; 0: read them all at every call).
-    peer_view_max_age_s: float = Field(default=0.5, ge=0)
+    # (control/site_view.py's PeerView; 0: read them all at every call). 0 by default: a
+    # view even half a second old can miss a site that just came online, and the first site
+    # to ask then takes work the two would share; fleets of hundreds of sites set it (bench
+    # control-plane runs with 0.5).
+    peer_view_max_age_s: float = Field(default=0.0, ge=0)
     # How often the janitor reaps leases and finalizes batches.
     janitor_interval_s: float = Field(default=0.5, gt=0)
     run_janitor: bool = True

@@ -99,7 +99,9 @@ def _percentiles(values: list[float]) -> dict[str, Any]:
 def _env(options: ControlPlaneBenchOptions, home: Path) -> dict[str, str]:
     return {**os.environ, "MINIMILL_HOME": str(home), "MINIMILL_LOG_LEVEL": "WARNING",
             "MINIMILL_LEASE_TTL_S": str(options.lease_ttl_s),
-            "MINIMILL_CHECKPOINT_INTERVAL_S": str(options.checkpoint_interval_s)}
+            "MINIMILL_CHECKPOINT_INTERVAL_S": str(options.checkpoint_interval_s),
+            # Placement's view of the other sites, as a large fleet would run (api/settings.py).
+            "MINIMILL_PEER_VIEW_MAX_AGE_S": os.environ.get("MINIMILL_PEER_VIEW_MAX_AGE_S", "0.5")}
 
 
 def _fresh_store(url: str) -> None:
