@@ -15,6 +15,7 @@ from engine_helpers import engine_logits
 from minimill.engine.llm import LLM
 from minimill.engine.params import InvalidRequestError, SamplingParams
 from minimill.models.loader import load_model
+from minimill.models.shapes import random_model
 from minimill.models.types import LoadedModel
 from tiny_hf import DEEPSEEK_V3, VOCAB, hf_greedy, save_tiny
 
@@ -289,3 +290,15 @@ def test_the_router_stays_float32_in_a_bf16_model(tiny: tuple[Path, Any]) -> Non
     experts = LLM(loaded, dtype="bfloat16", num_kv_blocks=8).engine.runner.model.layers[1].experts
     assert experts is not None and experts.score_bias is not None
     assert experts.router.dtype == experts.score_bias.dtype == torch.float32
+
+
+def test_random_weights_of_its_shape_run(tiny: tuple[Path, Any]) -> None:
+    """`bench engine --random-weights --shape`: the engine takes each random weight over as it
+    builds (release_weights), so every weight must be read exactly once."""
+    directory, _ = tiny
+    loaded = load_model(str(directory), torch.float32)
+    model = random_model("tiny-deepseek", loaded.config, torch.float32, loaded.tokenizer)
+    llm = LLM(model, dtype="float32", num_kv_blocks=16)
+    out = llm.generate([_prompts()[1]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert len(out.output_token_ids) == 4
+    assert not model.weights  # every weight was taken over

@@ -46,13 +46,21 @@ def load_experts(prefix: str, num_experts: int, w: Callable[[str], torch.Tensor]
                  pack: Callable[[torch.Tensor], torch.Tensor]) -> ExpertWeights:
     """Qwen3-MoE's experts under `prefix` ("model.layers.N.mlp.") in HF naming, fused and
     packed."""
+    gate_up, down = _expert_matrices(prefix, num_experts, w, pack)
+    return ExpertWeights(router=w(prefix + "gate.weight").contiguous(), gate_up=gate_up,
+                         down=down)
+
+
+def _expert_matrices(prefix: str, num_experts: int, w: Callable[[str], torch.Tensor],
+                     pack: Callable[[torch.Tensor], torch.Tensor]
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each expert's fused gate/up and its down projection, packed (Qwen3-MoE's naming)."""
     gate_up, down = [], []
     for e in range(num_experts):
         p = f"{prefix}experts.{e}."
         gate_up.append(pack(torch.cat([w(p + "gate_proj.weight"), w(p + "up_proj.weight")])))
         down.append(pack(w(p + "down_proj.weight")))
-    return ExpertWeights(router=w(prefix + "gate.weight").contiguous(), gate_up=gate_up,
-                         down=down)
+    return gate_up, down
 
 
 class WeightReader(Protocol):
@@ -66,10 +74,11 @@ def load_deepseek_experts(prefix: str, num_experts: int, w: WeightReader,
     """DeepSeek-V3's routed experts (Qwen3-MoE's naming) and its router's correction bias,
     both router tensors in float32 whatever the model dtype, as HF keeps them (the loader
     reads them so, hf_loader._FLOAT32_WEIGHTS)."""
-    weights = load_experts(prefix, num_experts, w, pack)
-    weights.router = w(prefix + "gate.weight", torch.float32).contiguous()
-    weights.score_bias = w(prefix + "gate.e_score_correction_bias", torch.float32).contiguous()
-    return weights
+    gate_up, down = _expert_matrices(prefix, num_experts, w, pack)
+    return ExpertWeights(
+        router=w(prefix + "gate.weight", torch.float32).contiguous(), gate_up=gate_up,
+        down=down,
+        score_bias=w(prefix + "gate.e_score_correction_bias", torch.float32).contiguous())
 
 
 def load_gpt_oss_experts(prefix: str, w: Callable[[str], torch.Tensor],
