@@ -9,6 +9,7 @@ run's token is among the other run's top-5 at that position, and comparison stop
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -89,3 +90,16 @@ def engine_logits(llm: LLM, prompts: list[list[int]], chunk: int | None = None
         for s in seqs:
             bm.free(s)
     return [torch.cat(r) for r in results]
+
+
+def assert_logits_match(llm: LLM, hf: Any, prompts: list[list[int]], label: str,
+                        tolerance: float = 1e-4) -> None:
+    """The engine's logits at every prompt position within `tolerance` (relative, per
+    position) of the transformers model `hf`'s, with the prompts whole and in two chunks (the
+    second attends to the first through the paged cache)."""
+    with torch.inference_mode():
+        refs = [hf(torch.tensor([p])).logits[0] for p in prompts]
+    for chunk in (None, 20):
+        for ours, ref in zip(engine_logits(llm, prompts, chunk), refs, strict=True):
+            err = ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).max()
+            assert err < tolerance, f"{label} chunk {chunk}: relative error {err:.2e}"

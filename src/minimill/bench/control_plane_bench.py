@@ -35,9 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import httpx
-
 from minimill.bench.control_plane_load import BatchJob, Realtime, batch_lines, exactly_once
+from minimill.bench.control_plane_store import fresh_store, pg_rows_written, register, store_counts
 from minimill.bench.local_fleet import BenchError, LocalProcess, free_port
 from minimill.bench.proc_tree import cpu_seconds, process_tree
 from minimill.bench.steal import StealMeter
@@ -104,34 +103,6 @@ def _env(options: ControlPlaneBenchOptions, home: Path) -> dict[str, str]:
             "MINIMILL_PEER_VIEW_MAX_AGE_S": os.environ.get("MINIMILL_PEER_VIEW_MAX_AGE_S", "0.5")}
 
 
-def _fresh_store(url: str) -> None:
-    """An empty store at `url` (a PostgreSQL database keeps its tables between runs)."""
-    from minimill.control.store import open_store
-    from minimill.control.tables import metadata
-
-    store = open_store(url)
-    try:
-        if store.is_postgres:
-            with store.write() as conn:
-                metadata.drop_all(conn)
-    finally:
-        store.close()
-
-
-def _register(setup: Setup) -> list[str]:
-    """The sites' tokens, and the tenants' keys in `setup.keys`."""
-    from minimill.control.keys import create_key
-    from minimill.control.sites import create_site
-    from minimill.control.store import open_store
-
-    store = open_store(setup.url)
-    try:
-        setup.keys = {t: create_key(store, t) for t in ("batch-tenant", "realtime-tenant")}
-        return [create_site(store, f"site-{i}", 1.0) for i in range(setup.sites)]
-    finally:
-        store.close()
-
-
 def _start_serves(setup: Setup, options: ControlPlaneBenchOptions) -> None:
     env = _env(options, setup.home)
     for i in range(setup.processes):
@@ -142,15 +113,8 @@ def _start_serves(setup: Setup, options: ControlPlaneBenchOptions) -> None:
         proc.start()
         setup.serves.append(proc)
         setup.ports.append(port)
-    deadline = time.time() + READY_TIMEOUT_S
     for proc, url in zip(setup.serves, setup.servers, strict=True):
-        key = proc.wait_for_log(r"OPENAI_API_KEY=(\S+)", timeout=READY_TIMEOUT_S).group(1)
-        while time.time() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/v1/models", timeout=2,
-                             headers={"Authorization": f"Bearer {key}"}).is_success:
-                    break
-            time.sleep(0.1)
+        proc.wait_for_serve(url, timeout=READY_TIMEOUT_S)
 
 
 def _start_drivers(setup: Setup, options: ControlPlaneBenchOptions,
@@ -214,50 +178,6 @@ def _serve_cpu(setup: Setup) -> dict[int, float]:
     return cpu_seconds(pids)
 
 
-def _pg_rows_written(url: str) -> int | None:
-    """Tuples inserted, updated and deleted in the store's database so far (PostgreSQL)."""
-    if not url.startswith("postgres"):
-        return None
-    from sqlalchemy import text
-
-    from minimill.control.store import open_store
-
-    store = open_store(url)
-    try:
-        with store.read() as conn:
-            return int(conn.execute(text(
-                "SELECT tup_inserted + tup_updated + tup_deleted FROM pg_stat_database "
-                "WHERE datname = current_database()")).scalar() or 0)
-    finally:
-        store.close()
-
-
-def _store_counts(url: str) -> dict[str, int]:
-    """Requests by status, and the sites' counters, as the store holds them."""
-    from sqlalchemy import func, select
-
-    from minimill.control.store import open_store
-    from minimill.control.tables import requests, sites
-
-    store = open_store(url)
-    try:
-        with store.read() as conn:
-            statuses: dict[str, int] = dict(conn.execute(select(requests.c.status, func.count())
-                                         .group_by(requests.c.status)).tuples().all())
-            totals = conn.execute(select(
-                func.coalesce(func.sum(sites.c.completions), 0),
-                func.coalesce(func.sum(sites.c.leases_expired), 0),
-                func.coalesce(func.sum(sites.c.stale_completions), 0),
-                func.coalesce(func.sum(sites.c.leases_granted), 0))).one()
-    finally:
-        store.close()
-    return {"succeeded": int(statuses.get("succeeded", 0)),
-            "unfinished": sum(n for s, n in statuses.items()
-                              if s not in ("succeeded", "failed", "cancelled", "expired")),
-            "completions_accepted": int(totals[0]), "leases_expired": int(totals[1]),
-            "stale_completions": int(totals[2]), "leases_granted": int(totals[3])}
-
-
 def _kill_one_when_half_done(setup: Setup, job: BatchJob, total: int) -> bool:
     """SIGKILL the last control-plane process once half the batch is done; True if it was."""
     counts = job.batch.get("request_counts") or {}
@@ -312,15 +232,15 @@ def _run_one(options: ControlPlaneBenchOptions, store: str, url: str, processes:
              sites: int, home: Path) -> dict[str, Any]:
     total = options.requests or max(200, 10 * sites)
     setup = Setup(store, url, processes, sites, home)
-    _fresh_store(url)
+    fresh_store(url)
     try:
         _start_serves(setup, options)
-        tokens = _register(setup)
+        setup.keys, tokens = register(url, setup.sites)
         _start_drivers(setup, options, tokens)
         # Unmeasured: every site's first calls, and the first batch's start-up costs (the
         # batch-jobs process, the first imports of each route).
         warm = _drive(setup, options, WARM_UP_REQUESTS, tag="warm")
-        rows_before = _pg_rows_written(url)
+        rows_before = pg_rows_written(url)
         _tell_drivers(setup, "mark")
         run = _drive(setup, options, total, may_kill=True)
         reports = _stop_drivers(setup)
@@ -328,8 +248,8 @@ def _run_one(options: ControlPlaneBenchOptions, store: str, url: str, processes:
         _stop_drivers(setup)
         for proc in setup.serves:
             proc.stop()
-    rows_after = _pg_rows_written(url)  # after the processes flushed their statistics
-    counts = _store_counts(url)
+    rows_after = pg_rows_written(url)  # after the processes flushed their statistics
+    counts = store_counts(url)
     latencies: dict[str, list[float]] = {}
     stats: dict[str, int] = {}
     for report in reports:

@@ -205,15 +205,8 @@ def _start_control_plane(home: Path) -> tuple[Any, str, str, int]:
     proc = LocalProcess([sys.executable, "-m", "minimill.cli", "serve", "--port", str(port),
                          "--no-local-worker", "--model", MODEL], env, home / "serve.log")
     proc.start()
-    key = proc.wait_for_log(r"OPENAI_API_KEY=(\S+)", timeout=120).group(1)
     server = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(server + "/v1/models", timeout=2,
-                         headers={"Authorization": f"Bearer {key}"}).is_success:
-                break
-        time.sleep(0.1)
+    key = proc.wait_for_serve(server, timeout=120)
     if proc.popen is None:
         raise RuntimeError("the control plane did not start")
     return proc, server, key, proc.popen.pid

@@ -64,6 +64,19 @@ class LocalProcess:
             time.sleep(0.1)
         raise BenchError(f"no {pattern!r} after {timeout:.0f}s; see {self.log_path}")
 
+    def wait_for_serve(self, server: str, timeout: float = READY_TIMEOUT_S) -> str:
+        """For a `minimill serve` process: its API key (from its log), once `server` (its
+        http://host:port) answers an authenticated /v1/models."""
+        deadline = time.time() + timeout
+        key = self.wait_for_log(r"OPENAI_API_KEY=(\S+)", timeout=timeout).group(1)
+        while time.time() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(server + "/v1/models", timeout=2,
+                             headers={"Authorization": f"Bearer {key}"}).is_success:
+                    break
+            time.sleep(0.1)
+        return key
+
     def kill9(self) -> None:
         if self.popen is not None and self.popen.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -128,14 +141,7 @@ class LocalFleet:
 
     def start(self) -> LocalFleet:
         self.serve.start()
-        self.key = self.serve.wait_for_log(r"OPENAI_API_KEY=(\S+)").group(1)
-        deadline = time.time() + READY_TIMEOUT_S
-        while time.time() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.base_url + "/models", timeout=2,
-                             headers={"Authorization": f"Bearer {self.key}"}).is_success:
-                    break
-            time.sleep(0.1)
+        self.key = self.serve.wait_for_serve(f"http://127.0.0.1:{self.port}")
         if self.local_worker:
             self.serve.wait_for_log(r"worker for site 'local' ready")
         return self

@@ -18,8 +18,9 @@ from minimill.control.tables import requests
 
 _LEASED = RequestStatus.LEASED.value
 _GRANTABLE = [s.value for s in lease_rules.GRANTABLE]
-_HELD = [s.value for s in lease_rules.HELD]
-_COMPLETABLE = [s.value for s in lease_rules.COMPLETABLE]
+# The state machine's status sets (lease_rules), as column values.
+HELD_STATUSES = [s.value for s in lease_rules.HELD]
+COMPLETABLE_STATUSES = [s.value for s in lease_rules.COMPLETABLE]
 
 # What a lease hands out of each row it grants.
 GRANTED = (requests.c.id, requests.c.epoch, requests.c.kind, requests.c.model,
@@ -43,7 +44,7 @@ GRANT = (update(requests)
 # Parameters: site_id, pairs (a list of (request id, epoch)), expires_at.
 EXTEND = (update(requests)
           .where(requests.c.site_id == bindparam("b_site_id", type_=String()),
-                 requests.c.status.in_(_HELD),
+                 requests.c.status.in_(HELD_STATUSES),
                  tuple_(requests.c.id, requests.c.epoch).in_(
                      bindparam("b_pairs", expanding=True)))
           .values(lease_expires_at=bindparam("b_expires_at", type_=Float()))
@@ -63,7 +64,7 @@ def _finish(**values: Any) -> Update:
             .where(requests.c.id == bindparam("b_request_id", type_=String()),
                    requests.c.epoch == bindparam("b_epoch", type_=Integer()),
                    requests.c.site_id == bindparam("b_site_id", type_=String()),
-                   requests.c.status.in_(_COMPLETABLE))
+                   requests.c.status.in_(COMPLETABLE_STATUSES))
             .values(finished_at=bindparam("b_now", type_=Float()), lease_expires_at=None,
                     version=requests.c.version + 1, progress=None, **values))
 

@@ -95,9 +95,6 @@ MAX_MODELS_RECORDED = 64
 MAX_COUNT = 2**31 - 1
 _QUEUED = RequestStatus.QUEUED.value
 _LEASED = RequestStatus.LEASED.value
-# The state machine's status sets (lease_rules), as column values.
-_HELD = [s.value for s in lease_rules.HELD]
-_COMPLETABLE = [s.value for s in lease_rules.COMPLETABLE]
 
 
 def _epoch_ok(epoch: int) -> bool:
@@ -196,7 +193,6 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
     expires_at = now + config.lease_ttl_s
     lease_id = new_id("lse_")
     policy = policy_for(config, policy)
-    granted = lease_sql.GRANTED
     with store.write() as conn:
         adopted: list[Any] = []
         held: list[str] = []
@@ -215,7 +211,7 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
                         lease_expires_at=expires_at, leased_at=now,
                         version=requests.c.version + 1,
                         lease_base_tokens=requests.c.checkpoint_tokens)
-                .returning(*granted)).all())
+                .returning(*lease_sql.GRANTED)).all())
             capacity = max(0, capacity - len(adopted))
         taken_back = {r.id for r in adopted}
         rows: list[Any] = []
@@ -408,7 +404,7 @@ def _requeue_refused(conn: Connection, site: Site, item: CompletionItem, why: st
     hit = conn.execute(
         update(requests)
         .where(requests.c.id == item.request_id, requests.c.epoch == item.epoch,
-               requests.c.site_id == site.id, requests.c.status.in_(_COMPLETABLE))
+               requests.c.site_id == site.id, requests.c.status.in_(lease_sql.COMPLETABLE_STATUSES))
         .values(status=_QUEUED, lease_id=None, lease_expires_at=None, progress=None,
                 checkpoint_tokens=0, lease_base_tokens=0,
                 version=requests.c.version + 1)).rowcount
@@ -460,7 +456,8 @@ def held_by(store: Store, site_id: str) -> int:
     with store.read() as conn:
         return int(conn.execute(
             select(func.count()).select_from(requests)
-            .where(requests.c.site_id == site_id, requests.c.status.in_(_HELD))).scalar() or 0)
+            .where(requests.c.site_id == site_id,
+                   requests.c.status.in_(lease_sql.HELD_STATUSES))).scalar() or 0)
 
 
 @retry_conflicts
@@ -470,7 +467,8 @@ def reap_expired(store: Store, now: float) -> int:
         rows = conn.execute(
             update(requests)
             # lease_rules.is_expired: held, and its expiry passed
-            .where(requests.c.status.in_(_HELD), requests.c.lease_expires_at < now)
+            .where(requests.c.status.in_(lease_sql.HELD_STATUSES),
+                   requests.c.lease_expires_at < now)
             .values(status=_QUEUED, lease_id=None, lease_expires_at=None,
                     version=requests.c.version + 1)
             .returning(requests.c.site_id)).scalars().all()

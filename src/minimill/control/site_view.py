@@ -89,10 +89,11 @@ class PeerView:
     `max_age_s` (0: at every call); the asking site itself is read at every call.
 
     Placement weighs the asking site against its peers: their free room, rates, prices and
-    outages, figures each peer's own calls rewrite every few seconds. A view a fraction of a
-    second old tells it no less than one read a moment before a peer's call would, and a
-    thousand sites' rows are then read a few times a second per process instead of at every
-    lease call. Nothing else depends on it: grants are still conditional UPDATEs of the rows.
+    outages. With a view up to `max_age_s` old, a thousand sites' rows are read a few times a
+    second per process instead of at every lease call; the price is that a peer which came
+    online within that age is missed, and the first site to ask takes work the two would have
+    shared (so the default age, api/settings.py, is 0). Grants stay conditional UPDATEs of the
+    rows whatever the view says.
     """
 
     def __init__(self, max_age_s: float) -> None:

@@ -19,6 +19,7 @@ from minimill.engine.attention import (
     write_kv_reference,
 )
 from minimill.engine.kv_int4 import paged_attention_int4_reference, write_kv_int4_reference
+from minimill.engine.rope import rotate
 from minimill.engine.sampler import (
     Adjustments,
     TokenMasks,
@@ -89,12 +90,8 @@ class TorchKernels:
         """(q rotated in the model dtype, k rotated in float32, v), each [tokens, heads, d]."""
         num_tokens = qkv.shape[0]
         head_dim = cos_sin.shape[1]
-        half = head_dim // 2
         qk = qkv[:, :(num_heads + num_kv_heads) * head_dim].view(num_tokens, -1, head_dim)
-        table = cos_sin[positions].unsqueeze(1)  # [tokens, 1, head_dim]
-        cos, sin = table[..., :half], table[..., half:]
-        x1, x2 = qk[..., :half].float(), qk[..., half:].float()
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        rotated = rotate(qk, cos_sin[positions].unsqueeze(1))  # table [tokens, 1, head_dim]
         # k goes to the cache from float32 (a bf16 cache rounds it once, int8 quantizes it).
         q, k = rotated[:, :num_heads].to(qkv.dtype), rotated[:, num_heads:]
         start = (num_heads + num_kv_heads) * head_dim

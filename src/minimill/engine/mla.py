@@ -37,6 +37,7 @@ from minimill.engine.attention import (
     write_values_reference,
 )
 from minimill.engine.kernels import TorchKernels
+from minimill.engine.rope import rotate
 from minimill.models.types import ModelConfig
 
 # Most (query, head, key) scores one attention call computes (float32: 256 MiB).
@@ -100,15 +101,6 @@ def load_mla(prefix: str, config: ModelConfig, w: Callable[[str], torch.Tensor],
         w_uv=kv_b[:, nope:].transpose(1, 2).contiguous())
 
 
-def _rotated(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """x [tokens, ..., d] rotated in float32 (HF's rotate_half pairing); table [tokens, ..., d]
-    holds cos in its first half and sin in its second."""
-    half = x.shape[-1] // 2
-    cos, sin = table[..., :half], table[..., half:]
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 def latent_view(kv_cache: torch.Tensor, layer: int) -> torch.Tensor:
     """One layer's latents in the pool, [blocks, 1, block elements] (a view)."""
     return kv_cache[:, layer, 0]
@@ -133,11 +125,11 @@ def mla_attention(ops: TorchKernels, x: torch.Tensor, positions: torch.Tensor,
     latent = a[:, weights.q_width:]
     c_kv = ops.rms_norm(latent[:, :rank].contiguous(), weights.kv_a_norm, eps)
     table = cos_sin[positions]  # [tokens, rope]
-    k_rope = _rotated(latent[:, rank:], table)
+    k_rope = rotate(latent[:, rank:], table)
     # The latent goes to the cache from the model dtype and float32 (as K and V do).
     write_values_reference(cache, torch.cat([c_kv.float(), k_rope], dim=-1)[:, None],
                            meta.slot_mapping, meta.block_size, as_k=False)
-    q_rope = _rotated(q[..., nope:], table[:, None]).to(x.dtype)
+    q_rope = rotate(q[..., nope:], table[:, None]).to(x.dtype)
     # [heads, tokens, nope] @ [heads, nope, rank]: each head's query in latent space.
     q_latent = torch.bmm(q[..., :nope].transpose(0, 1), weights.w_uk).transpose(0, 1)
     out_latent = _attend_latents(torch.cat([q_latent, q_rope], dim=-1), cache, meta, rank,

@@ -86,6 +86,15 @@ def inv_freq_and_scale(config: ModelConfig, max_model_len: int) -> tuple[torch.T
     raise InvalidRequestError(f"unsupported rope_scaling type {rope_type!r}")
 
 
+def rotate(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """x [..., d] rotated in float32 by rows of a RotaryEmbedding table broadcast to it
+    ([..., d]: cos in the first half, sin in the second; HF's rotate_half pairing)."""
+    half = x.shape[-1] // 2
+    cos, sin = table[..., :half], table[..., half:]
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
 class RotaryEmbedding:
     """cos and sin for every position below max_model_len, in one float32 table
     [positions, head_dim]: the first half holds cos, the second sin (HF's rotate_half
