@@ -21,6 +21,7 @@ from control_factory import (
 )
 from sqlalchemy import select
 
+from minimill.control import lease_queue
 from minimill.control.bodies import ChatBody, prepare_body
 from minimill.control.leases import (
     checkpoint_interval_s,
@@ -295,3 +296,21 @@ def test_a_sessions_turn_goes_to_the_site_that_reported_it_and_cached_tokens_bil
     prompt = chat_prompt_tokens("next turn " * 40)
     assert record.prompt_tokens == prompt > 64
     assert record.billed_usd == pytest.approx(((prompt - 64) * 10.0 + 64 * 1.0 + 2 * 20.0) / 1e6)
+
+
+def test_work_queued_after_the_queue_looked_empty_waits_for_a_call_that_sees_the_peers(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On PostgreSQL each statement sees what committed before it: a batch's lines can commit
+    between a lease call's "anything queued?" (no: only the asking site is read) and its read
+    of the queue. Placing them then would place them without the peers, and a dear site would
+    take what a cheaper one with room should get; they wait for the next call instead."""
+    owner = tenant(store)
+    cheap, dear = site(store, "cheap", 0.05), site(store, "dear", 0.50)
+    now = time.time()
+    assert lease(store, cheap, ask(), now, CONFIG).leases == []  # cheap has room, and said so
+    batch(store, owner, [chat_line("a"), chat_line("b")], now=now)
+    monkeypatch.setattr(lease_queue, "any_queued", lambda conn: False)  # committed just after
+    assert lease(store, dear, ask(), now + 0.1, CONFIG).leases == []
+    monkeypatch.undo()
+    assert lease(store, dear, ask(), now + 0.2, CONFIG).leases == []  # the cheap site's work
+    assert len(lease(store, cheap, ask(), now + 0.3, CONFIG).leases) == 2

@@ -23,7 +23,8 @@ def _bench(*args: str) -> dict[str, Any]:
 
 
 def test_bench_control_plane_reports_exactly_once_completion() -> None:
-    report = _bench("--sites", "5", "--requests", "50", "--request-s", "0.2")
+    # Requests outlast the checkpoint interval (1 s): each is heartbeated at least once.
+    report = _bench("--sites", "5", "--requests", "50", "--request-s", "1.5")
     assert report["cpu_model"]
     (run,) = report["runs"]
     assert (run["store"], run["processes"], run["sites"], run["requests"]) == (

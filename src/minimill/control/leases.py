@@ -138,7 +138,8 @@ def _snapshot(conn: Connection, site: Site, ask: LeaseRequest, capacity: int, mo
     """The state placement decides on: every site (as `peers` last read them, the asking one
     read now), and enough of the queue to find what the asking site gets after the peers that
     go before it take theirs."""
-    if capacity <= 0 or not lease_queue.any_queued(conn):
+    queued = capacity > 0 and lease_queue.any_queued(conn)
+    if not queued:
         # Nothing to place: only the asking site matters (what it holds, for its row).
         own = site_state(conn, site.id)
         states = {} if own is None else {site.id: own}
@@ -152,7 +153,9 @@ def _snapshot(conn: Connection, site: Site, ask: LeaseRequest, capacity: int, mo
         states[site.id] = me
     bare = Snapshot(site=me, capacity=capacity, models=frozenset(models),
                     candidates=(), sites=tuple(states.values()))
-    if capacity <= 0:
+    if not queued:
+        # Work queued since (PostgreSQL's statements each see what committed before them)
+        # waits for the next call: placed now, it would be placed without the peers.
         return bare
     window = min(capacity + reserved_slots(bare, now, policy), MAX_CANDIDATES)
     queue = lease_queue.read(conn, models, window, now, policy.default_remaining_tokens,

@@ -21,12 +21,12 @@ import functools
 import queue
 import secrets
 import time
-from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
 
+from minimill.engine.busy_rate import BusyRate
 from minimill.engine.config import EngineConfig
 from minimill.engine.frontend import EngineLimits, check_tokens
 from minimill.engine.guided import Guides, StepMasks
@@ -38,7 +38,6 @@ from minimill.engine.scheduler import ModelOutput, Scheduler, SchedulerOutput
 from minimill.engine.sequence import RequestStatus, Sequence
 from minimill.models.types import LoadedModel
 
-_THROUGHPUT_WINDOW_S = 30.0
 # Lanes run while at least this many requests per core are running: below it a lane's
 # GEMMs have too few rows to pay for every core reading every weight (core_split.py).
 LANE_MIN_REQUESTS = 32
@@ -85,7 +84,8 @@ class EngineCore:
         self.vocab_size = loaded.config.vocab_size
         self.guides = Guides(loaded.tokenizer, self.vocab_size, self.eos_token_ids)
         self._pending: list[TokenDelta] = []  # finished at admission (resumed past max_tokens)
-        self._recent: deque[tuple[float, int]] = deque()  # (time, output tokens) per step
+        self._busy_rate = BusyRate()
+        self._lane_started: dict[int, float] = {}  # lane -> when its running step started
         # Steps that ran the model, and the sequences they ran: their ratio is the mean batch.
         self.num_steps = 0
         self.num_step_seqs = 0
@@ -178,6 +178,7 @@ class EngineCore:
                 self._start_lanes(lanes)
             return result
         self.drain_lanes(result)
+        started = time.monotonic()
         scheduled = self.scheduler.schedule()
         self._move_blocks()
         if scheduled.is_empty:
@@ -191,11 +192,11 @@ class EngineCore:
             for entry in scheduled.scheduled:
                 self._fail(entry.seq.request_id, exc, result)
             return result
-        self._finish_step(scheduled, model_output, result)
+        self._finish_step(scheduled, model_output, result, started)
         return result
 
     def _finish_step(self, scheduled: SchedulerOutput, model_output: ModelOutput,
-                     result: StepResult) -> None:
+                     result: StepResult, started: float) -> None:
         self.num_steps += 1
         self.num_step_seqs += len(scheduled.scheduled)
         updated = self.scheduler.update_from_output(scheduled, model_output)
@@ -210,7 +211,8 @@ class EngineCore:
             except Exception as exc:  # one request's text processing failed: only it ends
                 self._fail(seq.request_id, exc, result)
         # Output tokens: an embedding request's vector is none.
-        self._record_throughput(sum(1 for seq in updated if not seq.params.embed))
+        self._busy_rate.record(started, time.monotonic(),
+                               sum(1 for seq in updated if not seq.params.embed))
 
     def _lanes_wanted(self) -> int:
         """How many lanes to step now: 0 for steps over the whole machine."""
@@ -232,6 +234,7 @@ class EngineCore:
             if scheduled.is_empty:
                 continue
             self._in_flight[lane] = scheduled
+            self._lane_started[lane] = time.monotonic()
             masks = self._attach_masks(scheduled)
             self.runner.start(scheduled, lane, lanes, functools.partial(self._report, lane))
             if masks is not None:
@@ -267,9 +270,10 @@ class EngineCore:
 
     def _finish_lane(self, lane: int, ok: bool, value: object, result: StepResult) -> None:
         scheduled = self._in_flight.pop(lane)
+        started = self._lane_started.pop(lane)
         if ok:
             assert isinstance(value, ModelOutput)
-            self._finish_step(scheduled, value, result)
+            self._finish_step(scheduled, value, result, started)
         else:  # the lane's batch failed: fail its requests, keep the engine alive
             assert isinstance(value, BaseException)
             for entry in scheduled.scheduled:
@@ -322,12 +326,8 @@ class EngineCore:
         self.tiers.close()
 
     def recent_output_tok_s(self) -> float:
-        """Output tokens per second over the last few tens of seconds of stepping."""
-        if len(self._recent) < 2:
-            return 0.0
-        span = self._recent[-1][0] - self._recent[0][0]
-        tokens = sum(n for _, n in list(self._recent)[1:])
-        return tokens / span if span > 0 else 0.0
+        """Output tokens per busy second over the last few tens of seconds (busy_rate.py)."""
+        return self._busy_rate.tokens_per_s()
 
     def _process(self, seq: Sequence) -> TokenDelta:
         state = self.outputs.texts[seq.request_id]
@@ -351,9 +351,3 @@ class EngineCore:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self.outputs.remove(request_id)
         result.failures[request_id] = exc
-
-    def _record_throughput(self, num_tokens: int) -> None:
-        now = time.monotonic()
-        self._recent.append((now, num_tokens))
-        while self._recent and now - self._recent[0][0] > _THROUGHPUT_WINDOW_S:
-            self._recent.popleft()
