@@ -1,8 +1,12 @@
-"""Loading a GGUF file (llama / qwen2 architectures) into a LoadedModel in HF naming and layout.
+"""Loading a GGUF file (llama, qwen2, qwen3, qwen3moe architectures) into a LoadedModel in HF
+naming and layout.
 
 llama.cpp's converter permutes the rows of Q and K for llama models so that rotary embedding
 pairs adjacent dimensions; HF pairs dimension i with i + head_dim/2 (rotate_half). The
-permutation is undone here, so the engine and HF transformers see the same weights.
+permutation is undone here, so the engine and HF transformers see the same weights. Qwen's
+converters keep HF's order. A mixture of experts stores each layer's experts stacked in one
+tensor per projection (`blk.N.ffn_gate_exps`, [experts, out, in]); they are split into HF's
+per-expert names, and a layer without a router (`ffn_gate_inp`) is dense.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from minimill.models.shape_check import check_shapes
 from minimill.models.tokenizer import END_OF_TURN_TOKENS, Tokenizer
 from minimill.models.types import LoadedModel, ModelConfig, ModelFileError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
+# GGUF's architecture names that the engine spells otherwise (ModelConfig.architecture).
+_ENGINE_ARCHITECTURE = {"qwen3moe": "qwen3_moe"}
 PROGRESS_EVERY_S = 2.0
 log = logging.getLogger("minimill.models")
 
@@ -41,7 +47,13 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",
 }
+# Stacked experts: one tensor per layer and projection, split into HF's per-expert names.
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                 "ffn_down_exps": "down_proj"}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 
 
@@ -54,6 +66,15 @@ def hf_tensor_name(gguf_name: str) -> str | None:
         return None
     layer, part, kind = match.groups()
     return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+
+
+def hf_expert_names(gguf_name: str, num_experts: int) -> list[str] | None:
+    """HF names of each expert's slice of a stacked expert tensor (None: not one)."""
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _EXPERT_NAMES or match.group(3) != "weight":
+        return None
+    layer, part = match.group(1), _EXPERT_NAMES[match.group(2)]
+    return [f"model.layers.{layer}.mlp.experts.{e}.{part}.weight" for e in range(num_experts)]
 
 
 def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -102,17 +123,21 @@ def config_from_gguf(header: GGUFHeader, tokenizer: Tokenizer) -> ModelConfig:
     num_heads = int(_meta(header, f"{arch}.attention.head_count"))
     head_dim = int(header.metadata.get(f"{arch}.attention.key_length", hidden // num_heads))
     vocab = len(header.metadata.get("tokenizer.ggml.tokens") or ())
+    num_layers = int(_meta(header, f"{arch}.block_count"))
     eos_ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     for token in END_OF_TURN_TOKENS:
         token_id = tokenizer.token_to_id(token)
         if token_id is not None and token_id not in eos_ids:
             eos_ids.append(token_id)
+    experts = _experts(header, arch, num_layers)
     return ModelConfig(
-        architecture=arch,
+        architecture=_ENGINE_ARCHITECTURE.get(arch, arch),
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(_meta(header, f"{arch}.feed_forward_length")),
-        num_hidden_layers=int(_meta(header, f"{arch}.block_count")),
+        # A mixture of experts may declare no dense width (no dense layer needs one).
+        intermediate_size=int(header.metadata.get(f"{arch}.feed_forward_length", 0)
+                              if experts else _meta(header, f"{arch}.feed_forward_length")),
+        num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=int(header.metadata.get(f"{arch}.attention.head_count_kv",
                                                     num_heads)),
@@ -125,7 +150,22 @@ def config_from_gguf(header: GGUFHeader, tokenizer: Tokenizer) -> ModelConfig:
         rope_scaling=_rope_scaling(header, arch),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tuple(eos_ids),
+        qk_norm="blk.0.attn_q_norm.weight" in header.tensors,
+        **experts,
     )
+
+
+def _experts(header: GGUFHeader, arch: str, num_layers: int) -> dict[str, Any]:
+    """The ModelConfig fields of a mixture of experts (none for a dense model). llama.cpp
+    normalises a Qwen3-MoE token's top-k weights unless the file says otherwise."""
+    if arch != "qwen3moe":
+        return {}
+    return {"num_experts": int(_meta(header, f"{arch}.expert_count")),
+            "num_experts_per_tok": int(_meta(header, f"{arch}.expert_used_count")),
+            "moe_intermediate_size": int(_meta(header, f"{arch}.expert_feed_forward_length")),
+            "norm_topk_prob": bool(header.metadata.get(f"{arch}.expert_weights_norm", True)),
+            "dense_layers": tuple(i for i in range(num_layers)
+                                  if f"blk.{i}.ffn_gate_inp.weight" not in header.tensors)}
 
 
 class Progress:
@@ -166,10 +206,20 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.bfloat16,
         for info in header.tensors.values():
             progress.step()
             hf_name = hf_tensor_name(info.name)
-            if hf_name is None:
+            expert_names = hf_expert_names(info.name, config.num_experts)
+            if hf_name is None and expert_names is None:
                 raise ModelFileError(f"{path}: unexpected tensor {info.name!r}")
+            if expert_names is not None and info.shape[:1] != (config.num_experts,):
+                raise ModelFileError(f"{path}: tensor {info.name!r} has shape {info.shape}, "
+                                     f"metadata implies {config.num_experts} experts")
             tensor = dequantize(read_tensor_bytes(f, info, path), info.ggml_type, info.shape,
                                 dtype)
+            if expert_names is not None:
+                # Each its own storage: the warm cache's safetensors refuse shared ones.
+                weights.update(zip(expert_names, (t.clone() for t in tensor.unbind(0)),
+                                   strict=True))
+                continue
+            assert hf_name is not None
             if config.architecture == "llama" and ".attn_q." in info.name:
                 tensor = unpermute_rope_rows(tensor, config.num_attention_heads)
             elif config.architecture == "llama" and ".attn_k." in info.name:

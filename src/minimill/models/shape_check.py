@@ -20,12 +20,20 @@ def check_shapes(path: Path, config: ModelConfig, weights: dict[str, torch.Tenso
             (config.num_attention_heads * config.head_dim, config.hidden_size),
         "model.layers.0.self_attn.k_proj.weight":
             (config.num_key_value_heads * config.head_dim, config.hidden_size),
-        "model.layers.0.mlp.up_proj.weight": (config.intermediate_size, config.hidden_size),
+        _mlp(config, 0, "up_proj"): (config.moe_intermediate_size if config.is_moe(0)
+                                     else config.intermediate_size, config.hidden_size),
     }
     for key, shape in expected.items():
         got = tuple(weights[key].shape) if key in weights else None
         if got != shape:
             raise ModelFileError(f"{path}: tensor {key} has shape {got}, metadata implies {shape}")
-    last = f"model.layers.{config.num_hidden_layers - 1}.mlp.down_proj.weight"
+    last = _mlp(config, config.num_hidden_layers - 1, "down_proj")
     if last not in weights:
         raise ModelFileError(f"{path}: {config.num_hidden_layers} layers declared, {last} missing")
+
+
+def _mlp(config: ModelConfig, layer: int, projection: str) -> str:
+    """A layer's MLP weight: of its last expert where the layer is a mixture of experts."""
+    if config.is_moe(layer):
+        return f"model.layers.{layer}.mlp.experts.{config.num_experts - 1}.{projection}.weight"
+    return f"model.layers.{layer}.mlp.{projection}.weight"
