@@ -314,3 +314,27 @@ def test_work_queued_after_the_queue_looked_empty_waits_for_a_call_that_sees_the
     monkeypatch.undo()
     assert lease(store, dear, ask(), now + 0.2, CONFIG).leases == []  # the cheap site's work
     assert len(lease(store, cheap, ask(), now + 0.3, CONFIG).leases) == 2
+
+
+def test_with_a_long_queue_a_site_beside_an_equal_peer_fills_its_room(store: Store) -> None:
+    """A lease call reads the queue only as far as the asking site's own room (no peer goes
+    before it); the equal peer's room is counted past it, so its fair share of a long queue
+    is all it has room for, not half of what it read."""
+    owner = tenant(store)
+    left, right = site(store, "left"), site(store, "right")
+    now = time.time()
+    assert lease(store, right, ask(capacity=4), now, CONFIG).leases == []  # room, said so
+    batch(store, owner, [chat_line(f"l{i}") for i in range(20)], now=now)
+    assert len(lease(store, left, ask(capacity=4), now + 0.1, CONFIG).leases) == 4
+    assert len(lease(store, right, ask(capacity=4), now + 0.2, CONFIG).leases) == 4
+
+
+def test_a_short_queue_is_shared_with_an_equal_peer(store: Store) -> None:
+    owner = tenant(store)
+    left, right = site(store, "left"), site(store, "right")
+    now = time.time()
+    assert lease(store, right, ask(capacity=4), now, CONFIG).leases == []
+    batch(store, owner, [chat_line(f"l{i}") for i in range(6)], now=now)
+    # Its share of the six, in proportion to the room of each: three; the rest is the peer's.
+    assert len(lease(store, left, ask(capacity=4), now + 0.1, CONFIG).leases) == 3
+    assert len(lease(store, right, ask(capacity=4), now + 0.2, CONFIG).leases) == 3

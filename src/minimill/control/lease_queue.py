@@ -89,6 +89,21 @@ def _candidates(conn: Connection, tier: Tier, models: list[str], limit: int, now
             for r in conn.execute(_candidates_query(tier, tenant_id is not None), params)]
 
 
+def count_background(conn: Connection, models: list[str], now: float, limit: int) -> int:
+    """Queued background requests a site serving `models` could get, counted up to `limit`
+    (an index range, no rows built)."""
+    return int(conn.execute(_COUNT_BACKGROUND, {"b_models": models, "b_now": now,
+                                                "b_limit": limit}).scalar_one())
+
+
+_COUNT_BACKGROUND = select(func.count()).select_from(
+    select(requests.c.id)
+    .where(requests.c.status == _QUEUED, requests.c.tier == Tier.BACKGROUND.value,
+           requests.c.model.in_(bindparam("b_models", expanding=True)),
+           requests.c.deadline >= bindparam("b_now", type_=Float()))
+    .limit(bindparam("b_limit", type_=Integer())).subquery())
+
+
 @functools.cache
 def _candidates_query(tier: Tier, of_one_tenant: bool) -> Select[Any]:
     """The queue read of `_candidates` (parameters b_models, b_now, b_limit, b_tenant)."""

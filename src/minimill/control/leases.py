@@ -56,7 +56,8 @@ from minimill.control.placement import (
     Snapshot,
     needs_backlog,
     place,
-    reserved_slots,
+    shared_slots,
+    slots_ahead,
 )
 from minimill.control.prompt_count import counter_for
 from minimill.control.records import (
@@ -157,12 +158,24 @@ def _snapshot(conn: Connection, site: Site, ask: LeaseRequest, capacity: int, mo
         # Work queued since (PostgreSQL's statements each see what committed before them)
         # waits for the next call: placed now, it would be placed without the peers.
         return bare
-    window = min(capacity + reserved_slots(bare, now, policy), MAX_CANDIDATES)
+    # Read what the asking site could get: its capacity past what the peers that go first
+    # take. Its equals' room is counted, not read: rows cost far more to read than to count
+    # (a thousand equal sites would read thousands of rows at every call, and on PostgreSQL
+    # lock them from each other).
+    window = min(capacity + slots_ahead(bare, now, policy), MAX_CANDIDATES)
     queue = lease_queue.read(conn, models, window, now, policy.default_remaining_tokens,
                              default_weight)
+    beyond = 0
+    sharing = shared_slots(bare, now, policy)
+    read = sum(1 for c in queue.candidates if c.tier != Tier.REALTIME)
+    if sharing and read >= window:
+        counted = lease_queue.count_background(conn, models, now,
+                                               min(window + sharing, MAX_CANDIDATES))
+        beyond = max(0, counted - read)
     backlog = _backlog(conn) if queue.candidates and needs_backlog(bare, now, policy) else ()
     return replace(bare, candidates=queue.candidates, backlog=backlog,
-                   tenant_load=queue.tenant_load, tenant_weights=queue.tenant_weights)
+                   tenant_load=queue.tenant_load, tenant_weights=queue.tenant_weights,
+                   background_beyond=beyond)
 
 
 def _declared(ask: LeaseRequest) -> dict[str, Any]:

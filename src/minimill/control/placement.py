@@ -144,6 +144,9 @@ class Snapshot:
     # holds leased now, and its weight (default 1).
     tenant_load: Mapping[str, float] = field(default_factory=dict)
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    # Queued background requests past the candidates read (counted up to the equals' free
+    # room, not read): they count in the asking site's fair share.
+    background_beyond: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,13 +264,21 @@ def needs_backlog(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFA
                for p in _peers(snapshot))
 
 
-def reserved_slots(snapshot: Snapshot, now: float,
-                   policy: PlacementPolicy = DEFAULT_POLICY) -> int:
-    """Free capacity of peers that go before the asking site or share with it: how far past
-    its own capacity the queue must be read to find what it would get (and its fair share)."""
+def slots_ahead(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLICY) -> int:
+    """Free capacity of the peers that take work before the asking site (faster for realtime,
+    cheaper for background): how far past its own capacity the queue must be read to find what
+    it gets."""
     me = snapshot.site
     return sum(site_health.free_slots(p, now, policy) for p in _peers(snapshot)
-               if ranking.faster(p, me, now, policy) or not ranking.cheaper(me, p, now, policy))
+               if ranking.faster(p, me, now, policy) or ranking.cheaper(p, me, now, policy))
+
+
+def shared_slots(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLICY) -> int:
+    """Free capacity of the asking site's equals (neither faster nor cheaper): how far past
+    what it reads the queue must be counted to know its fair share of the background work."""
+    me = snapshot.site
+    return sum(site_health.free_slots(p, now, policy) for p in _peers(snapshot)
+               if not ranking.faster(p, me, now, policy) and ranking.equal(p, me, now, policy))
 
 
 def deadline_at_risk(snapshot: Snapshot, now: float,
@@ -381,7 +392,8 @@ def place(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLI
     # A cheaper hour ahead that still meets the deadline: leave it queued until then.
     shared = [c for c in shared if urgent(c) or not defer_background(
         me, c.deadline, policy.estimated_seconds(c), now, policy)]
-    share = fair_share(snapshot, len(picked), equals.peers, len(shared), now, policy)
+    share = fair_share(snapshot, len(picked), equals.peers,
+                       len(shared) + snapshot.background_beyond, now, policy)
     taken = 0
     for candidate in shared:
         if len(picked) >= snapshot.capacity:
