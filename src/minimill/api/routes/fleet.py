@@ -45,6 +45,11 @@ from minimill.transport.protocol import (
     ReleaseResponse,
 )
 
+# Lease transactions running at once in one process. On SQLite they queue for its one write
+# lock anyway; unbounded, a thousand sites' lease calls held every thread of the pool waiting
+# for it, and the heartbeats and completions that free their slots found none.
+LEASE_THREADS = 8
+
 router = APIRouter(prefix=FLEET_PREFIX, tags=["fleet"], responses=error_responses(400, 401, 403))
 LeaseWakeupDep = Annotated[Wakeup, Depends(lease_wakeup)]
 
@@ -55,8 +60,9 @@ async def lease(ask: LeaseRequest, request: Request, store: StoreDep, site: Toke
     """Work for the worker; with `wait_s`, held open until there is some or the time is up."""
     deadline = time.monotonic() + min(ask.wait_s, config.lease_ttl_s / 3)
     peers = request.app.state.peer_view
+    threads = _lease_threads(request)
     answer = await anyio.to_thread.run_sync(leases.lease, store, site, ask, time.time(),
-                                            config, DEFAULT_POLICY, peers)
+                                            config, DEFAULT_POLICY, peers, limiter=threads)
     while True:
         left = deadline - time.monotonic()
         if answer.leases or left <= 0:
@@ -77,7 +83,15 @@ async def lease(ask: LeaseRequest, request: Request, store: StoreDep, site: Toke
             update["capacity"] = max(0, ask.slots - held)
         ask = ask.model_copy(update=update)
         answer = await anyio.to_thread.run_sync(leases.lease, store, site, ask, time.time(),
-                                                config, DEFAULT_POLICY, peers)
+                                                config, DEFAULT_POLICY, peers, limiter=threads)
+
+
+def _lease_threads(request: Request) -> anyio.CapacityLimiter:
+    """This app's limiter of lease threads (made on first use, in the loop that serves it)."""
+    limiter: anyio.CapacityLimiter | None = getattr(request.app.state, "lease_threads", None)
+    if limiter is None:
+        limiter = request.app.state.lease_threads = anyio.CapacityLimiter(LEASE_THREADS)
+    return limiter
 
 
 @router.post("/heartbeat", response_model=HeartbeatResponse)
