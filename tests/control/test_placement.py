@@ -17,9 +17,8 @@ from minimill.control.placement import (
     Snapshot,
     deadline_at_risk,
     needs_backlog,
+    peer_room,
     place,
-    shared_slots,
-    slots_ahead,
 )
 from minimill.control.records import Tier
 
@@ -259,19 +258,19 @@ def test_a_deadline_at_risk_lets_a_dear_site_help() -> None:
     assert ask_as(dear, *queue[46:], others=(cheap,), backlog=backlog(soon, 46)) == []
 
 
-def test_slots_ahead_count_only_peers_that_go_first_and_equals_apart() -> None:
+def test_peer_room_counts_only_peers_that_go_first_and_equals_apart() -> None:
     me = peer("me", price=0.1, tps=100.0)
     others = (peer("cheaper", price=0.01, free=5), peer("faster", tps=1000.0, free=7),
               peer("dearer", price=1.0, free=100), peer("cheap-but-stale", price=0.01,
                                                         capacity_at=NOW - 60))
     snapshot = Snapshot(site=me, capacity=4, models=frozenset({"m"}), candidates=(),
                         sites=(me, *others))
-    assert slots_ahead(snapshot, NOW) == 12 and shared_slots(snapshot, NOW) == 0
+    assert peer_room(snapshot, NOW) == (12, 0)
     # An equal peer's free slots are counted apart: the asking site must know how much work
     # it shares, not read it.
     equal = peer("equal", free=9)
     with_equal = replace(snapshot, sites=(me, *others, equal))
-    assert slots_ahead(with_equal, NOW) == 12 and shared_slots(with_equal, NOW) == 9
+    assert peer_room(with_equal, NOW) == (12, 9)
     assert not needs_backlog(replace(snapshot, sites=(me, others[2])), NOW)
 
 

@@ -14,9 +14,9 @@ from engine_helpers import assert_greedy_close
 from gguf import MODEL_ARCH, GGUFWriter, get_tensor_name_map
 from safetensors.torch import load_file
 
+from gguf_factory import add_tokenizer, finish
 from minimill.engine.llm import LLM
 from minimill.engine.params import SamplingParams
-from minimill.models.gguf_file import read_gguf_header
 from minimill.models.loader import load_model
 from minimill.models.types import LoadedModel, ModelFileError
 from tiny_hf import VOCAB, hf_greedy, save_tiny
@@ -52,7 +52,6 @@ def write_gguf(path: Path, arch: str, directory: Path, hf: Any, tokenizer_source
     cfg = hf.config
     num_experts = int(getattr(cfg, "num_experts", 0) or 0)
     names = get_tensor_name_map(GGUF_ARCH[arch], cfg.num_hidden_layers)
-    meta = read_gguf_header(tokenizer_source).metadata
     writer = GGUFWriter(path, arch=GGUF_ARCH[arch].name.lower())
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -69,24 +68,14 @@ def write_gguf(path: Path, arch: str, directory: Path, hf: Any, tokenizer_source
         writer.add_expert_count(expert_count or num_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
-    writer.add_token_list(meta["tokenizer.ggml.tokens"])
-    writer.add_token_types(meta["tokenizer.ggml.token_type"])
-    writer.add_token_merges(meta["tokenizer.ggml.merges"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_chat_template(meta["tokenizer.chat_template"])
+    add_tokenizer(writer, tokenizer_source)
     # The checkpoint's files, as llama.cpp's converter reads them (one tensor per expert).
     state = {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
     for name, tensor in _stacked(state, cfg.num_hidden_layers, num_experts).items():
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
         writer.add_tensor(gguf_name, tensor.float().numpy().astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 @pytest.fixture(scope="module", params=list(GGUF_ARCH))

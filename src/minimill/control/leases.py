@@ -55,9 +55,8 @@ from minimill.control.placement import (
     PlacementPolicy,
     Snapshot,
     needs_backlog,
+    peer_room,
     place,
-    shared_slots,
-    slots_ahead,
 )
 from minimill.control.prompt_count import counter_for
 from minimill.control.records import (
@@ -162,11 +161,11 @@ def _snapshot(conn: Connection, site: Site, ask: LeaseRequest, capacity: int, mo
     # take. Its equals' room is counted, not read: rows cost far more to read than to count
     # (a thousand equal sites would read thousands of rows at every call, and on PostgreSQL
     # lock them from each other).
-    window = min(capacity + slots_ahead(bare, now, policy), MAX_CANDIDATES)
+    ahead, sharing = peer_room(bare, now, policy)
+    window = min(capacity + ahead, MAX_CANDIDATES)
     queue = lease_queue.read(conn, models, window, now, policy.default_remaining_tokens,
                              default_weight)
     beyond = 0
-    sharing = shared_slots(bare, now, policy)
     read = sum(1 for c in queue.candidates if c.tier != Tier.REALTIME)
     if sharing and read >= window:
         counted = lease_queue.count_background(conn, models, now,

@@ -264,21 +264,23 @@ def needs_backlog(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFA
                for p in _peers(snapshot))
 
 
-def slots_ahead(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLICY) -> int:
+def peer_room(snapshot: Snapshot, now: float,
+              policy: PlacementPolicy = DEFAULT_POLICY) -> tuple[int, int]:
     """Free capacity of the peers that take work before the asking site (faster for realtime,
     cheaper for background): how far past its own capacity the queue must be read to find what
-    it gets."""
+    it gets; and of its equals (neither): how far past that the queue must be counted to know
+    its fair share of the background work. One pass over the peers."""
     me = snapshot.site
-    return sum(site_health.free_slots(p, now, policy) for p in _peers(snapshot)
-               if ranking.faster(p, me, now, policy) or ranking.cheaper(p, me, now, policy))
-
-
-def shared_slots(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLICY) -> int:
-    """Free capacity of the asking site's equals (neither faster nor cheaper): how far past
-    what it reads the queue must be counted to know its fair share of the background work."""
-    me = snapshot.site
-    return sum(site_health.free_slots(p, now, policy) for p in _peers(snapshot)
-               if not ranking.faster(p, me, now, policy) and ranking.equal(p, me, now, policy))
+    ahead = shared = 0
+    for p in _peers(snapshot):
+        room = site_health.free_slots(p, now, policy)
+        if not room:
+            continue
+        if ranking.faster(p, me, now, policy) or ranking.cheaper(p, me, now, policy):
+            ahead += room
+        elif not ranking.cheaper(me, p, now, policy):
+            shared += room
+    return ahead, shared
 
 
 def deadline_at_risk(snapshot: Snapshot, now: float,

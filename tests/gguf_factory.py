@@ -73,7 +73,6 @@ def write_tiny_gguf(path: Path, arch: str, weights: dict[str, torch.Tensor],
                     extra: dict[str, Any] | None = None) -> None:
     """A GGUF of `arch` with `weights` (HF layout; permuted for llama as llama.cpp does) and
     the tokenizer metadata of `tokenizer_source` (a real GGUF)."""
-    meta = read_gguf_header(tokenizer_source).metadata
     writer = GGUFWriter(path, arch=arch)
     writer.add_block_count(LAYERS)
     writer.add_context_length(2048)
@@ -85,20 +84,31 @@ def write_tiny_gguf(path: Path, arch: str, weights: dict[str, torch.Tensor],
     writer.add_layer_norm_rms_eps(1e-5)
     for key, value in (extra or {}).items():
         getattr(writer, key)(value)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(meta["tokenizer.ggml.tokens"])
-    writer.add_token_types(meta["tokenizer.ggml.token_type"])
-    writer.add_token_merges(meta["tokenizer.ggml.merges"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_chat_template(meta["tokenizer.chat_template"])
+    add_tokenizer(writer, tokenizer_source, pre)
     for name, tensor in weights.items():
         if arch == "llama" and ".q_proj." in name:
             tensor = llama_cpp_permute(tensor, HEADS)
         elif arch == "llama" and ".k_proj." in name:
             tensor = llama_cpp_permute(tensor, KV_HEADS)
         writer.add_tensor(gguf_name(name), tensor.numpy().astype(np.float32))
+    finish(writer)
+
+
+def add_tokenizer(writer: GGUFWriter, source: Path, pre: str | None = None) -> None:
+    """The byte-level BPE tokenizer of `source` (a real GGUF), with its pre-tokenizer or
+    `pre`."""
+    meta = read_gguf_header(source).metadata
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre or meta["tokenizer.ggml.pre"])
+    writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_token_merges(meta["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(meta["tokenizer.chat_template"])
+
+
+def finish(writer: GGUFWriter) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
