@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 from gguf import RopeScalingType
+
 from gguf_factory import (
     HEADS,
     KV_HEADS,
@@ -17,7 +18,6 @@ from gguf_factory import (
     tiny_hf_weights,
     write_tiny_gguf,
 )
-
 from minimill.models.gguf_loader import load_gguf, unpermute_rope_rows
 from minimill.models.types import LoadedModel
 
