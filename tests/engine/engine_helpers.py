@@ -77,7 +77,8 @@ def engine_logits(llm: LLM, prompts: list[list[int]], chunk: int | None = None
                 q_lens.append(len(new))
                 seq_lens.append(lo + len(new))
             meta = runner.metadata(q_lens, seq_lens, [s.block_table for s in seqs],
-                                   [s.stage_units for s in seqs])
+                                   [s.stage_units for s in seqs],
+                                   [s.window_table for s in seqs])
             with torch.inference_mode():
                 logits = runner.model.forward(torch.tensor(ids), torch.tensor(pos), meta,
                                               runner.kv_cache, torch.arange(len(ids)))
@@ -86,6 +87,8 @@ def engine_logits(llm: LLM, prompts: list[list[int]], chunk: int | None = None
                 results[i].append(logits[start:start + q_len])
                 start += q_len
                 seqs[i].num_computed_tokens += q_len
+                if bm.window is not None:  # window blocks the window passed
+                    bm.window.release_passed(seqs[i])
     finally:
         for s in seqs:
             bm.free(s)

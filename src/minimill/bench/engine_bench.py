@@ -284,11 +284,11 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
                                       "ran; do not trust this figure")
     sample_text = outputs[0].text[:80]
     del llm, runner, outputs
+    if options.random_weights and (not options.skip_hf or options.peer):
+        # The engine took the random weights over as it built: the same seed makes them
+        # again for transformers and the peer.
+        loaded = _load(options)[0]
     if not options.skip_hf:
-        if options.random_weights:
-            # The engine took the random weights over as it built: the same seed makes them
-            # again for transformers.
-            loaded = _load(options)[0]
         with StealMeter() as hf_steal:
             hf, hf_batch = _hf_baseline(loaded, config.torch_dtype, prompts, items, quiet,
                                         err)

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 _LAYER_TYPES = {"sliding": "sliding_attention", "full": "full_attention"}
 
 
-def _hf_config(config: ModelConfig, dtype: torch.dtype) -> Any:
+def hf_config(config: ModelConfig, dtype: torch.dtype) -> Any:
     import transformers as tf
     from transformers import LlamaConfig, Qwen2Config
 
@@ -81,7 +81,7 @@ def _hf_config(config: ModelConfig, dtype: torch.dtype) -> Any:
     return LlamaConfig(attention_bias=config.attention_bias, **common)
 
 
-def _hf_class(architecture: str) -> Any:
+def hf_class(architecture: str) -> Any:
     import transformers as tf
 
     return {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
@@ -92,15 +92,15 @@ def _hf_class(architecture: str) -> Any:
 
 def build_hf_model(loaded: LoadedModel, dtype: torch.dtype) -> PreTrainedModel:
     """transformers' model of the architecture, holding the engine's exact weights."""
-    hf_config = _hf_config(loaded.config, dtype)
+    config = hf_config(loaded.config, dtype)
     if loaded.config.architecture in ("gemma3", "gpt_oss"):
-        hf_config._attn_implementation = "eager"  # transformers' own choice for these two
-    cls = _hf_class(loaded.config.architecture)
+        config._attn_implementation = "eager"  # transformers' own choice for these two
+    cls = hf_class(loaded.config.architecture)
     # Built on CPU rather than on the meta device: rotary buffers are computed at construction,
     # in ways that vary across versions. Random init is skipped: assign=True swaps every
     # parameter for our tensor (no copy when the dtype already matches).
     with _no_init_weights():
-        model = cls(hf_config)
+        model = cls(config)
     weights = {name: w.to(dtype) for name, w in loaded.weights.items()}
     if any(name.endswith("experts.gate_up_proj") for name in model.state_dict()):
         weights = _fused_experts(weights, loaded.config)

@@ -177,12 +177,14 @@ def _window_nll(llm: Any, ids: list[int], chunk: int) -> tuple[float, int]:
                     raise ValueError("the KV pool is too small for a perplexity window")
                 end = start + len(new)
                 meta = runner.metadata([len(new)], [end], [seq.block_table],
-                                       [seq.stage_units])
+                                       [seq.stage_units], [seq.window_table])
                 logits = runner.model.forward(
                     torch.tensor(new, device=runner.device),
                     torch.arange(start, end, device=runner.device), meta, runner.kv_cache,
                     torch.arange(len(new), device=runner.device))
                 seq.num_computed_tokens = end
+                if blocks.window is not None:  # window blocks the window passed
+                    blocks.window.release_passed(seq)
                 targets = torch.tensor(ids[start + 1:end + 1], device=runner.device)
                 logp = torch.log_softmax(logits.float(), dim=-1)
                 nll -= float(logp.gather(1, targets[:, None]).sum())

@@ -41,9 +41,13 @@ def capacity(mc: ModelConfig, dtype: str, kv_dtypes: tuple[str, ...], budget_byt
             from minimill.engine.kv_int4 import stage_blocks_per_sequence
 
             blocks += stage_blocks_per_sequence(mc.head_dim)
-        rows[kv_dtype] = {"bytes_per_token": round(per_token, 1),
-                          "bytes_per_token_per_layer": round(per_token / layers, 2),
-                          "sequences_at_budget": config.num_kv_blocks // blocks}
+        row: dict[str, Any] = {"bytes_per_token": round(per_token, 1),
+                               "bytes_per_token_per_layer": round(per_token / layers, 2),
+                               "sequences_at_budget": config.num_kv_blocks // blocks}
+        layout = config.window_layout(mc)
+        if layout is not None:
+            row.update(_windowed(config, layout, mc, budget_bytes, context_tokens))
+        rows[kv_dtype] = row
     report: dict[str, Any] = {"context_tokens": context_tokens,
                               "budget_mb": round(budget_bytes / (1 << 20), 1), "kv": rows}
     if mc.is_mla:
@@ -60,3 +64,34 @@ def capacity(mc: ModelConfig, dtype: str, kv_dtypes: tuple[str, ...], budget_byt
                 row["bytes_ratio_vs_uncompressed"] = round(per_token / row["bytes_per_token"],
                                                            2)
     return report
+
+
+def _windowed(config: Any, layout: Any, mc: ModelConfig, budget_bytes: int,
+              context_tokens: int) -> dict[str, Any]:
+    """A model with sliding-window and full layers (window_pool.py): a pool block holds
+    one group of layers; a decoding sequence holds a block per block_size tokens for its full
+    layers, and for each sliding group only the blocks its window reaches. Beside it, what one
+    group of every layer (window_pool off) holds of the same budget."""
+    from minimill.engine.config import EngineConfig
+
+    assert config.num_kv_blocks is not None
+    bs = config.block_size
+    full = -(-context_tokens // bs)
+    window = min(full, -(-(layout.window - 1) // bs) + 2)
+    blocks = full + layout.window_groups * window
+    one_pool = EngineConfig(dtype=config.dtype, kv_dtype=config.kv_dtype, device="cpu",
+                            kv_cache_memory_bytes=budget_bytes, window_pool=False,
+                            model_config=mc)
+    assert one_pool.num_kv_blocks is not None
+    block_bytes = config.kv_block_bytes(mc)
+    return {
+        "bytes_per_token": round(blocks * block_bytes / context_tokens, 1),
+        "bytes_per_token_per_layer": round(blocks * block_bytes / context_tokens
+                                           / mc.num_hidden_layers, 2),
+        "sequences_at_budget": config.num_kv_blocks // blocks,
+        "window": {"window_tokens": layout.window, "layers_per_group": layout.group_layers,
+                   "sliding_groups": layout.window_groups,
+                   "window_blocks_per_sequence": window},
+        "one_pool_sequences_at_budget": one_pool.num_kv_blocks // full,
+        "one_pool_bytes_per_token": round(one_pool.kv_bytes_per_token(mc), 1),
+    }

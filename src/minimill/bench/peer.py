@@ -26,28 +26,18 @@ class PeerError(RuntimeError):
 
 
 def export_hf_dir(loaded: LoadedModel, dtype: torch.dtype, directory: Path) -> None:
-    """Write config.json, model.safetensors and the tokenizer files of an HF Llama/Qwen2
-    checkpoint holding `loaded`'s weights."""
+    """Write config.json, model.safetensors and the tokenizer files of an HF checkpoint of
+    `loaded`'s architecture holding its weights (experts one tensor each, as HF checkpoints
+    keep them)."""
     from safetensors.torch import save_file
 
+    from minimill.bench.hf_baseline import hf_class, hf_config
+
     c = loaded.config
-    eos = list(c.eos_token_ids)
-    arch = "Qwen2ForCausalLM" if c.architecture == "qwen2" else "LlamaForCausalLM"
-    config: dict[str, Any] = {
-        "architectures": [arch], "model_type": c.architecture,
-        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
-        "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-        "max_position_embeddings": c.max_position_embeddings,
-        "tie_word_embeddings": c.tie_word_embeddings, "hidden_act": "silu",
-        "attention_bias": c.attention_bias, "rope_scaling": c.rope_scaling,
-        "bos_token_id": c.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else eos,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    config = hf_config(c, dtype)
+    config.architectures = [hf_class(c.architecture).__name__]
+    config.save_pretrained(directory)
     weights = {name: w.to(dtype).contiguous() for name, w in loaded.weights.items()
                if not (c.tie_word_embeddings and name == "lm_head.weight")}
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})

@@ -63,6 +63,9 @@ class AttentionMetadata:
     max_seq_len: int
     block_size: int
     int4: Int4Step | None = None  # set for an int4 cache (kv_int4.py)
+    # A model with sliding-window and full layers (window_pool.py): per group of layers,
+    # the metadata over its block tables (this one first: the full layers').
+    groups: list[AttentionMetadata] | None = None
 
 
 def build_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from minimill.engine.sequence import Sequence
+from minimill.engine.window_pool import WindowBlocks, WindowLayout
 
 if TYPE_CHECKING:
     import torch
@@ -91,9 +92,15 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  tiers: KvTiers | None = None, int4_staging: bool = False,
-                 stage_units_per_block: int = 1, stage_unit_tokens: int | None = None
-                 ) -> None:
+                 stage_units_per_block: int = 1, stage_unit_tokens: int | None = None,
+                 window: WindowLayout | None = None, max_chunk: int = 0) -> None:
+        """`window`: the layout of a model with sliding-window and full layers, whose
+        sliding layers' blocks come from this pool too (window_pool.py); `max_chunk`: the
+        most tokens a step computes for one sequence."""
         self.block_size = block_size
+        self.window = None if window is None else WindowBlocks(
+            self, window.window_groups, block_size, window.window, max_chunk,
+            enable_prefix_caching)
         self.int4_staging = int4_staging
         self.stage_units_per_block = max(1, stage_units_per_block)  # 0: no int4 staging
         if stage_unit_tokens is None:
@@ -182,7 +189,21 @@ class BlockManager:
             else:
                 break
             prev = h
+        if self.window is not None:
+            self._trim_to_window(seq, found)
         return found
+
+    def _prefix_hashes(self, cached: CachedPrefix) -> list[int]:
+        hashes = [self.blocks[b].block_hash for b in cached.block_ids]
+        return [h for h in hashes if h is not None] + [h for h, _, _ in cached.restored]
+
+    def _trim_to_window(self, seq: Sequence, found: CachedPrefix) -> None:
+        """Keep only as much of a found prefix as the window pool holds the sliding layers'
+        KV for (the rest is recomputed)."""
+        assert self.window is not None
+        usable = self.window.usable_prefix(seq, self._prefix_hashes(found))
+        del found.restored[max(0, usable - len(found.block_ids)):]
+        del found.block_ids[usable:]
 
     def pending_hashes(self, seq: Sequence) -> list[int]:
         """Chained hashes of the sequence's full blocks (computed or not), for the scheduler to
@@ -198,9 +219,10 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_new_tokens: int,
                      cached: CachedPrefix | None = None) -> bool:
         """Whether `allocate_slots(seq, num_new_tokens, cached)` would find room (no change)."""
-        return self._needs(seq, num_new_tokens, cached or CachedPrefix()).fits
+        return self._needs(seq, num_new_tokens, cached or CachedPrefix(), whole_prompt=True).fits
 
-    def _needs(self, seq: Sequence, num_new_tokens: int, cached: CachedPrefix) -> _Needs:
+    def _needs(self, seq: Sequence, num_new_tokens: int, cached: CachedPrefix,
+               whole_prompt: bool = False) -> _Needs:
         """What `num_new_tokens` more computed tokens take from the pool, and whether it has it."""
         num_cached_tokens = cached.num_blocks * self.block_size
         total = seq.num_computed_tokens + num_cached_tokens + num_new_tokens
@@ -214,6 +236,10 @@ class BlockManager:
         num_unit_blocks = -(-max(0, num_new_units - self._num_free_units - num_released)
                             // self.stage_units_per_block)
         fits = num_new_blocks + num_reclaimed + num_unit_blocks <= len(self._free)
+        if self.window is not None:
+            fits = fits and num_new_blocks + num_reclaimed + num_unit_blocks \
+                + self.window.blocks_needed(seq, self._prefix_hashes(cached), total,
+                                            whole_prompt) <= len(self._free)
         return _Needs(num_new_blocks, num_units, num_new_units, fits)
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
@@ -229,6 +255,8 @@ class BlockManager:
         if not fits:
             return False
         num_cached_tokens = cached.num_blocks * self.block_size
+        if self.window is not None:
+            self.window.attach_prefix(seq, self._prefix_hashes(cached))
         while len(seq.stage_units) > num_units:  # staged tokens no step reads any more
             self._release_unit(seq.stage_units.pop())
         if cached.num_blocks:
@@ -257,12 +285,21 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
         for _ in range(num_new_units):
             seq.stage_units.append(self._take_unit())
+        if self.window is not None:
+            self.window.grow(seq, seq.num_computed_tokens + num_new_tokens)
         return True
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the sequence's newly full, computed blocks in the prefix cache."""
-        if not self.enable_prefix_caching:
-            return
+        """Register the sequence's newly full, computed blocks in the prefix cache (and give
+        back the window blocks no later step reads)."""
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq)
+        if self.window is not None:
+            if self.enable_prefix_caching:
+                self.window.register(seq, self._seq_hashes[seq.request_id])
+            self.window.release_passed(seq)
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
         hashes = self._seq_hashes.setdefault(seq.request_id, [])
         bs = self.block_size
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
@@ -290,6 +327,8 @@ class BlockManager:
         workload twice). Only when no sequence holds a block: False, and nothing done, else."""
         if self.num_free_blocks != self.num_blocks:
             return False
+        if self.window is not None:
+            self.window.reset()
         for block in self.blocks:
             block.block_hash, block.token_ids = None, ()
         self._hash_to_block.clear()
@@ -315,6 +354,8 @@ class BlockManager:
             if block.ref_count == 0:
                 self._free[block_id] = None
         seq.block_table = []
+        if self.window is not None:
+            self.window.free(seq)
         for unit in seq.stage_units:
             self._release_unit(unit)
         seq.stage_units = []
@@ -360,8 +401,29 @@ class BlockManager:
         self._free[block_id] = None
         self._free.move_to_end(block_id, last=False)
 
+    # The pool as the window blocks use it (window_pool.PoolAccess).
+    def take_block(self) -> int:
+        return self._take_free_block()
+
+    def hold_block(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def release_block(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block_id] = None
+
+    def block_refs(self, block_id: int) -> int:
+        return self.blocks[block_id].ref_count
+
     def _take_free_block(self) -> int:
         block_id, _ = self._free.popitem(last=False)
+        if self.window is not None:
+            self.window.forget(block_id)
         block = self.blocks[block_id]
         if block.block_hash is not None:
             if self._hash_to_block.get(block.block_hash) == block_id:

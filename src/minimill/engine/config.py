@@ -11,6 +11,7 @@ import torch
 from minimill.engine.hardware import auto_dtype
 from minimill.engine.kernels import KERNEL_CHOICES
 from minimill.engine.params import InvalidRequestError
+from minimill.engine.window_pool import WindowLayout
 from minimill.models.types import LoadedModel, ModelConfig
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
@@ -68,6 +69,10 @@ class EngineConfig:
     dtype_reason: str = ""  # why this dtype (set when dtype was "auto")
     # int4: staging units (kv_int4.INT4_STAGE_UNIT tokens each) per pool block; derived.
     stage_units_per_block: int = 0
+    # A model with both sliding-window and full layers keeps a block of its sliding layers
+    # only while their window reaches it (window_pool.py); False: every layer's KV for the
+    # whole context, as for any other model.
+    window_pool: bool = True
     model_config: InitVar[ModelConfig | None] = None
 
     def __post_init__(self, model_config: ModelConfig | None) -> None:
@@ -109,6 +114,11 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"kv_dtype int4 is not supported for {model_config.architecture}'s latent "
                 f"(MLA) cache yet; use int8, {self.dtype} or auto")
+        if self.kv_dtype == "int4" and any(model_config.is_sliding(i) for i in
+                                           range(model_config.num_hidden_layers)):
+            raise InvalidRequestError(
+                "kv_dtype int4 does not support sliding-window layers yet; use int8, "
+                f"{self.dtype} or auto for {model_config.architecture}")
         if self.max_model_len is None:
             self.max_model_len = model_config.max_position_embeddings
         # int4 stages open blocks in slices of pool blocks (kv_int4.py): the whole budget is
@@ -120,18 +130,49 @@ class EngineConfig:
 
             self.stage_units_per_block = stage_units_per_block(model_config.head_dim)
             min_blocks += stage_blocks_per_sequence(model_config.head_dim)
+        # Every running request must be able to decode in the same step.
+        self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_num_seqs)
         if self.num_kv_blocks is None:
             budget = self.kv_cache_memory_bytes or self._default_kv_bytes()
             self.num_kv_blocks = max(min_blocks, budget // self.kv_block_bytes(model_config))
-        elif self.num_kv_blocks < min_blocks:
+        if self.num_kv_blocks < min_blocks:
             raise InvalidRequestError(
                 f"num_kv_blocks must be at least {min_blocks} for kv_dtype {self.kv_dtype}")
         # One request alone must always fit, or preemption could never make room for it (its
         # last token's KV is never computed; int4: its open block's staging takes blocks too).
-        self.max_model_len = min(self.max_model_len,
-                                 (self.num_kv_blocks - min_blocks + 1) * self.block_size)
-        # Every running request must be able to decode in the same step.
-        self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_num_seqs)
+        max_blocks = self.num_kv_blocks - min_blocks + 1
+        layout = self.window_layout(model_config)
+        if layout is not None:
+            # A window block takes a pool block per sliding group: a long request holds its
+            # full layers' blocks and at most chunk_bound window blocks; a short one, as
+            # many window blocks as full ones.
+            from minimill.engine.window_pool import chunk_bound
+
+            groups = layout.window_groups
+            bound = chunk_bound(layout.window, self.max_num_batched_tokens, self.block_size)
+            long = self.num_kv_blocks - groups * bound
+            max_blocks = long if long >= bound else self.num_kv_blocks // (1 + groups)
+        self.max_model_len = min(self.max_model_len, max(1, max_blocks) * self.block_size)
+
+    def window_layout(self, model_config: ModelConfig) -> WindowLayout | None:
+        """How the pool lays out a model with sliding-window and full layers
+        (window_pool.py), or None: one group of every layer."""
+        if not self.window_pool or self.kv_dtype == "int4":
+            return None
+        return WindowLayout.of(model_config)
+
+    def _layer_block_bytes(self, model_config: ModelConfig) -> int:
+        """Bytes of one KV block of one layer (K and V, values and scales)."""
+        from minimill.engine.attention import block_elems
+
+        dtype = self.kv_torch_dtype
+        parts, heads, dim = model_config.kv_layout
+        return parts * heads * block_elems(self.block_size, dim, dtype) * dtype.itemsize
+
+    def pool_layers(self, model_config: ModelConfig) -> int:
+        """Layers a pool block holds: every layer, or one group's (window_pool.py)."""
+        layout = self.window_layout(model_config)
+        return model_config.num_hidden_layers if layout is None else layout.group_layers
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -146,13 +187,9 @@ class EngineConfig:
         return DTYPES[self.kv_dtype]
 
     def kv_block_bytes(self, model_config: ModelConfig) -> int:
-        """Bytes of one KV block across all layers (K and V, values and scales)."""
-        from minimill.engine.attention import block_elems
-
-        dtype = self.kv_torch_dtype
-        parts, heads, dim = model_config.kv_layout
-        return (model_config.num_hidden_layers * parts * heads
-                * block_elems(self.block_size, dim, dtype) * dtype.itemsize)
+        """Bytes of one KV pool block (K and V, values and scales) across the layers it holds:
+        every layer's, or one group's (window_pool.py)."""
+        return self.pool_layers(model_config) * self._layer_block_bytes(model_config)
 
     def kv_bytes_per_token(self, model_config: ModelConfig) -> float:
         """Bytes per token of full blocks (int4: sealed; an open block's staging takes one unit

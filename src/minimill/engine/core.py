@@ -75,7 +75,7 @@ class EngineCore:
         self.runner = ModelRunner(config, loaded)
         self.tiers = make_tiers(config, loaded, tuple(self.runner.kv_cache.shape[1:]),
                                 self.runner.kv_cache.dtype)
-        self.scheduler = Scheduler(config, self.tiers)
+        self.scheduler = Scheduler(config, self.tiers, self.runner.window_layout)
         self.outputs = OutputProcessor(loaded.tokenizer)
         eos = set(loaded.config.eos_token_ids)
         if loaded.tokenizer.eos_token_id is not None:

@@ -35,6 +35,7 @@ from minimill.engine.moe import (
     load_gpt_oss_experts,
 )
 from minimill.engine.rope import RotaryEmbedding
+from minimill.engine.window_pool import WindowLayout
 from minimill.models.types import ModelConfig, ModelFileError
 
 
@@ -58,6 +59,9 @@ class LayerWeights:
     window: int | None = None  # a sliding-window layer's window
     sinks: torch.Tensor | None = None  # float32 [heads], gpt-oss's attention sinks
     rotary: int = 0  # index into DecoderModel.rotaries
+    # Where its KV sits in a pool block: (group of layers, slot in the group) where the
+    # model's sliding-window and full layers are grouped (window_pool.py).
+    pool_place: tuple[int, int] | None = None
     mla: MlaWeights | None = None  # multi-head latent attention in place of qkv
 
 
@@ -157,9 +161,10 @@ class DecoderModel:
                                         rope_scaling=None)
             self.rotaries.append(RotaryEmbedding(local, max_model_len, device))
 
-    @property
-    def has_sliding_layers(self) -> bool:
-        return any(layer.window is not None for layer in self.layers)
+    def place_layers(self, layout: WindowLayout | None) -> None:
+        """Read each layer's KV at its place in the pool's layout (None: layer i at i)."""
+        for i, layer in enumerate(self.layers):
+            layer.pool_place = None if layout is None else layout.places[i]
 
     def _qk_norm(self, qkv: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         """qkv with each head's queries and keys RMS-normed (over head_dim)."""
@@ -205,6 +210,10 @@ class DecoderModel:
         qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
         if layer.q_norm is not None:
             qkv = self._qk_norm(qkv, layer)
+        if layer.pool_place is not None:  # its group's block tables (window_pool.py)
+            group, i = layer.pool_place
+            assert meta.groups is not None
+            meta = meta.groups[group]
         k_cache, v_cache = layer_views(kv_cache, i)
         if meta.int4 is not None:
             k_stage, v_stage = stage_layer_views(meta.int4.kv_stage, i)

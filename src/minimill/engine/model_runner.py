@@ -25,6 +25,7 @@ from minimill.engine.memory import keep_freed_memory
 from minimill.engine.model import DecoderModel
 from minimill.engine.sampler import sample
 from minimill.engine.scheduler import ModelOutput, ScheduledSequence, SchedulerOutput
+from minimill.engine.window_pool import WindowBlock, group_tables
 from minimill.models.types import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -66,14 +67,15 @@ class ModelRunner:
         self.model = DecoderModel(mc, loaded.weights, config.torch_dtype, self.device,
                                   config.max_model_len, self.kernels,
                                   release_weights=bool(loaded.extra.get("release_weights")))
-        if config.kv_dtype == "int4" and self.model.has_sliding_layers:
-            raise ValueError("kv_dtype int4 does not support sliding-window layers yet; "
-                             "use bfloat16, float32 or int8 KV for this model")
         kv_parts, kv_heads, kv_dim = mc.kv_layout
-        self.kv_cache = allocate_kv_cache(config.num_kv_blocks, mc.num_hidden_layers, kv_heads,
-                                          config.block_size, kv_dim, config.kv_torch_dtype,
-                                          self.device, prefault=config.prefault_kv,
-                                          kv_parts=kv_parts)
+        # With sliding-window and full layers, a block holds one group of layers
+        # (window_pool.py): the model reads each layer at its (group, slot).
+        self.window_layout = config.window_layout(mc)
+        self.model.place_layers(self.window_layout)
+        self.kv_cache = allocate_kv_cache(config.num_kv_blocks, config.pool_layers(mc),
+                                          kv_heads, config.block_size, kv_dim,
+                                          config.kv_torch_dtype, self.device,
+                                          prefault=config.prefault_kv, kv_parts=kv_parts)
         # int4: open blocks are staged in pool blocks, seen through this int8 view.
         self.kv_stage: torch.Tensor | None = None
         if config.kv_dtype == "int4":
@@ -122,13 +124,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def metadata(self, query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
-                 stage_units: list[list[int]]) -> AttentionMetadata:
+                 stage_units: list[list[int]],
+                 window_tables: list[list[WindowBlock | None]] | None = None
+                 ) -> AttentionMetadata:
         """The step's attention metadata over this runner's cache (an int4 cache also places
-        the step's tokens in its staging units)."""
+        the step's tokens in its staging units; each sliding group gets its own over
+        `window_tables`, window_pool.py)."""
         block_size, dev = self.config.block_size, self.device
         int4 = None if self.kv_stage is None else int4_step(
             query_lens, seq_lens, tables, block_size, stage_units, self.kv_stage, dev)
-        return build_metadata(query_lens, seq_lens, tables, block_size, dev, int4)
+        meta = build_metadata(query_lens, seq_lens, tables, block_size, dev, int4)
+        if self.window_layout is not None:
+            assert window_tables is not None
+            meta.groups = [meta] + [
+                build_metadata(query_lens, seq_lens, group_tables(window_tables, k),
+                               block_size, dev)
+                for k in range(self.window_layout.window_groups)]
+        return meta
 
     def execute(self, output: SchedulerOutput) -> ModelOutput:
         """Compute the scheduled tokens' KV and sample for sequences that reached their end."""
@@ -173,6 +185,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         stage_units: list[list[int]] = []
+        window_tables: list[list[WindowBlock | None]] = []
         logits_rows: list[int] = []
         for e in entries:
             seq = e.seq
@@ -183,10 +196,11 @@ class ModelRunner:
             seq_lens.append(end)
             tables.append(seq.block_table)
             stage_units.append(seq.stage_units)
+            window_tables.append(seq.window_table)
             if e.sample:
                 logits_rows.append(len(input_ids) - 1)
         dev = self.device
-        meta = self.metadata(query_lens, seq_lens, tables, stage_units)
+        meta = self.metadata(query_lens, seq_lens, tables, stage_units, window_tables)
         ends = [e for e in entries if e.sample]
         pooled = [k for k, e in enumerate(ends) if e.seq.params.embed]
         logits = self.model.forward(

@@ -21,6 +21,7 @@ from minimill.engine.block_manager import BlockManager
 from minimill.engine.config import EngineConfig
 from minimill.engine.params import TokenLogprob
 from minimill.engine.sequence import RequestStatus, Sequence
+from minimill.engine.window_pool import WindowLayout
 
 if TYPE_CHECKING:
     from minimill.engine.guided import StepMasks
@@ -70,14 +71,19 @@ LANE_REBALANCE_MIN = 16
 class Scheduler:
     """Decides each step's batch; the engine calls schedule, runs it, then update_from_output."""
 
-    def __init__(self, config: EngineConfig, tiers: KvTiers | None = None) -> None:
+    def __init__(self, config: EngineConfig, tiers: KvTiers | None = None,
+                 window_layout: WindowLayout | None = None) -> None:
+        """`window_layout`: the pool's layout of a model with sliding-window and full
+        layers (window_pool.py)."""
         assert config.num_kv_blocks is not None and config.max_model_len is not None
         self.config = config
         self.max_model_len = config.max_model_len
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching, tiers,
                                           int4_staging=config.kv_dtype == "int4",
-                                          stage_units_per_block=config.stage_units_per_block)
+                                          stage_units_per_block=config.stage_units_per_block,
+                                          window=window_layout,
+                                          max_chunk=config.max_num_batched_tokens)
         # request_id -> hashes of the full prompt blocks it is computing (not cached yet).
         self._inflight: dict[str, list[int]] = {}
         self.waiting: deque[Sequence] = deque()

@@ -54,7 +54,7 @@ class Sequence:
         "block_table", "embedding", "eos_token_ids", "guide", "lane", "logprobs",
         "num_cached_prompt_tokens", "num_cached_tokens", "num_computed_tokens",
         "num_prompt_tokens", "output_counts", "params", "prefix_root", "request_id", "seed",
-        "stage_units", "status", "token_ids",
+        "stage_units", "status", "token_ids", "window_table",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -72,6 +72,9 @@ class Sequence:
         # int4 cache: the staging units (slices of pool blocks) holding its open block, in token
         # order, one per INT4_STAGE_UNIT tokens (kv_int4.py).
         self.stage_units: list[int] = []
+        # Its sliding-window layers' blocks, one pool block per sliding group for each
+        # block_size tokens, None once the window passed them (window_pool.py).
+        self.window_table: list[tuple[int, ...] | None] = []
         # The engine lane (one per core, core.py) that runs it while lanes are in use; -1: none.
         self.lane = -1
         self.params = params
