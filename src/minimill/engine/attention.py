@@ -3,9 +3,11 @@ PyTorch path that every fast path (csrc/cpu_kernels.cpp) is tested against.
 
 One KV tensor holds every layer: [num_blocks, layers, 2 (K, V), kv_heads, block_size * head_dim],
 so one block of one sequence, across all layers, is one contiguous run of bytes (what a tier
-below the device pool copies). Inside a block, per kv head, K is stored transposed and V
-plainly, with values of a 2-byte dtype kept in pairs (P = 2; P = 1 for float32) so that one
-32-bit lane holds two of them, which is what bf16 dot-product instructions read:
+below the device pool copies). (A model with sliding-window and full layers holds one group of
+its layers per block instead, window_pool.py: `layers` is then the group's size.) Inside a
+block, per kv head, K is stored transposed and V plainly, with values of a 2-byte dtype kept
+in pairs (P = 2; P = 1 for float32) so that one 32-bit lane holds two of them, which is what
+bf16 dot-product instructions read:
     K: [head_dim / P, block_size, P]   a vector register holds one dimension pair of many keys
     V: [block_size / P, head_dim, P]   ... or many dimensions of one key pair
 An int8 cache (kv_dtype "int8") keeps, per block, layer and kv head, K [head_dim, block_size]

@@ -115,11 +115,16 @@ class WindowBlocks:
         layers) a sequence can reuse: the most whose next query finds every window block it
         reads cached."""
         bs = self.block_size
-        for count in range(len(hashes), 0, -1):
+        count = len(hashes)
+        while count:
             first = first_live_block(count * bs, self.window, bs)
-            if all(self._find(hashes[i], seq.token_ids[i * bs:(i + 1) * bs]) is not None
-                   for i in range(first, count)):
+            missing = next((i for i in range(count - 1, first - 1, -1)
+                            if self._find(hashes[i], seq.token_ids[i * bs:(i + 1) * bs])
+                            is None), None)
+            if missing is None:
                 return count
+            # Every longer prefix than `missing` reads window block `missing` too.
+            count = missing
         return 0
 
     def _find(self, h: int, tokens: Seq[int]) -> WindowBlock | None:
