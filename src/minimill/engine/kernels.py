@@ -188,6 +188,8 @@ class CpuKernels(TorchKernels):
     # Rows of every bf16 GEMM call of an expert on a CPU with AMX (`expert_linear`): an
     # expert sees a few of a step's tokens (top_k / num_experts of them: 16 of a 128-token
     # step for top-8 of 64), and padding those to _AMX_ROWS multiplied zeros for the most part.
+    # Measured on qwen3-moe-2.9b-a0.7b's layer, one thread, 128 and 256 tokens: 32 beat 16
+    # (an expert's weights streamed once per call, and 16 splits more experts in two) and 64.
     _EXPERT_ROWS = 32
 
     def __init__(self) -> None:
