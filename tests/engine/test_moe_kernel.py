@@ -114,7 +114,9 @@ def test_experts_nobody_chose_one_token_and_no_tokens(dtype: torch.dtype, amx: b
     w = layer.weights
     assert w.gate_up_bias is not None and w.down_bias is not None
     g = torch.Generator().manual_seed(5)
-    for ids in ([[3, 1]], [[2, 2]], [[0, 5], [5, 0], [5, 5]]):
+    # One token; a token choosing one expert twice; two experts for everyone, past the most
+    # rows of one GEMM call in the chunked rule (600: a chunk of 88 after 512; 513: of one).
+    for ids in ([[3, 1]], [[2, 2]], [[0, 5], [5, 0], [5, 5]], [[0, 5]] * 600, [[4, 1]] * 513):
         expert_ids = torch.tensor(ids)
         routing = torch.rand(expert_ids.shape, generator=g).to(dtype)
         x = torch.randn(len(ids), hidden, generator=g).to(dtype)
