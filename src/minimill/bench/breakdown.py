@@ -24,8 +24,9 @@ from minimill.engine.attention import AttentionMetadata
 from minimill.engine.kernels import TorchKernels
 from minimill.engine.model_runner import ModelRunner
 
+# `experts`: a mixture-of-experts layer after its routing, its GEMMs included, in one figure.
 _TIMED = ("rms_norm", "add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "clamped_swiglu",
-          "rotary_kv_write",
+          "rotary_kv_write", "experts",
           "rotary_kv_write_int4", "sample", "token_logprobs")
 
 
@@ -94,8 +95,9 @@ def instrument(runner: ModelRunner,
     for layer in model.layers:
         names.update({id(layer.qkv): "qkv", id(layer.o): "o"})
         if layer.experts is not None:
-            names.update({id(w): "experts.gate_up" for w in layer.experts.gate_up})
-            names.update({id(w): "experts.down" for w in layer.experts.down})
+            names[id(layer.experts.router)] = "router"
+            if layer.gate_up is not None:  # DeepSeek's shared experts
+                names.update({id(layer.gate_up): "shared.gate_up", id(layer.down): "shared.down"})
         else:
             names.update({id(layer.gate_up): "gate_up", id(layer.down): "down"})
     inner = model.kernels

@@ -2,13 +2,15 @@
 
 `TorchKernels` is portable PyTorch (any device, any dtype): the reference. `CpuKernels` runs
 minimill's compiled CPU kernels (native.py): fused RMSNorm + residual, rotary + KV write into
-the paged cache, SiLU * up, and attention over the paged cache in place. Tests hold the fast
+the paged cache, SiLU * up, attention over the paged cache in place, and a mixture of experts'
+layer in one call. Tests hold the fast
 path to the reference (float32: logits close, greedy tokens identical).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,7 @@ from minimill.engine.attention import (
     paged_attention_reference,
     write_kv_reference,
 )
+from minimill.engine.experts_reference import grouped_experts
 from minimill.engine.kv_int4 import paged_attention_int4_reference, write_kv_int4_reference
 from minimill.engine.rope import rotate
 from minimill.engine.sampler import (
@@ -72,6 +75,28 @@ class TorchKernels:
         gate, up = gate_up.chunk(2, dim=-1)
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
         return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    def expert_linear(self, x: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`linear` for an expert's rows (a few of a step's tokens each)."""
+        return self.linear(x, weight, bias)
+
+    def experts(self, x: torch.Tensor, expert_ids: torch.Tensor, routing: torch.Tensor,
+                gate_up: Sequence[torch.Tensor], down: Sequence[torch.Tensor],
+                gate_up_bias: Sequence[torch.Tensor] | None = None,
+                down_bias: Sequence[torch.Tensor] | None = None,
+                swiglu: tuple[float, float] | None = None) -> torch.Tensor:
+        """Routed experts: x [tokens, hidden], each token's expert ids and routing weights
+        [tokens, top_k] -> the weighted sum of its experts' gated MLPs [tokens, hidden].
+        gate_up [2I, hidden] and down [hidden, I] per expert, prepared; `swiglu`: gpt-oss's
+        (alpha, limit), else the gate is SiLU. Each token adds its choices in router order."""
+        def activation(gate_up_rows: torch.Tensor) -> torch.Tensor:
+            if swiglu is None:
+                return self.silu_and_mul(gate_up_rows)
+            return self.clamped_swiglu(gate_up_rows, *swiglu)
+
+        return grouped_experts(x, expert_ids, routing, gate_up, down, gate_up_bias, down_bias,
+                               self.expert_linear, activation)
 
     def rotary_kv_write(self, qkv: torch.Tensor, positions: torch.Tensor,
                         cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -160,6 +185,12 @@ class CpuKernels(TorchKernels):
     # sequences (one per core) is about this many rows at a full batch. (64 ran the
     # vocabulary projection at half the speed in the engine; 128 is invariant too.)
     _AMX_ROWS = 128
+    # Rows of every bf16 GEMM call of an expert on a CPU with AMX (`expert_linear`): an
+    # expert sees a few of a step's tokens (top_k / num_experts of them: 16 of a 128-token
+    # step for top-8 of 64), and padding those to _AMX_ROWS multiplied zeros for the most part.
+    # Measured on qwen3-moe-2.9b-a0.7b's layer, one thread, 128 and 256 tokens: 32 beat 16
+    # (an expert's weights streamed once per call, and 16 splits more experts in two) and 64.
+    _EXPERT_ROWS = 32
 
     def __init__(self) -> None:
         from minimill.engine.hardware import cpu_info
@@ -221,6 +252,32 @@ class CpuKernels(TorchKernels):
             parts.append(self._linear(padded, weight, bias)[:rows - full])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+    def expert_linear(self, x: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`linear`, with _EXPERT_ROWS rows per call where it would take _AMX_ROWS: batch-
+        invariant all the same (any fixed row count is), with less padding."""
+        if self._amx_bf16 and x.dtype == torch.bfloat16 and weight.is_mkldnn:
+            return self._linear_fixed_rows(x, weight, bias, self._EXPERT_ROWS)
+        return self.linear(x, weight, bias)
+
+    def experts(self, x: torch.Tensor, expert_ids: torch.Tensor, routing: torch.Tensor,
+                gate_up: Sequence[torch.Tensor], down: Sequence[torch.Tensor],
+                gate_up_bias: Sequence[torch.Tensor] | None = None,
+                down_bias: Sequence[torch.Tensor] | None = None,
+                swiglu: tuple[float, float] | None = None) -> torch.Tensor:
+        """The whole layer in one C++ call (csrc/moe.cpp): the same GEMM calls as
+        `expert_linear` makes, so the same bits as TorchKernels.experts on these kernels."""
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            return super().experts(x, expert_ids, routing, gate_up, down, gate_up_bias,
+                                   down_bias, swiglu)
+        tile = self._EXPERT_ROWS if self._amx_bf16 and x.dtype == torch.bfloat16 else 0
+        alpha, limit = swiglu if swiglu is not None else (None, None)
+        return self._ops.moe_experts(x if x.stride(1) == 1 else x.contiguous(), expert_ids,
+                                     routing, list(gate_up), list(down),
+                                     None if gate_up_bias is None else list(gate_up_bias),
+                                     None if down_bias is None else list(down_bias), alpha,
+                                     limit, tile, self._LINEAR_ROWS)
+
     def _linear(self, x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
         if not weight.is_mkldnn:
@@ -240,6 +297,14 @@ class CpuKernels(TorchKernels):
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
         self._ops.silu_and_mul(out, gate_up)
+        return out
+
+    def clamped_swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float
+                       ) -> torch.Tensor:
+        if gate_up.dtype not in (torch.float32, torch.bfloat16):
+            return super().clamped_swiglu(gate_up, alpha, limit)
+        out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+        self._ops.clamped_swiglu(out, gate_up, alpha, limit)
         return out
 
     def rotary_kv_write(self, qkv: torch.Tensor, positions: torch.Tensor,

@@ -1,12 +1,17 @@
 """Routed experts (Qwen3-MoE, gpt-oss, DeepSeek-V3): each token goes through its top-k
 experts' gated MLPs, and their outputs are summed with the router's weights.
 
-Tokens are grouped by expert, so each expert that any token chose runs one GEMM for its gate
-and up (fused) and one for its down projection, on prepacked weights, over all of its tokens
-at once: the loop is over the step's active experts (a PyTorch loop; a step's few GEMMs per
-expert dominate it), never over tokens. A token's sum adds its experts in the order the router
-ranked them whatever else is in the batch, and each GEMM row is batch-invariant
-(kernels.linear), so a sequence's numbers do not depend on its batch.
+Routing runs in PyTorch ops around the router's GEMM (the kernels' batch-invariant `linear`,
+on the router prepared as every other weight). The experts themselves are one call,
+`kernels.experts`: it groups the (token, choice) pairs by expert, so each expert that any token
+chose runs one GEMM for its gate and up (fused) and one for its down projection, on prepacked
+weights, over all of its tokens at once. On the CPU kernels that whole layer (grouping, GEMMs
+on the oneDNN weights, activation, weighted sum) is one C++ call (csrc/moe.cpp), with no Python
+per expert or token; the portable path loops over the step's active experts in PyTorch
+(experts_reference.py). A token's sum adds its experts in the order the router ranked them
+whatever else is in the batch, and each GEMM row is batch-invariant (kernels.expert_linear: a
+fixed row count per call where AMX needs one, sized for an expert's few rows), so a sequence's
+numbers do not depend on its batch.
 """
 
 from __future__ import annotations
@@ -16,13 +21,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
+from minimill.engine.experts_reference import Linear
 from minimill.engine.kernels import TorchKernels
 
 
 @dataclass(slots=True)
 class ExpertWeights:
-    router: torch.Tensor  # [num_experts, hidden], plain (routing logits read it as F.linear)
+    router: torch.Tensor  # [num_experts, hidden], prepared (the routing's `linear` reads it)
     gate_up: list[torch.Tensor]  # per expert [2 * moe_intermediate, hidden], prepared
     down: list[torch.Tensor]  # per expert [hidden, moe_intermediate], prepared
     # gpt-oss: biases of the router and of each expert's two projections.
@@ -47,8 +54,7 @@ def load_experts(prefix: str, num_experts: int, w: Callable[[str], torch.Tensor]
     """Qwen3-MoE's experts under `prefix` ("model.layers.N.mlp.") in HF naming, fused and
     packed."""
     gate_up, down = _expert_matrices(prefix, num_experts, w, pack)
-    return ExpertWeights(router=w(prefix + "gate.weight").contiguous(), gate_up=gate_up,
-                         down=down)
+    return ExpertWeights(router=pack(w(prefix + "gate.weight")), gate_up=gate_up, down=down)
 
 
 def _expert_matrices(prefix: str, num_experts: int, w: Callable[[str], torch.Tensor],
@@ -76,7 +82,7 @@ def load_deepseek_experts(prefix: str, num_experts: int, w: WeightReader,
     reads them so, hf_loader._FLOAT32_WEIGHTS)."""
     gate_up, down = _expert_matrices(prefix, num_experts, w, pack)
     return ExpertWeights(
-        router=w(prefix + "gate.weight", torch.float32).contiguous(), gate_up=gate_up,
+        router=pack(w(prefix + "gate.weight", torch.float32)), gate_up=gate_up,
         down=down,
         score_bias=w(prefix + "gate.e_score_correction_bias", torch.float32).contiguous())
 
@@ -90,7 +96,7 @@ def load_gpt_oss_experts(prefix: str, w: Callable[[str], torch.Tensor],
     gate_up_bias = w(prefix + "experts.gate_up_proj_bias")  # [E, 2 * I]
     down_all = w(prefix + "experts.down_proj")  # [E, I, hidden]
     down_bias = w(prefix + "experts.down_proj_bias")  # [E, hidden]
-    weights = ExpertWeights(router=w(prefix + "router.weight").contiguous(), gate_up=[],
+    weights = ExpertWeights(router=pack(w(prefix + "router.weight")), gate_up=[],
                             down=[], router_bias=w(prefix + "router.bias").contiguous(),
                             gate_up_bias=[], down_bias=[])
     assert weights.gate_up_bias is not None and weights.down_bias is not None
@@ -104,31 +110,32 @@ def load_gpt_oss_experts(prefix: str, w: Callable[[str], torch.Tensor],
     return weights
 
 
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool,
+          linear: Linear = F.linear) -> tuple[torch.Tensor, torch.Tensor]:
     """(expert ids [tokens, top_k], their weights [tokens, top_k] in x's dtype), as HF
-    computes them: softmax in float32 over every expert, top-k, optionally renormalised."""
-    probs = torch.softmax(torch.nn.functional.linear(x, router).float(), dim=-1)
+    computes them: softmax in float32 over every expert, top-k, optionally renormalised.
+    `linear`: the router's GEMM (the kernels' batch-invariant one, in the engine)."""
+    probs = torch.softmax(linear(x, router, None).float(), dim=-1)
     weights, experts = probs.topk(top_k, dim=-1)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return experts, weights.to(x.dtype)
 
 
-def route_top_logits(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def route_top_logits(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: int,
+                     linear: Linear = F.linear) -> tuple[torch.Tensor, torch.Tensor]:
     """gpt-oss's routing: the top-k logits (router with bias), softmaxed among themselves."""
-    values, experts = torch.nn.functional.linear(x, router, bias).topk(top_k, dim=-1)
+    values, experts = linear(x, router, bias).topk(top_k, dim=-1)
     return experts, torch.softmax(values, dim=-1)
 
 
 def route_grouped(x: torch.Tensor, router: torch.Tensor, score_bias: torch.Tensor,
-                  top_k: int, normalize: bool, grouped: GroupedRouting
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  top_k: int, normalize: bool, grouped: GroupedRouting,
+                  linear: Linear = F.linear) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's routing, in float32 as HF computes it: sigmoid scores; the experts are
     chosen by score + bias, among the `topk_group` groups whose two best biased scores sum
     highest; their weights are the unbiased scores (renormalised), times the scaling."""
-    scores = torch.nn.functional.linear(x.float(), router).sigmoid()  # [tokens, experts]
+    scores = linear(x.float(), router, None).sigmoid()  # [tokens, experts]
     choice = scores + score_bias
     per_group = choice.view(x.shape[0], grouped.n_group, -1)
     group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1)[0].sum(dim=-1)
@@ -152,36 +159,11 @@ def experts_forward(ops: TorchKernels, x: torch.Tensor, weights: ExpertWeights, 
     if grouped is not None:
         assert weights.score_bias is not None
         experts, routing = route_grouped(x, weights.router, weights.score_bias, top_k,
-                                         normalize, grouped)
+                                         normalize, grouped, ops.linear)
     elif weights.router_bias is not None:
-        experts, routing = route_top_logits(x, weights.router, weights.router_bias, top_k)
+        experts, routing = route_top_logits(x, weights.router, weights.router_bias, top_k,
+                                            ops.linear)
     else:
-        experts, routing = route(x, weights.router, top_k, normalize)
-    flat = experts.flatten()  # token t's j-th choice at t * top_k + j
-    # Every (token, choice) pair in expert order; stable, so tokens keep their order. The rows
-    # are gathered once, so each expert's rows are a slice of one tensor.
-    order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=len(weights.gate_up)).tolist()
-    rows = x[order // top_k]
-    outputs = torch.empty_like(rows)
-    start = 0
-    for expert, count in enumerate(counts):
-        if not count:
-            continue
-        end = start + count
-        gate_up = ops.linear(rows[start:end], weights.gate_up[expert],
-                             weights.gate_up_bias[expert] if weights.gate_up_bias else None)
-        act = (ops.silu_and_mul(gate_up) if swiglu is None
-               else ops.clamped_swiglu(gate_up, *swiglu))
-        outputs[start:end] = ops.linear(act, weights.down[expert],
-                                        weights.down_bias[expert] if weights.down_bias else None)
-        start = end
-    # Back to (token, choice) order, weighted, and each token's choices summed one after the
-    # other: the same additions in the same order whatever else is in the batch.
-    weighted = torch.empty_like(outputs)
-    weighted[order] = (outputs * routing.flatten()[order, None]).to(outputs.dtype)
-    per_choice = weighted.view(x.shape[0], top_k, -1)
-    out = per_choice[:, 0].clone()
-    for choice in range(1, top_k):
-        out += per_choice[:, choice]
-    return out
+        experts, routing = route(x, weights.router, top_k, normalize, ops.linear)
+    return ops.experts(x, experts, routing, weights.gate_up, weights.down,
+                       weights.gate_up_bias, weights.down_bias, swiglu)

@@ -37,6 +37,13 @@ void sample_tokens(at::Tensor logits, at::Tensor temperature, at::Tensor top_k, 
                    at::Tensor out);
 void token_logprobs(at::Tensor logits, at::Tensor tokens, int64_t num_top, at::Tensor chosen,
                     at::Tensor top_ids, at::Tensor top_values);
+at::Tensor moe_experts(at::Tensor x, at::Tensor expert_ids, at::Tensor routing,
+                       std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down,
+                       std::optional<std::vector<at::Tensor>> gate_up_bias,
+                       std::optional<std::vector<at::Tensor>> down_bias,
+                       std::optional<double> swiglu_alpha, std::optional<double> swiglu_limit,
+                       int64_t tile, int64_t max_rows);
+void clamped_swiglu(at::Tensor out, at::Tensor gate_up, double alpha, double limit);
 std::vector<int64_t> pin_threads(std::vector<int64_t> cpus);
 
 }  // namespace minimill

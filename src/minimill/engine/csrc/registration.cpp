@@ -40,6 +40,10 @@ TORCH_LIBRARY(minimill, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
+  m.def("clamped_swiglu(Tensor(a!) out, Tensor gate_up, float alpha, float limit) -> ()");
+  m.def("moe_experts(Tensor x, Tensor expert_ids, Tensor routing, Tensor[] gate_up, "
+        "Tensor[] down, Tensor[]? gate_up_bias, Tensor[]? down_bias, float? swiglu_alpha, "
+        "float? swiglu_limit, int tile, int max_rows) -> Tensor");
   m.def("rotary_kv_write(Tensor qkv, Tensor positions, Tensor cos_sin, Tensor(a!) q_out, "
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, int num_heads, "
         "int num_kv_heads, int block_size) -> ()");
@@ -64,14 +68,17 @@ TORCH_LIBRARY(minimill, m) {
         "Tensor seal_offsets, int block_size) -> ()");
 }
 
+// moe_experts' weights are oneDNN tensors (the MkldnnCPU key), its activations plain CPU ones.
 TORCH_LIBRARY_IMPL(minimill, CompositeExplicitAutograd, m) {
   m.impl("pin_threads", &minimill::pin_threads);
+  m.impl("moe_experts", &minimill::moe_experts);
 }
 
 TORCH_LIBRARY_IMPL(minimill, CPU, m) {
   m.impl("rms_norm", &minimill::rms_norm);
   m.impl("add_rms_norm", &minimill::add_rms_norm);
   m.impl("silu_and_mul", &minimill::silu_and_mul);
+  m.impl("clamped_swiglu", &minimill::clamped_swiglu);
   m.impl("rotary_kv_write", &minimill::rotary_kv_write);
   m.impl("rotary_split", &minimill::rotary_split);
   m.impl("paged_attention", &minimill::paged_attention);
