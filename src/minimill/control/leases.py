@@ -49,6 +49,7 @@ from minimill.control import (
 )
 from minimill.control.config import ControlConfig
 from minimill.control.lease_rules import RejectReason
+from minimill.control.peer_ranks import FleetRanks
 from minimill.control.placement import (
     DEFAULT_POLICY,
     Backlog,
@@ -139,20 +140,25 @@ def _snapshot(conn: Connection, site: Site, ask: LeaseRequest, capacity: int, mo
     read now), and enough of the queue to find what the asking site gets after the peers that
     go before it take theirs."""
     queued = capacity > 0 and lease_queue.any_queued(conn)
+    ranks: FleetRanks | None = None
     if not queued:
         # Nothing to place: only the asking site matters (what it holds, for its row).
         own = site_state(conn, site.id)
         states = {} if own is None else {site.id: own}
+    elif peers is None:
+        states = site_states(conn)
     else:
-        states = site_states(conn) if peers is None else peers.states(conn, site.id, now)
+        states, ranks = peers.view(conn, site.id, now, policy)
     me = states[site.id]
     if ask.price_per_hour is not None:
         # The price the worker declares now counts for this call too (its row is written last,
         # after the request rows, to keep the lock order).
         me = replace(me, price_per_hour=ask.price_per_hour)
         states[site.id] = me
+    if queued and ranks is None:
+        ranks = FleetRanks.of(states.values(), now, policy)  # ranked once for this call
     bare = Snapshot(site=me, capacity=capacity, models=frozenset(models),
-                    candidates=(), sites=tuple(states.values()))
+                    candidates=(), sites=tuple(states.values()), ranks=ranks)
     if not queued:
         # Work queued since (PostgreSQL's statements each see what committed before them)
         # waits for the next call: placed now, it would be placed without the peers.
@@ -255,7 +261,7 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
     if peers is not None:
         peers.remember(replace(snapshot.site, in_flight=site_holds,
                                free_capacity=min(ask.capacity, MAX_COUNT) - len(rows),
-                               capacity_at=now, last_seen_at=now))
+                               capacity_at=now, last_seen_at=now), now)
     # Hand leases out in placement order (RETURNING order is unspecified).
     rank = {request_id: i for i, request_id in enumerate(picked)}
     interval_s = checkpoint_interval_s(config, site_holds)
