@@ -19,7 +19,7 @@ from fastapi import APIRouter, Depends, Request
 from minimill.api.box_wakeup import Wakeup
 from minimill.api.deps import ConfigDep, SiteDep, StoreDep, TokenSiteDep, WatcherDep
 from minimill.api.errors import error_responses
-from minimill.api.lease_wakeup import RECHECK_S, lease_wakeup
+from minimill.api.lease_wakeup import lease_wakeup
 from minimill.api.schemas import (
     OutageCreate,
     OutageCreated,
@@ -67,13 +67,14 @@ async def lease(ask: LeaseRequest, request: Request, store: StoreDep, site: Toke
         left = deadline - time.monotonic()
         if answer.leases or left <= 0:
             return answer
-        await wakeup.wait(min(RECHECK_S, left))
+        # Woken when work is queued, a bounded number at a time (lease_wakeup.py): a call
+        # that got nothing does not look again on its own.
+        if not await wakeup.wait(left):
+            return answer
         if await request.is_disconnected():
             # A stopping worker dropped the call: what it would be granted would wait out
             # its lease.
             return answer
-        if not await anyio.to_thread.run_sync(leases.work_queued, store):
-            continue  # an idle fleet's held calls cost a read per look, not a write
         # Later looks of this call only look for work (the first touched the site, adopted
         # any held leases and recorded its sessions), with the slots its finished requests
         # freed meanwhile.
@@ -134,7 +135,7 @@ async def release_leases(ask: ReleaseRequest, store: StoreDep, site: TokenSiteDe
                                             config)
     watcher.poke(answer.released)
     if answer.released:
-        wakeup.notify()  # given back to the queue: a waiting worker takes them up
+        wakeup.notify(len(answer.released))  # back in the queue: waiting workers take them up
     return answer
 
 
