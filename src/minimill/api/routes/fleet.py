@@ -31,6 +31,7 @@ from minimill.control import batch_finalize, leases, release
 from minimill.control.config import ControlConfig
 from minimill.control.placement import DEFAULT_POLICY
 from minimill.control.records import Site
+from minimill.control.site_view import PeerView
 from minimill.control.sites import add_outage, list_outages, remove_outage
 from minimill.control.store import Store
 from minimill.transport.protocol import (
@@ -59,21 +60,17 @@ async def lease(ask: LeaseRequest, request: Request, store: StoreDep, site: Toke
                 config: ConfigDep, wakeup: LeaseWakeupDep) -> LeaseResponse:
     """Work for the worker; with `wait_s`, held open until there is some or the time is up."""
     deadline = time.monotonic() + min(ask.wait_s, config.lease_ttl_s / 3)
-    peers = request.app.state.peer_view
-    threads = _lease_threads(request)
-    answer = await anyio.to_thread.run_sync(leases.lease, store, site, ask, time.time(),
-                                            config, DEFAULT_POLICY, peers, limiter=threads)
+    nothing = LeaseResponse(leases=[], lease_ttl_s=config.lease_ttl_s)
+    answer = await _look(request, store, site, ask, config)
     while True:
+        if answer is None:
+            return nothing  # the worker dropped the call: nobody reads this
         left = deadline - time.monotonic()
         if answer.leases or left <= 0:
             return answer
         # Woken when work is queued, a bounded number at a time (lease_wakeup.py): a call
         # that got nothing does not look again on its own.
         if not await wakeup.wait(left):
-            return answer
-        if await request.is_disconnected():
-            # A stopping worker dropped the call: what it would be granted would wait out
-            # its lease.
             return answer
         # Later looks of this call only look for work (the first touched the site, adopted
         # any held leases and recorded its sessions), with the slots its finished requests
@@ -83,8 +80,27 @@ async def lease(ask: LeaseRequest, request: Request, store: StoreDep, site: Toke
             held = await anyio.to_thread.run_sync(leases.held_by, store, site.id)
             update["capacity"] = max(0, ask.slots - held)
         ask = ask.model_copy(update=update)
-        answer = await anyio.to_thread.run_sync(leases.lease, store, site, ask, time.time(),
-                                                config, DEFAULT_POLICY, peers, limiter=threads)
+        answer = await _look(request, store, site, ask, config)
+
+
+async def _look(request: Request, store: Store, site: Site, ask: LeaseRequest,
+                config: ControlConfig) -> LeaseResponse | None:
+    """One lease transaction, once a lease thread is free; None when the worker dropped the
+    call meanwhile (a stopping worker, or one whose call waited past its timeout): what it
+    would be granted would wait out its lease. At a thousand sites calls waited for a thread
+    longer than the workers' timeout, and every lease granted to them expired unread."""
+    async with _lease_threads(request):
+        if await request.is_disconnected():
+            return None
+        return await anyio.to_thread.run_sync(_lease_now, store, site, ask, config,
+                                              request.app.state.peer_view)
+
+
+def _lease_now(store: Store, site: Site, ask: LeaseRequest, config: ControlConfig,
+               peers: PeerView) -> LeaseResponse:
+    """The lease transaction at the time it starts (not when the call came in: a call may
+    wait seconds for a thread, and its leases run from their grant)."""
+    return leases.lease(store, site, ask, time.time(), config, DEFAULT_POLICY, peers)
 
 
 def _lease_threads(request: Request) -> anyio.CapacityLimiter:
