@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -205,10 +206,13 @@ def checkpoint_interval_s(config: ControlConfig, site_holds: int) -> float:
 
 @retry_conflicts
 def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: ControlConfig,
-          policy: PlacementPolicy = DEFAULT_POLICY, peers: PeerView | None = None
-          ) -> LeaseResponse:
+          policy: PlacementPolicy = DEFAULT_POLICY, peers: PeerView | None = None,
+          gone: Callable[[], bool] | None = None) -> LeaseResponse:
     """Grant the asking site up to `ask.capacity` leases, as placement decides (`peers`: the
-    process's view of the other sites; None reads them all now)."""
+    process's view of the other sites; None reads them all now). `gone`, asked once the write
+    transaction has begun, says the worker no longer waits for the answer: then nothing is
+    granted (what would be would wait out its lease unread), and the site row is touched as
+    for any call."""
     capacity = min(ask.capacity, MAX_LEASES_PER_CALL)
     models = [m for m in ask.models if m]
     expires_at = now + config.lease_ttl_s
@@ -217,6 +221,9 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
     with store.write() as conn:
         adopted: list[Any] = []
         held: list[str] = []
+        if gone is not None and gone():
+            capacity = 0
+            ask = ask.model_copy(update={"adopt_held": False})
         if ask.adopt_held:
             # The site's previous run's leases, at a new epoch: a late message of that run
             # is fenced off like any other stale holder's.

@@ -113,8 +113,11 @@ class PeerView:
         """Every site by id (the asking one read now, in the caller's transaction), and the
         view's sites ranked at `now` under `policy`."""
         with self._lock:
+            # A view read after the call's clock (another call's, while this one waited for
+            # the write lock) is newer than the call needs: re-read only an older one.
+            # Re-reading it made a thousand sites' calls read every site most of the time.
             age = now - self._read_at
-            if not 0 <= age <= self.max_age_s or self._index is None:
+            if self.max_age_s <= 0 or age > self.max_age_s or self._index is None:
                 self._states, self._read_at = site_states(conn), now
                 self._index = RankIndex(self._states.values(), now, policy)
             elif self._index.policy != policy:

@@ -9,6 +9,8 @@ notice through their pollers.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from dataclasses import asdict
 from typing import Annotated, Any
@@ -61,7 +63,26 @@ async def lease(ask: LeaseRequest, request: Request, store: StoreDep, site: Toke
     """Work for the worker; with `wait_s`, held open until there is some or the time is up."""
     deadline = time.monotonic() + min(ask.wait_s, config.lease_ttl_s / 3)
     nothing = LeaseResponse(leases=[], lease_ttl_s=config.lease_ttl_s)
-    answer = await _look(request, store, site, ask, config)
+    gone = threading.Event()
+    listener = asyncio.create_task(_until_disconnected(request, gone))
+    try:
+        return await _held(request, store, site, ask, config, wakeup, deadline, nothing, gone)
+    finally:
+        listener.cancel()
+
+
+async def _until_disconnected(request: Request, gone: threading.Event) -> None:
+    """Set `gone` when the worker drops the call (its body is read: what comes next on the
+    connection is its end), for the lease transaction to see without a trip to the loop."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    gone.set()
+
+
+async def _held(request: Request, store: Store, site: Site, ask: LeaseRequest,
+                config: ControlConfig, wakeup: Wakeup, deadline: float,
+                nothing: LeaseResponse, gone: threading.Event) -> LeaseResponse:
+    answer = await _look(request, store, site, ask, config, gone)
     while True:
         if answer is None:
             return nothing  # the worker dropped the call: nobody reads this
@@ -80,27 +101,29 @@ async def lease(ask: LeaseRequest, request: Request, store: StoreDep, site: Toke
             held = await anyio.to_thread.run_sync(leases.held_by, store, site.id)
             update["capacity"] = max(0, ask.slots - held)
         ask = ask.model_copy(update=update)
-        answer = await _look(request, store, site, ask, config)
+        answer = await _look(request, store, site, ask, config, gone)
 
 
 async def _look(request: Request, store: Store, site: Site, ask: LeaseRequest,
-                config: ControlConfig) -> LeaseResponse | None:
+                config: ControlConfig, gone: threading.Event) -> LeaseResponse | None:
     """One lease transaction, once a lease thread is free; None when the worker dropped the
     call meanwhile (a stopping worker, or one whose call waited past its timeout): what it
     would be granted would wait out its lease. At a thousand sites calls waited for a thread
-    longer than the workers' timeout, and every lease granted to them expired unread."""
+    and for SQLite's write lock longer than the workers' timeout, and every lease granted to
+    them expired unread; the transaction asks again once it holds the lock."""
     async with _lease_threads(request):
-        if await request.is_disconnected():
+        if gone.is_set():
             return None
         return await anyio.to_thread.run_sync(_lease_now, store, site, ask, config,
-                                              request.app.state.peer_view)
+                                              request.app.state.peer_view, gone)
 
 
 def _lease_now(store: Store, site: Site, ask: LeaseRequest, config: ControlConfig,
-               peers: PeerView) -> LeaseResponse:
+               peers: PeerView, gone: threading.Event) -> LeaseResponse:
     """The lease transaction at the time it starts (not when the call came in: a call may
     wait seconds for a thread, and its leases run from their grant)."""
-    return leases.lease(store, site, ask, time.time(), config, DEFAULT_POLICY, peers)
+    return leases.lease(store, site, ask, time.time(), config, DEFAULT_POLICY, peers,
+                        gone=gone.is_set)
 
 
 def _lease_threads(request: Request) -> anyio.CapacityLimiter:
