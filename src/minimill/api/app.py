@@ -28,7 +28,7 @@ from starlette.routing import Route
 from minimill import __version__
 from minimill.api import errors, metrics
 from minimill.api.box_wakeup import Wakeup
-from minimill.api.lease_wakeup import lease_wakeup_of
+from minimill.api.lease_wakeup import lease_wakeup_of, relook
 from minimill.api.limits import BodyLimitMiddleware
 from minimill.api.progress import ProgressWatcher
 from minimill.api.request_ids import RequestIds
@@ -71,7 +71,7 @@ async def _janitor(store: Store, config: ControlConfig, interval_s: float,
         try:
             report = await anyio.to_thread.run_sync(tick, store, time.time(), config, False)
             if report.reaped_leases:
-                requeued.notify()  # back in the queue: a waiting worker takes them up
+                requeued.notify(report.reaped_leases)  # back in the queue: workers take them
             if (report.reaped_leases or report.expired_batches or report.reaped_boxes
                     or report.reaped_agents or report.idle_boxes or report.purged_requests):
                 log.info("janitor: %s", report)
@@ -99,7 +99,7 @@ async def _batch_jobs(store: Store, config: ControlConfig, wake: asyncio.Event,
             if any(done):
                 log.info("batch jobs: %d validated, %d finalized", *done)
             if done[0]:
-                queued.notify()  # a validated batch's requests are queued
+                queued.notify()  # a validated batch's requests are queued (lines by the many)
         except Exception:  # the store may be briefly unreachable; try again
             log.exception("batch jobs failed")
         with contextlib.suppress(TimeoutError):
@@ -121,7 +121,9 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         # model without one is named in the log now rather than at its first request.
         for model in config.served_models:
             await anyio.to_thread.run_sync(counter_for, model)
-        tasks = [asyncio.create_task(watcher.run(), name="minimill-progress")]
+        tasks = [asyncio.create_task(watcher.run(), name="minimill-progress"),
+                 asyncio.create_task(relook(the_store, lease_wakeup_of(_app)),
+                                     name="minimill-lease-relook")]
         if settings.run_janitor:
             wakeup = lease_wakeup_of(_app)
             tasks.append(asyncio.create_task(

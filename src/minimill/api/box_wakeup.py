@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 
 from fastapi import Request
 
@@ -17,18 +18,42 @@ HOST_RECHECK_S = 1.0
 
 
 class Wakeup:
-    """Wakes every current waiter at once; later waiters wait for the next notify."""
+    """Wakes current waiters: every one (`notify()`), or the `n` that have waited longest
+    (`notify(n)`); later waiters wait for the next notify."""
 
     def __init__(self) -> None:
-        self._event = asyncio.Event()
+        self._waiters: deque[asyncio.Future[None]] = deque()
 
-    def notify(self) -> None:
-        self._event.set()
-        self._event = asyncio.Event()
+    @property
+    def num_waiting(self) -> int:
+        """Waiters not woken yet (a woken or timed-out one leaves the line at once)."""
+        return len(self._waiters)
 
-    async def wait(self, timeout_s: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._event.wait(), timeout_s)
+    def notify(self, n: int | None = None) -> int:
+        """Wake up to `n` waiters (None: all), longest waiting first; how many were woken."""
+        woken = 0
+        while self._waiters and (n is None or woken < n):
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                woken += 1
+        return woken
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Until notified (True) or `timeout_s` is up (False)."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, timeout_s)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+            with contextlib.suppress(ValueError):
+                # Its place in the line (the oldest waiters time out first: found at once).
+                self._waiters.remove(waiter)
 
 
 class BoxWakeups:

@@ -87,7 +87,7 @@ async def serve_realtime(request: Request, kind: Kind,
                                                       prepared, time.time(), config,
                                                       idempotency_key, limits)
     remember(request, rate)
-    lease_wakeup(request).notify()  # a worker waiting in its lease call takes it at once
+    lease_wakeup(request).notify(1)  # a worker waiting in its lease call takes it at once
     watch = watcher.watch(request_id)
     handed_over = False
     record: RequestRecord | None = await anyio.to_thread.run_sync(get_request, store,

@@ -41,5 +41,5 @@ def handback_due(site: SiteState, held: Sequence[Candidate], sites: Sequence[Sit
     late = sorted((c for c in held if now + policy.tokens(c) / rate > cutoff),
                   key=lambda c: (-policy.tokens(c), c.seq))
     peers = [p for p in sites if p.site_id != site.site_id]
-    plan = Plan(peers, now, policy)
+    plan = Plan(now, policy)
     return [c.request_id for c in late if plan.give(peers, c)]

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -49,6 +50,7 @@ from minimill.control import (
 )
 from minimill.control.config import ControlConfig
 from minimill.control.lease_rules import RejectReason
+from minimill.control.peer_ranks import FleetRanks
 from minimill.control.placement import (
     DEFAULT_POLICY,
     Backlog,
@@ -139,20 +141,25 @@ def _snapshot(conn: Connection, site: Site, ask: LeaseRequest, capacity: int, mo
     read now), and enough of the queue to find what the asking site gets after the peers that
     go before it take theirs."""
     queued = capacity > 0 and lease_queue.any_queued(conn)
+    ranks: FleetRanks | None = None
     if not queued:
         # Nothing to place: only the asking site matters (what it holds, for its row).
         own = site_state(conn, site.id)
         states = {} if own is None else {site.id: own}
+    elif peers is None:
+        states = site_states(conn)
     else:
-        states = site_states(conn) if peers is None else peers.states(conn, site.id, now)
+        states, ranks = peers.view(conn, site.id, now, policy)
     me = states[site.id]
     if ask.price_per_hour is not None:
         # The price the worker declares now counts for this call too (its row is written last,
         # after the request rows, to keep the lock order).
         me = replace(me, price_per_hour=ask.price_per_hour)
         states[site.id] = me
+    if queued and ranks is None:
+        ranks = FleetRanks.of(states.values(), now, policy)  # ranked once for this call
     bare = Snapshot(site=me, capacity=capacity, models=frozenset(models),
-                    candidates=(), sites=tuple(states.values()))
+                    candidates=(), sites=tuple(states.values()), ranks=ranks)
     if not queued:
         # Work queued since (PostgreSQL's statements each see what committed before them)
         # waits for the next call: placed now, it would be placed without the peers.
@@ -199,10 +206,13 @@ def checkpoint_interval_s(config: ControlConfig, site_holds: int) -> float:
 
 @retry_conflicts
 def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: ControlConfig,
-          policy: PlacementPolicy = DEFAULT_POLICY, peers: PeerView | None = None
-          ) -> LeaseResponse:
+          policy: PlacementPolicy = DEFAULT_POLICY, peers: PeerView | None = None,
+          gone: Callable[[], bool] | None = None) -> LeaseResponse:
     """Grant the asking site up to `ask.capacity` leases, as placement decides (`peers`: the
-    process's view of the other sites; None reads them all now)."""
+    process's view of the other sites; None reads them all now). `gone`, asked once the write
+    transaction has begun, says the worker no longer waits for the answer: then nothing is
+    granted (what would be would wait out its lease unread), and the site row is touched as
+    for any call."""
     capacity = min(ask.capacity, MAX_LEASES_PER_CALL)
     models = [m for m in ask.models if m]
     expires_at = now + config.lease_ttl_s
@@ -211,6 +221,9 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
     with store.write() as conn:
         adopted: list[Any] = []
         held: list[str] = []
+        if gone is not None and gone():
+            capacity = 0
+            ask = ask.model_copy(update={"adopt_held": False})
         if ask.adopt_held:
             # The site's previous run's leases, at a new epoch: a late message of that run
             # is fenced off like any other stale holder's.
@@ -255,7 +268,7 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
     if peers is not None:
         peers.remember(replace(snapshot.site, in_flight=site_holds,
                                free_capacity=min(ask.capacity, MAX_COUNT) - len(rows),
-                               capacity_at=now, last_seen_at=now))
+                               capacity_at=now, last_seen_at=now), now)
     # Hand leases out in placement order (RETURNING order is unspecified).
     rank = {request_id: i for i, request_id in enumerate(picked)}
     interval_s = checkpoint_interval_s(config, site_holds)

@@ -53,12 +53,13 @@ dearer site takes what the cheaper free sites leave, as here (tests/sim/test_sim
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from minimill.control import ranking, site_health
+from minimill.control import site_health
 from minimill.control.fair_share import fair_order
+from minimill.control.peer_ranks import FleetRanks, Standing
 from minimill.control.price_schedule import PriceSchedule
 from minimill.control.records import Tier
 
@@ -147,6 +148,9 @@ class Snapshot:
     # Queued background requests past the candidates read (counted up to the equals' free
     # room, not read): they count in the asking site's fair share.
     background_beyond: int = 0
+    # `sites` ranked once (peer_ranks.py), as the process's view of the fleet keeps them;
+    # None: placement ranks `sites` itself.
+    ranks: FleetRanks | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,15 +257,25 @@ def defer_background(site: SiteState, deadline: float, work_s: float, now: float
                for t in schedule.hour_starts(now, latest_start))
 
 
-def _peers(snapshot: Snapshot) -> list[SiteState]:
-    return [s for s in snapshot.sites if s.site_id != snapshot.site.site_id]
+def ranks_of(snapshot: Snapshot, now: float,
+             policy: PlacementPolicy = DEFAULT_POLICY) -> FleetRanks:
+    """The snapshot's sites ranked once (peer_ranks.py): the index the snapshot carries, else
+    one built from its sites."""
+    ranks = snapshot.ranks
+    if ranks is not None and ranks.policy == policy:
+        return ranks
+    return FleetRanks.of(snapshot.sites, now, policy)
+
+
+def standing(snapshot: Snapshot, now: float,
+             policy: PlacementPolicy = DEFAULT_POLICY) -> Standing:
+    """How the asking site's peers rank against it."""
+    return ranks_of(snapshot, now, policy).standing(snapshot.site, now)
 
 
 def needs_backlog(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLICY) -> bool:
     """Whether deadline risk can change the answer: some live peer is cheaper."""
-    return any(site_health.alive(p, now, policy)
-               and ranking.cheaper(p, snapshot.site, now, policy)
-               for p in _peers(snapshot))
+    return standing(snapshot, now, policy).any_cheaper_live()
 
 
 def peer_room(snapshot: Snapshot, now: float,
@@ -269,74 +283,92 @@ def peer_room(snapshot: Snapshot, now: float,
     """Free capacity of the peers that take work before the asking site (faster for realtime,
     cheaper for background): how far past its own capacity the queue must be read to find what
     it gets; and of its equals (neither): how far past that the queue must be counted to know
-    its fair share of the background work. One pass over the peers."""
-    me = snapshot.site
-    ahead = shared = 0
-    for p in _peers(snapshot):
-        room = site_health.free_slots(p, now, policy)
-        if not room:
-            continue
-        if ranking.faster(p, me, now, policy) or ranking.cheaper(p, me, now, policy):
-            ahead += room
-        elif not ranking.cheaper(me, p, now, policy):
-            shared += room
-    return ahead, shared
+    its fair share of the background work. Sums over kinds of peers (peer_ranks.py)."""
+    rated = standing(snapshot, now, policy)
+    return rated.room_ahead(), rated.room_shared()
 
 
-def deadline_at_risk(snapshot: Snapshot, now: float,
-                     policy: PlacementPolicy = DEFAULT_POLICY) -> float | None:
+def deadline_at_risk(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLICY,
+                     rated: Standing | None = None) -> float | None:
     """The latest deadline whose background work the live sites cheaper than the asking one
     cannot finish in time (None: none at risk). Work counted: queued, and leased to them."""
     if not snapshot.backlog:
         return None
-    me = snapshot.site
-    cheaper = [p for p in _peers(snapshot)
-               if site_health.alive(p, now, policy) and ranking.cheaper(p, me, now, policy)]
-    rate = sum(site_health.expected_tokens_per_s(p, now, policy) for p in cheaper)
-    theirs = {p.site_id for p in cheaper}
+    ranks = ranks_of(snapshot, now, policy)
+    rated = rated if rated is not None else ranks.standing(snapshot.site, now)
+    rate = rated.cheaper_tokens_per_s()
     due: dict[float, int] = {}
     for b in snapshot.backlog:
-        if b.site_id is None or b.site_id in theirs:
+        if b.site_id is None or ranks.cheaper_than(b.site_id, snapshot.site, rated.usd_per_mtok):
             tokens = b.max_tokens + b.num_unbounded * policy.default_remaining_tokens
             due[b.deadline] = due.get(b.deadline, 0) + tokens
     return deadline_risk(due, rate, now, policy)
 
 
 class Plan:
-    """Free slots of the peers that go before the asking site, consumed in placement order."""
+    """Free slots of the peers that go before the asking site, consumed in placement order
+    (a peer's room is looked up when placement first offers it work)."""
 
-    def __init__(self, peers: list[SiteState], now: float, policy: PlacementPolicy) -> None:
+    def __init__(self, now: float, policy: PlacementPolicy) -> None:
         self.now, self.policy = now, policy
-        self.slots = {p.site_id: site_health.free_slots(p, now, policy) for p in peers}
+        self.slots: dict[str, int] = {}
 
-    def give(self, peers: list[SiteState], candidate: Candidate, start: int = 0) -> bool:
+    def left(self, peer: SiteState) -> int:
+        slots = self.slots.get(peer.site_id)
+        if slots is None:
+            slots = self.slots[peer.site_id] = site_health.free_slots(peer, self.now,
+                                                                       self.policy)
+        return slots
+
+    def give(self, peers: Sequence[SiteState], candidate: Candidate, start: int = 0) -> bool:
         """Hand `candidate` to the first of `peers[start:]` that has room and can run it."""
         for i in range(start, len(peers)):
-            peer = peers[i]
-            if (self.slots[peer.site_id] > 0 and peer.serves(candidate.model)
-                    and fits(peer, candidate, self.now, self.policy)):
-                self.slots[peer.site_id] -= 1
+            if self._takes(peers[i], candidate):
                 return True
         return False
 
-    def ranked(self, peers: list[SiteState]) -> Ranked:
+    def _takes(self, peer: SiteState, candidate: Candidate) -> bool:
+        if (self.left(peer) > 0 and peer.serves(candidate.model)
+                and fits(peer, candidate, self.now, self.policy)):
+            self.slots[peer.site_id] -= 1
+            return True
+        return False
+
+    def ranked(self, peers: Iterable[SiteState]) -> Ranked:
         return Ranked(self, peers)
 
 
 class Ranked:
-    """Peers in the order they take work, offered candidates one at a time. A peer whose
-    room is used up stays so for the rest of the plan, so it is passed over once, not at
-    every candidate: with a thousand equal peers and a few thousand queued requests, a lease
-    call's placement costs their sum, not their product."""
+    """Peers in the order they take work (read from `peers` as far as placement goes),
+    offered candidates one at a time. A peer whose room is used up stays so for the rest of
+    the plan, so it is passed over once, not at every candidate: with a thousand equal peers
+    and a few thousand queued requests, a lease call's placement costs their sum, not their
+    product; and only the peers reached are read."""
 
-    def __init__(self, plan: Plan, peers: list[SiteState]) -> None:
-        self.plan, self.peers, self.first = plan, peers, 0
+    def __init__(self, plan: Plan, peers: Iterable[SiteState]) -> None:
+        self.plan, self.first = plan, 0
+        self.peers: list[SiteState] = []
+        self._more = iter(peers)
+
+    def _reach(self, i: int) -> bool:
+        """Whether there is an i-th peer (read up to it)."""
+        while len(self.peers) <= i:
+            peer = next(self._more, None)
+            if peer is None:
+                return False
+            self.peers.append(peer)
+        return True
 
     def give(self, candidate: Candidate) -> bool:
-        slots, peers = self.plan.slots, self.peers
-        while self.first < len(peers) and slots[peers[self.first].site_id] <= 0:
+        plan = self.plan
+        while self._reach(self.first) and plan.left(self.peers[self.first]) <= 0:
             self.first += 1
-        return self.plan.give(peers, candidate, self.first)
+        i = self.first
+        while self._reach(i):
+            if plan._takes(self.peers[i], candidate):
+                return True
+            i += 1
+        return False
 
 
 def place(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLICY) -> list[str]:
@@ -344,18 +376,16 @@ def place(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLI
     me = snapshot.site
     if snapshot.capacity <= 0 or site_health.in_outage(me, now):
         return []
-    peers = [p for p in _peers(snapshot) if site_health.free_slots(p, now, policy) > 0]
-    plan = Plan(peers, now, policy)
-    faster = plan.ranked(sorted((p for p in peers if ranking.faster(p, me, now, policy)),
-                                key=lambda p: realtime_key(p, now, policy)))
-    cheaper = plan.ranked(sorted((p for p in peers if ranking.cheaper(p, me, now, policy)),
-                                 key=lambda p: background_key(p, now, policy)))
-    equals = plan.ranked(sorted((p for p in peers if ranking.equal(p, me, now, policy)),
-                                key=lambda p: p.site_id))
-    urgent_until = deadline_at_risk(snapshot, now, policy)
-    my_cost = site_health.effective_usd_per_mtok(me, now, policy)
-    holders = [p for p in peers if p.sessions and site_health.effective_usd_per_mtok(
-        p, now, policy) <= my_cost * (1 + policy.affinity_max_premium)]
+    ranks = ranks_of(snapshot, now, policy)
+    rated = ranks.standing(me, now)
+    plan = Plan(now, policy)
+    faster = plan.ranked(rated.faster_peers())
+    cheaper = plan.ranked(rated.cheaper_peers())
+    equals = plan.ranked(rated.equal_peers())
+    urgent_until = deadline_at_risk(snapshot, now, policy, rated)
+    most = rated.usd_per_mtok * (1 + policy.affinity_max_premium)
+    holders = [h.site for h in ranks.holders
+               if h.site_id != me.site_id and h.usd_per_mtok <= most]
 
     def mine(candidate: Candidate) -> bool:
         return candidate.model in snapshot.models and fits(me, candidate, now, policy)
@@ -394,7 +424,7 @@ def place(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLI
     # A cheaper hour ahead that still meets the deadline: leave it queued until then.
     shared = [c for c in shared if urgent(c) or not defer_background(
         me, c.deadline, policy.estimated_seconds(c), now, policy)]
-    share = fair_share(snapshot, len(picked), equals.peers,
+    share = fair_share(snapshot, len(picked), rated,
                        len(shared) + snapshot.background_beyond, now, policy)
     taken = 0
     for candidate in shared:
@@ -408,25 +438,21 @@ def place(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLI
     return picked
 
 
-def fair_share(snapshot: Snapshot, num_picked: int, equals: list[SiteState], num_shared: int,
+def fair_share(snapshot: Snapshot, num_picked: int, rated: Standing, num_shared: int,
                now: float, policy: PlacementPolicy = DEFAULT_POLICY) -> int:
     """How many of `num_shared` background requests the asking site takes, its equals with
-    free room taking the rest: each site's share of the work (that plus what they already
-    hold) is in proportion to its room (what it holds plus its free capacity) times the
-    fraction of its work it is expected to keep, so a site that loses work gets less of it
-    but not none. Rounded up, so that someone always takes the last request. `num_picked`:
-    realtime it just got."""
-    if not equals:
+    free room (`rated`: its peers by rank) taking the rest: each site's share of the work (that
+    plus what they already hold) is in proportion to its room (what it holds plus its free
+    capacity) times the fraction of its work it is expected to keep, so a site that loses work
+    gets less of it but not none. Rounded up, so that someone always takes the last request.
+    `num_picked`: realtime it just got."""
+    equal_room, equal_held, equal_weighed = rated.equals()
+    if not equal_room:
         return num_shared
     me = snapshot.site
-
-    def kept(site: SiteState) -> float:
-        return 1.0 - site_health.loss_fraction(site, now, policy)
-
     held = me.in_flight + num_picked
-    mine = (me.in_flight + snapshot.capacity) * kept(me)
-    all_held = held + sum(p.in_flight for p in equals)
-    everyone = mine + sum((p.in_flight + site_health.free_slots(p, now, policy)) * kept(p)
-                          for p in equals)
+    mine = (me.in_flight + snapshot.capacity) * (1.0 - site_health.loss_fraction(me, now, policy))
+    all_held = held + equal_held
+    everyone = mine + equal_weighed
     target = (num_shared + all_held) * mine / everyone if everyone > 0 else num_shared
     return max(0, math.ceil(target - held - 1e-9))

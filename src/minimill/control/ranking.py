@@ -24,35 +24,53 @@ if TYPE_CHECKING:
     from minimill.control.placement import PlacementPolicy, SiteState
 
 
+def kind_matches(chip_a: str | None, price_a: float, chip_b: str | None, price_b: float,
+                 policy: PlacementPolicy) -> bool:
+    """`same_kind` on the numbers it compares: a chip named alike, declared prices within the
+    tolerance (peer_ranks.py groups sites by them)."""
+    if chip_a is None or chip_a != chip_b:
+        return False
+    low, high = sorted((price_a, price_b))
+    return high <= low * (1 + policy.tolerance)
+
+
 def same_kind(a: SiteState, b: SiteState, policy: PlacementPolicy) -> bool:
     """The same chip, at prices within the tolerance."""
-    if a.chip is None or a.chip != b.chip:
-        return False
-    low, high = sorted((a.price_per_hour, b.price_per_hour))
-    return high <= low * (1 + policy.tolerance)
+    return kind_matches(a.chip, a.price_per_hour, b.chip, b.price_per_hour, policy)
 
 
 def _reliable(site: SiteState, now: float, policy: PlacementPolicy) -> bool:
     return site_health.loss_fraction(site, now, policy) <= policy.reliable_max_loss
 
 
-def faster(peer: SiteState, me: SiteState, now: float, policy: PlacementPolicy) -> bool:
-    """Does `peer` come before `me` for realtime work (reliable first, then faster)?"""
-    peer_reliable, me_reliable = _reliable(peer, now, policy), _reliable(me, now, policy)
+def faster_by(peer_reliable: bool, peer_tokens_per_s: float, me_reliable: bool,
+              me_tokens_per_s: float, same: bool, policy: PlacementPolicy) -> bool:
+    """`faster` on the numbers it compares (reliability, busy throughput, same kind)."""
     if peer_reliable != me_reliable:
         return peer_reliable
-    if same_kind(peer, me, policy):
+    if same:
         return False
-    return (site_health.busy_tokens_per_s(peer)
-            > site_health.busy_tokens_per_s(me) * (1 + policy.tolerance))
+    return peer_tokens_per_s > me_tokens_per_s * (1 + policy.tolerance)
+
+
+def cheaper_by(peer_usd_per_mtok: float, me_usd_per_mtok: float, same: bool,
+               policy: PlacementPolicy) -> bool:
+    """`cheaper` on the numbers it compares (effective $/Mtok, same kind)."""
+    return not same and peer_usd_per_mtok * (1 + policy.tolerance) < me_usd_per_mtok
+
+
+def faster(peer: SiteState, me: SiteState, now: float, policy: PlacementPolicy) -> bool:
+    """Does `peer` come before `me` for realtime work (reliable first, then faster)?"""
+    return faster_by(_reliable(peer, now, policy), site_health.busy_tokens_per_s(peer),
+                     _reliable(me, now, policy), site_health.busy_tokens_per_s(me),
+                     same_kind(peer, me, policy), policy)
 
 
 def cheaper(peer: SiteState, me: SiteState, now: float, policy: PlacementPolicy) -> bool:
     """Is `peer` cheaper per kept token than `me` by more than the tolerance?"""
-    if same_kind(peer, me, policy):
-        return False
-    return (site_health.effective_usd_per_mtok(peer, now, policy) * (1 + policy.tolerance)
-            < site_health.effective_usd_per_mtok(me, now, policy))
+    return cheaper_by(site_health.effective_usd_per_mtok(peer, now, policy),
+                      site_health.effective_usd_per_mtok(me, now, policy),
+                      same_kind(peer, me, policy), policy)
 
 
 def equal(peer: SiteState, me: SiteState, now: float, policy: PlacementPolicy) -> bool:

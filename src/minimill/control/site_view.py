@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import Connection, bindparam, func, select
 
 from minimill.control import metering, price_schedule, site_health
+from minimill.control.peer_ranks import FleetRanks, RankIndex
 from minimill.control.placement import DEFAULT_POLICY, Outage, PlacementPolicy, SiteState
 from minimill.control.records import RequestStatus
 from minimill.control.store import Store
@@ -94,33 +95,50 @@ class PeerView:
     online within that age is missed, and the first site to ask takes work the two would have
     shared (so the default age, api/settings.py, is 0). Grants stay conditional UPDATEs of the
     rows whatever the view says.
+
+    The view keeps its sites ranked (peer_ranks.RankIndex): ranked once per read, kept current
+    by what this process's lease calls write, so a lease call weighs the asking site against
+    the kinds of its peers, not against each of them.
     """
 
     def __init__(self, max_age_s: float) -> None:
         self.max_age_s = max_age_s
         self._states: dict[str, SiteState] = {}
+        self._index: RankIndex | None = None
         self._read_at = float("-inf")
         self._lock = threading.Lock()
 
-    def states(self, conn: Connection, site_id: str, now: float) -> dict[str, SiteState]:
-        """Every site by id, the asking one read now (the caller's transaction)."""
+    def view(self, conn: Connection, site_id: str, now: float, policy: PlacementPolicy
+             ) -> tuple[dict[str, SiteState], FleetRanks]:
+        """Every site by id (the asking one read now, in the caller's transaction), and the
+        view's sites ranked at `now` under `policy`."""
         with self._lock:
+            # A view read after the call's clock (another call's, while this one waited for
+            # the write lock) is newer than the call needs: re-read only an older one.
+            # Re-reading it made a thousand sites' calls read every site most of the time.
             age = now - self._read_at
-            if not 0 <= age <= self.max_age_s:
+            if self.max_age_s <= 0 or age > self.max_age_s or self._index is None:
                 self._states, self._read_at = site_states(conn), now
-                return dict(self._states)
-            states = dict(self._states)
+                self._index = RankIndex(self._states.values(), now, policy)
+            elif self._index.policy != policy:
+                self._index = RankIndex(self._states.values(), now, policy)
+            states, index = dict(self._states), self._index
+        ranks = index.at(now)
         me = site_state(conn, site_id)
         if me is not None:
             states[site_id] = me
-        return states
+        return states, ranks
 
-    def remember(self, state: SiteState) -> None:
-        """What a lease call of this process just wrote of its site (its held leases, its
-        free room): the process's next calls weigh that site as it is now."""
+    def remember(self, state: SiteState, now: float) -> None:
+        """What a lease call of this process just wrote of its site at `now` (its held leases,
+        its free room): the process's next calls weigh that site as it is now."""
         with self._lock:
-            if state.site_id in self._states:
-                self._states[state.site_id] = state
+            if state.site_id not in self._states:
+                return
+            self._states[state.site_id] = state
+            index = self._index
+        if index is not None:
+            index.put(state, now)
 
 
 @dataclass(frozen=True, slots=True)

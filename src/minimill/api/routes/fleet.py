@@ -9,6 +9,8 @@ notice through their pollers.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from dataclasses import asdict
 from typing import Annotated, Any
@@ -19,7 +21,7 @@ from fastapi import APIRouter, Depends, Request
 from minimill.api.box_wakeup import Wakeup
 from minimill.api.deps import ConfigDep, SiteDep, StoreDep, TokenSiteDep, WatcherDep
 from minimill.api.errors import error_responses
-from minimill.api.lease_wakeup import RECHECK_S, lease_wakeup
+from minimill.api.lease_wakeup import lease_wakeup
 from minimill.api.schemas import (
     OutageCreate,
     OutageCreated,
@@ -31,6 +33,7 @@ from minimill.control import batch_finalize, leases, release
 from minimill.control.config import ControlConfig
 from minimill.control.placement import DEFAULT_POLICY
 from minimill.control.records import Site
+from minimill.control.site_view import PeerView
 from minimill.control.sites import add_outage, list_outages, remove_outage
 from minimill.control.store import Store
 from minimill.transport.protocol import (
@@ -59,21 +62,37 @@ async def lease(ask: LeaseRequest, request: Request, store: StoreDep, site: Toke
                 config: ConfigDep, wakeup: LeaseWakeupDep) -> LeaseResponse:
     """Work for the worker; with `wait_s`, held open until there is some or the time is up."""
     deadline = time.monotonic() + min(ask.wait_s, config.lease_ttl_s / 3)
-    peers = request.app.state.peer_view
-    threads = _lease_threads(request)
-    answer = await anyio.to_thread.run_sync(leases.lease, store, site, ask, time.time(),
-                                            config, DEFAULT_POLICY, peers, limiter=threads)
+    nothing = LeaseResponse(leases=[], lease_ttl_s=config.lease_ttl_s)
+    gone = threading.Event()
+    listener = asyncio.create_task(_until_disconnected(request, gone))
+    try:
+        return await _held(request, store, site, ask, config, wakeup, deadline, nothing, gone)
+    finally:
+        listener.cancel()
+
+
+async def _until_disconnected(request: Request, gone: threading.Event) -> None:
+    """Set `gone` when the worker drops the call (its body is read: what comes next on the
+    connection is its end), for the lease transaction to see without a trip to the loop."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    gone.set()
+
+
+async def _held(request: Request, store: Store, site: Site, ask: LeaseRequest,
+                config: ControlConfig, wakeup: Wakeup, deadline: float,
+                nothing: LeaseResponse, gone: threading.Event) -> LeaseResponse:
+    answer = await _look(request, store, site, ask, config, gone)
     while True:
+        if answer is None:
+            return nothing  # the worker dropped the call: nobody reads this
         left = deadline - time.monotonic()
         if answer.leases or left <= 0:
             return answer
-        await wakeup.wait(min(RECHECK_S, left))
-        if await request.is_disconnected():
-            # A stopping worker dropped the call: what it would be granted would wait out
-            # its lease.
+        # Woken when work is queued, a bounded number at a time (lease_wakeup.py): a call
+        # that got nothing does not look again on its own.
+        if not await wakeup.wait(left):
             return answer
-        if not await anyio.to_thread.run_sync(leases.work_queued, store):
-            continue  # an idle fleet's held calls cost a read per look, not a write
         # Later looks of this call only look for work (the first touched the site, adopted
         # any held leases and recorded its sessions), with the slots its finished requests
         # freed meanwhile.
@@ -82,8 +101,29 @@ async def lease(ask: LeaseRequest, request: Request, store: StoreDep, site: Toke
             held = await anyio.to_thread.run_sync(leases.held_by, store, site.id)
             update["capacity"] = max(0, ask.slots - held)
         ask = ask.model_copy(update=update)
-        answer = await anyio.to_thread.run_sync(leases.lease, store, site, ask, time.time(),
-                                                config, DEFAULT_POLICY, peers, limiter=threads)
+        answer = await _look(request, store, site, ask, config, gone)
+
+
+async def _look(request: Request, store: Store, site: Site, ask: LeaseRequest,
+                config: ControlConfig, gone: threading.Event) -> LeaseResponse | None:
+    """One lease transaction, once a lease thread is free; None when the worker dropped the
+    call meanwhile (a stopping worker, or one whose call waited past its timeout): what it
+    would be granted would wait out its lease. At a thousand sites calls waited for a thread
+    and for SQLite's write lock longer than the workers' timeout, and every lease granted to
+    them expired unread; the transaction asks again once it holds the lock."""
+    async with _lease_threads(request):
+        if gone.is_set():
+            return None
+        return await anyio.to_thread.run_sync(_lease_now, store, site, ask, config,
+                                              request.app.state.peer_view, gone)
+
+
+def _lease_now(store: Store, site: Site, ask: LeaseRequest, config: ControlConfig,
+               peers: PeerView, gone: threading.Event) -> LeaseResponse:
+    """The lease transaction at the time it starts (not when the call came in: a call may
+    wait seconds for a thread, and its leases run from their grant)."""
+    return leases.lease(store, site, ask, time.time(), config, DEFAULT_POLICY, peers,
+                        gone=gone.is_set)
 
 
 def _lease_threads(request: Request) -> anyio.CapacityLimiter:
@@ -134,7 +174,7 @@ async def release_leases(ask: ReleaseRequest, store: StoreDep, site: TokenSiteDe
                                             config)
     watcher.poke(answer.released)
     if answer.released:
-        wakeup.notify()  # given back to the queue: a waiting worker takes them up
+        wakeup.notify(len(answer.released))  # back in the queue: waiting workers take them up
     return answer
 
 
