@@ -65,6 +65,9 @@ class EngineConfig:
     # on its own clock (engine lanes, core.py) instead of waiting for the other every step.
     # MINIMILL_LANES=0 in the environment turns them off by default (serve, worker: measuring).
     lanes: bool = os.environ.get("MINIMILL_LANES", "1") != "0"
+    # Pipeline parallelism inside one site (pipeline_runner.py): the decoder layers cut into
+    # this many stages, stage 0 in the engine's process, each other in a process of its own.
+    pipeline_stages: int = 1
     dtype_reason: str = ""  # why this dtype (set when dtype was "auto")
     # int4: staging units (kv_int4.INT4_STAGE_UNIT tokens each) per pool block; derived.
     stage_units_per_block: int = 0
@@ -103,8 +106,13 @@ class EngineConfig:
             raise InvalidRequestError("KV tier sizes must be >= 0 bytes")
         if self.num_threads is None:
             self.num_threads = os.cpu_count() or 1
+        self._check_pipeline()
         if model_config is None:
             return
+        if self.pipeline_stages > model_config.num_hidden_layers:
+            raise InvalidRequestError(
+                f"pipeline_stages {self.pipeline_stages} exceeds the model's "
+                f"{model_config.num_hidden_layers} decoder layers")
         if self.kv_dtype == "int4" and model_config.is_mla:
             raise InvalidRequestError(
                 f"kv_dtype int4 is not supported for {model_config.architecture}'s latent "
@@ -132,6 +140,22 @@ class EngineConfig:
                                  (self.num_kv_blocks - min_blocks + 1) * self.block_size)
         # Every running request must be able to decode in the same step.
         self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_num_seqs)
+
+    def _check_pipeline(self) -> None:
+        """Refuse what pipeline stages do not run yet, naming it."""
+        if self.pipeline_stages < 1:
+            raise InvalidRequestError("pipeline_stages must be at least 1")
+        if self.pipeline_stages == 1:
+            return
+        unsupported = [what for what, used in (
+            ("kv_dtype int4", self.kv_dtype == "int4"),
+            ("KV tiers (kv_host_bytes, kv_flash_dir)",
+             bool(self.kv_host_bytes or self.kv_flash_dir)),
+            (f"device {self.device} (stages run on CPUs, over gloo)", self.device != "cpu"),
+        ) if used]
+        if unsupported:
+            raise InvalidRequestError(
+                f"pipeline_stages > 1 does not support {'; '.join(unsupported)} yet")
 
     @property
     def torch_dtype(self) -> torch.dtype:
