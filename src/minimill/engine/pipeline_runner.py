@@ -119,10 +119,12 @@ class PipelineRunner(ModelRunner):
             raise
         self._send = link.Sender(self.groups.forward, 1)
         self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
-        for target, name in ((self._stage0, "stage0"), (self._results, "results"),
-                             (self._watch, "watch")):
-            threading.Thread(target=target, name=f"minimill-pipeline-{name}",
-                             daemon=True).start()
+        self._threads = [threading.Thread(target=target, name=f"minimill-pipeline-{name}",
+                                          daemon=True)
+                         for target, name in ((self._stage0, "stage0"),
+                                              (self._results, "results"), (self._watch, "watch"))]
+        for thread in self._threads:
+            thread.start()
 
     @property
     def num_lanes(self) -> int:
@@ -307,6 +309,13 @@ class PipelineRunner(ModelRunner):
             deadline = time.monotonic() + _STAGE_STOP_TIMEOUT_S
             for process in self.processes:
                 process.join(max(0.0, deadline - time.monotonic()))
+            for thread in self._threads[:2]:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            if not any(thread.is_alive() for thread in self._threads[:2]):
+                # Release the groups now, not in the interpreter's teardown (where gloo's
+                # threads abort the process).
+                self._send.pending.clear()
+                self.groups.forward = self.groups.back = self.groups.store = None
         self._closing = True
         self._wake_w.send(None)
         self._kill_stages()
