@@ -49,7 +49,7 @@ DEEPSEEK_V3: dict[str, Any] = {
     "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "moe_intermediate_size": 48,
     "norm_topk_prob": True, "routed_scaling_factor": 2.5, "num_mtp_layers": 0,
 }
-MORE_ARCHITECTURES: dict[str, dict[str, Any]] = {"deepseek_v3": DEEPSEEK_V3}
+MORE_ARCHITECTURES: dict[str, dict[str, Any]] = {"deepseek_v3": DEEPSEEK_V3, "llama": {}}
 
 
 def _classes(arch: str) -> tuple[Any, Any]:
@@ -59,7 +59,8 @@ def _classes(arch: str) -> tuple[Any, Any]:
             "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
             "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
             "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
-            "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM)}[arch]
+            "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
+            "llama": (tf.LlamaConfig, tf.LlamaForCausalLM)}[arch]
 
 
 def save_tiny(arch: str, directory: Path, tokenizer_from: LoadedModel, seed: int = 0,

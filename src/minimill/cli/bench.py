@@ -138,6 +138,43 @@ def bench_structured(
         print(f"{key:>28}: {value}")
 
 
+@bench_app.command("pipeline")
+def bench_pipeline(
+    workload: Path = WorkloadOption,
+    json_out: bool = JsonOption,
+    model: str = ModelOption,
+    dtype: str = EngineDtypeOption,
+    stages: int = typer.Option(2, min=2, help="Pipeline stages, one core each; the single "
+                               "engine gets as many cores."),
+    limit: int | None = typer.Option(128, help="Use only the first N requests."),
+    rounds: int = typer.Option(2, min=1, help="Pipeline/single pairs; the median ratio is "
+                               "the headline."),
+) -> None:
+    """Pipeline stages of one core each against one engine of as many cores, the same
+    workload in the same run: output tok/s of each, their ratio, and per stage the time
+    computing, waiting (bubble) and communicating per step."""
+    import json
+
+    from rich.console import Console
+
+    from minimill.bench.pipeline_bench import PipelineBenchOptions, run_pipeline_bench
+    from minimill.engine.params import EngineError, InvalidRequestError
+    from minimill.models.types import ModelError
+
+    try:
+        report = run_pipeline_bench(PipelineBenchOptions(
+            workload=workload, model=model, dtype=dtype, stages=stages, limit=limit,
+            rounds=rounds))
+    except (EngineError, InvalidRequestError, ModelError, OSError) as exc:
+        Console(stderr=True).print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from None
+    if json_out:
+        print(json.dumps(report))
+        return
+    for key, value in report.items():
+        print(f"{key:>32}: {value}")
+
+
 @bench_app.command("kv")
 def bench_kv(
     json_out: bool = JsonOption,

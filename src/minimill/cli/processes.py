@@ -175,6 +175,10 @@ def worker(
     kv_flash_gb: float = KvFlashGbOption,
     prefix_caching: bool = PrefixCachingOption,
     kv_prefault: bool = KvPrefaultOption,
+    pipeline_stages: int = typer.Option(
+        1, "--pipeline-stages", min=1, help="Builtin engine on CPUs: cut the model's layers "
+        "into this many stages, each in a process of its own on its own core, microbatches "
+        "in flight through them (docs/engine.md)."),
 ) -> None:
     """Join a fleet: pull work from the control plane under leases and run it."""
     from minimill.boxes.host_setup import BoxOptions
@@ -195,4 +199,4 @@ def worker(
                                     cpu_s=box_max_cpu_s or DEFAULT_BOX_CAPS.cpu_s,
                                     timeout_s=float(box_max_exec_s or DEFAULT_BOX_CAPS.timeout_s),
                                     disk_mb=box_max_disk_mb or DEFAULT_BOX_CAPS.disk_mb)),
-               agents=agents)
+               agents=agents, pipeline_stages=pipeline_stages)

@@ -66,6 +66,9 @@ class EngineConfig:
     # on its own clock (engine lanes, core.py) instead of waiting for the other every step.
     # MINIMILL_LANES=0 in the environment turns them off by default (serve, worker: measuring).
     lanes: bool = os.environ.get("MINIMILL_LANES", "1") != "0"
+    # Pipeline parallelism inside one site (pipeline_runner.py): the decoder layers cut into
+    # this many stages, stage 0 in the engine's process, each other in a process of its own.
+    pipeline_stages: int = 1
     dtype_reason: str = ""  # why this dtype (set when dtype was "auto")
     # int4: staging units (kv_int4.INT4_STAGE_UNIT tokens each) per pool block; derived.
     stage_units_per_block: int = 0
@@ -108,8 +111,13 @@ class EngineConfig:
             raise InvalidRequestError("KV tier sizes must be >= 0 bytes")
         if self.num_threads is None:
             self.num_threads = os.cpu_count() or 1
+        self._check_pipeline()
         if model_config is None:
             return
+        if self.pipeline_stages > model_config.num_hidden_layers:
+            raise InvalidRequestError(
+                f"pipeline_stages {self.pipeline_stages} exceeds the model's "
+                f"{model_config.num_hidden_layers} decoder layers")
         if self.kv_dtype == "int4" and model_config.is_mla:
             raise InvalidRequestError(
                 f"kv_dtype int4 is not supported for {model_config.architecture}'s latent "
@@ -157,8 +165,8 @@ class EngineConfig:
     def window_layout(self, model_config: ModelConfig) -> WindowLayout | None:
         """How the pool lays out a model with sliding-window and full layers
         (window_pool.py), or None: one group of every layer."""
-        if not self.window_pool or self.kv_dtype == "int4":
-            return None
+        if not self.window_pool or self.kv_dtype == "int4" or self.pipeline_stages > 1:
+            return None  # (a pipeline stage's pool holds its own layers, every one)
         return WindowLayout.of(model_config)
 
     def _layer_block_bytes(self, model_config: ModelConfig) -> int:
@@ -173,6 +181,22 @@ class EngineConfig:
         """Layers a pool block holds: every layer, or one group's (window_pool.py)."""
         layout = self.window_layout(model_config)
         return model_config.num_hidden_layers if layout is None else layout.group_layers
+
+    def _check_pipeline(self) -> None:
+        """Refuse what pipeline stages do not run yet, naming it."""
+        if self.pipeline_stages < 1:
+            raise InvalidRequestError("pipeline_stages must be at least 1")
+        if self.pipeline_stages == 1:
+            return
+        unsupported = [what for what, used in (
+            ("kv_dtype int4", self.kv_dtype == "int4"),
+            ("KV tiers (kv_host_bytes, kv_flash_dir)",
+             bool(self.kv_host_bytes or self.kv_flash_dir)),
+            (f"device {self.device} (stages run on CPUs, over gloo)", self.device != "cpu"),
+        ) if used]
+        if unsupported:
+            raise InvalidRequestError(
+                f"pipeline_stages > 1 does not support {'; '.join(unsupported)} yet")
 
     @property
     def torch_dtype(self) -> torch.dtype:

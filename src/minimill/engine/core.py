@@ -17,6 +17,7 @@ depend on the lane: the kernels give the same numbers for a row whatever batch i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import queue
 import secrets
@@ -33,7 +34,12 @@ from minimill.engine.guided import Guides, StepMasks
 from minimill.engine.kv_tiers import KvTiers
 from minimill.engine.model_runner import ModelRunner
 from minimill.engine.output import OutputProcessor
-from minimill.engine.params import InvalidRequestError, SamplingParams, TokenDelta
+from minimill.engine.params import (
+    EngineDied,
+    InvalidRequestError,
+    SamplingParams,
+    TokenDelta,
+)
 from minimill.engine.scheduler import ModelOutput, Scheduler, SchedulerOutput
 from minimill.engine.sequence import RequestStatus, Sequence
 from minimill.models.types import LoadedModel
@@ -60,6 +66,15 @@ def make_tiers(config: EngineConfig, loaded: LoadedModel, block_shape: tuple[int
     return tiers if tiers.enabled else None
 
 
+def make_runner(config: EngineConfig, loaded: LoadedModel) -> ModelRunner:
+    """The whole model here, or stage 0 of a pipeline (pipeline_runner.py)."""
+    if config.pipeline_stages > 1:
+        from minimill.engine.pipeline_runner import PipelineRunner
+
+        return PipelineRunner(config, loaded)
+    return ModelRunner(config, loaded)
+
+
 @dataclass(slots=True)
 class StepResult:
     deltas: list[TokenDelta] = field(default_factory=list)
@@ -72,7 +87,7 @@ class EngineCore:
         self.loaded = loaded
         self.config = config
         self.tokenizer = loaded.tokenizer
-        self.runner = ModelRunner(config, loaded)
+        self.runner = make_runner(config, loaded)
         self.tiers = make_tiers(config, loaded, tuple(self.runner.kv_cache.shape[1:]),
                                 self.runner.kv_cache.dtype)
         self.scheduler = Scheduler(config, self.tiers, self.runner.window_layout)
@@ -116,6 +131,11 @@ class EngineCore:
         prompt, resume = list(prompt_token_ids), list(resume_token_ids)
         if request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
+        if self.runner.pipelined and (params.guided is not None or params.embed):
+            raise InvalidRequestError(
+                "an engine with pipeline stages does not run "
+                f"{'embeddings' if params.embed else 'guided decoding (response_format, tools)'}"
+                " yet")
         self.check_request(prompt, resume)
         guide = self.guides.start(params.guided, resume) if params.guided is not None else None
         seed = params.seed if params.seed is not None else secrets.randbits(63)
@@ -216,6 +236,8 @@ class EngineCore:
 
     def _lanes_wanted(self) -> int:
         """How many lanes to step now: 0 for steps over the whole machine."""
+        if self.runner.pipelined:
+            return self.runner.num_lanes  # one microbatch per stage, however few requests
         lanes = self.runner.num_lanes if self.config.lanes else 0
         # By what runs, not what waits: with a small KV pool only a few requests fit at once.
         # Lanes stay a little below the count that starts them, so that a few requests
@@ -233,10 +255,13 @@ class EngineCore:
             self._move_blocks()
             if scheduled.is_empty:
                 continue
-            self._in_flight[lane] = scheduled
-            self._lane_started[lane] = time.monotonic()
+            started = time.monotonic()
             masks = self._attach_masks(scheduled)
+            # In flight once started (a pipeline whose stage died refuses to start it): the
+            # report comes through _lane_done, read on this thread, never before this.
             self.runner.start(scheduled, lane, lanes, functools.partial(self._report, lane))
+            self._in_flight[lane] = scheduled
+            self._lane_started[lane] = started
             if masks is not None:
                 masks.fill()  # while the lane's forward pass runs; it waits only to sample
 
@@ -274,6 +299,8 @@ class EngineCore:
         if ok:
             assert isinstance(value, ModelOutput)
             self._finish_step(scheduled, value, result, started)
+        elif isinstance(value, EngineDied):
+            raise value  # nothing more can step: the front end stops the engine
         else:  # the lane's batch failed: fail its requests, keep the engine alive
             assert isinstance(value, BaseException)
             for entry in scheduled.scheduled:
@@ -317,7 +344,11 @@ class EngineCore:
     def close(self) -> None:
         """Write what the pool holds to the flash tier and finish writing: a restarted engine
         finds every prefix this one had computed (unless the process is killed first)."""
-        self.drain_lanes()
+        try:
+            with contextlib.suppress(EngineDied):  # its steps ended with its pipeline
+                self.drain_lanes()
+        finally:
+            self.runner.close()
         if self.tiers is None:
             return
         kv = self.runner.kv_cache

@@ -45,7 +45,9 @@ class ProcessEngine(StreamFrontend):
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(
             target=_child_main, args=(child_conn, model, config_overrides, os.getpid()),
-            name="minimill-engine", daemon=True)
+            # A daemonic process may not start processes, and an engine with pipeline stages
+            # starts one per stage; it dies with this process all the same (_child_main).
+            name="minimill-engine", daemon=int(config_overrides.get("pipeline_stages", 1)) <= 1)
         self._process.start()
         child_conn.close()
         if not self._conn.poll(_START_TIMEOUT_S):

@@ -70,10 +70,19 @@ class DecoderModel:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype, device: torch.device, max_model_len: int,
-                 kernels: TorchKernels | None = None, release_weights: bool = False) -> None:
+                 kernels: TorchKernels | None = None, release_weights: bool = False,
+                 layers: range | None = None) -> None:
         """`release_weights`: take each weight out of `weights` once used, so that a model
-        which barely fits in memory is never held twice (source and fused copies)."""
+        which barely fits in memory is never held twice (source and fused copies).
+
+        `layers`: a pipeline stage's share (stage_plan.py): only these decoder layers, the
+        embedding if they start the model and the final norm and vocabulary projection if
+        they end it; None: the whole model."""
         self.config = config
+        layers = range(config.num_hidden_layers) if layers is None else layers
+        self.layer_range = layers
+        self.is_first = layers.start == 0
+        self.is_last = layers.stop == config.num_hidden_layers
         self.kernels = kernels or TorchKernels()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -99,18 +108,23 @@ class DecoderModel:
             # Gemma's norms scale by (1 + weight): folded in once, here.
             return w(name) + 1 if config.gemma_norms else w(name)
 
-        self.embed = w("model.embed_tokens.weight")
-        self.norm = norm("model.norm.weight")
         pack = self.kernels.prepare_weight
-        if config.tie_word_embeddings or "lm_head.weight" not in weights:
-            # Packing may copy the embedding: the lm_head then holds its own layout.
-            head = self.embed
-        else:
-            head = w("lm_head.weight")
-        self.logits_width = head.shape[0]
-        self.lm_head = pack(head)
+        # A later stage holds neither: empty tensors stand in (never read there).
+        none = torch.empty(0, device=device, dtype=dtype)
+        self.embed = w("model.embed_tokens.weight") if self.is_first else none
+        self.norm = norm("model.norm.weight") if self.is_last else none
+        self.logits_width = config.vocab_size
+        self.lm_head = none
+        if self.is_last:
+            if config.tie_word_embeddings or "lm_head.weight" not in weights:
+                # Packing may copy the embedding: the lm_head then holds its own layout.
+                head = self.embed if self.is_first else w("model.embed_tokens.weight")
+            else:
+                head = w("lm_head.weight")
+            self.logits_width = head.shape[0]
+            self.lm_head = pack(head)
         self.layers: list[LayerWeights] = []
-        for i in range(config.num_hidden_layers):
+        for i in layers:
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
             bias = qkv = mla = None
@@ -235,14 +249,27 @@ class DecoderModel:
         returns logits [len(logits_rows), vocab] in the model dtype, or with `hidden_only`
         those rows' final normed hidden states [len(logits_rows), hidden] (what embeddings
         pool; `project` turns them into logits)."""
-        ops, eps = self.kernels, self.eps
-        hidden = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
+        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.run_layers(hidden, None, positions, meta, kv_cache)
+        return self.head(hidden, residual, logits_rows, hidden_only)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first stage's input: [num_tokens] ids -> [num_tokens, hidden]."""
+        hidden = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
-        residual = hidden
+        return hidden
+
+    def run_layers(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                   positions: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This model's layers (a stage's: kv_cache holds only theirs) over the hidden states
+        and residual stream the layers before left ([num_tokens, hidden]; residual None before
+        the first layer); returns both as the next layer takes them."""
+        ops, eps = self.kernels, self.eps
         for i, layer in enumerate(self.layers):
-            if i == 0:
-                x = ops.rms_norm(hidden, layer.input_norm, eps)
+            if residual is None:
+                x, residual = ops.rms_norm(hidden, layer.input_norm, eps), hidden
             else:
                 x, residual = ops.add_rms_norm(hidden, residual, layer.input_norm, eps)
             attn = self._attention(x, positions, meta, kv_cache, i, layer)
@@ -253,11 +280,18 @@ class DecoderModel:
             hidden = self._mlp(x, layer)
             if layer.mlp_out_norm is not None:
                 hidden = ops.rms_norm(hidden, layer.mlp_out_norm, eps)
+        return hidden, residual
+
+    def head(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+             logits_rows: torch.Tensor, hidden_only: bool = False) -> torch.Tensor:
+        """The last stage's end: the final norm of `logits_rows` and their logits (or with
+        `hidden_only` the normed rows)."""
+        ops, eps = self.kernels, self.eps
         # Only the rows that sample need the final norm and the (large) vocabulary projection
         # (none in a step of prompt chunks that all end before their prompt does).
         if not logits_rows.numel():
             return hidden.new_empty(0, self.logits_width)
-        if not self.layers:
+        if residual is None:
             last = ops.rms_norm(hidden[logits_rows], self.norm, eps)
         else:
             last = ops.rms_norm(hidden[logits_rows] + residual[logits_rows], self.norm, eps)

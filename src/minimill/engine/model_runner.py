@@ -45,8 +45,44 @@ class StepShape:
     lanes: int = 1
 
 
+@dataclass(slots=True)
+class StepInputs:
+    """A step's tokens laid out for the model, in the scheduler's order."""
+
+    input_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]  # tokens of KV after the step
+    tables: list[list[int]]
+    stage_units: list[list[int]]
+    logits_rows: list[int]  # rows (into the step's tokens) that sample or pool
+    window_tables: list[list[WindowBlock | None]]  # window_pool.py
+
+
+def step_inputs(entries: list[ScheduledSequence]) -> StepInputs:
+    inputs = StepInputs([], [], [], [], [], [], [], [])
+    for e in entries:
+        seq = e.seq
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + e.num_new_tokens
+        inputs.input_ids.extend(seq.token_ids[start:end])
+        inputs.positions.extend(range(start, end))
+        inputs.query_lens.append(e.num_new_tokens)
+        inputs.seq_lens.append(end)
+        inputs.tables.append(seq.block_table)
+        inputs.stage_units.append(seq.stage_units)
+        inputs.window_tables.append(seq.window_table)
+        if e.sample:
+            inputs.logits_rows.append(len(inputs.input_ids) - 1)
+    return inputs
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+    pipelined = False  # PipelineRunner (pipeline_runner.py): stages in other processes
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel,
+                 layers: range | None = None) -> None:
+        """`layers`: a pipeline stage's share of the decoder (stage_plan.py); its weights and
+        KV are all this runner holds. None: the whole model."""
         assert config.num_kv_blocks is not None and config.max_model_len is not None
         self.config = config
         self.device = torch.device(config.device)
@@ -66,16 +102,20 @@ class ModelRunner:
                  self.kernels_reason, torch.get_num_threads(), pinned)
         self.model = DecoderModel(mc, loaded.weights, config.torch_dtype, self.device,
                                   config.max_model_len, self.kernels,
-                                  release_weights=bool(loaded.extra.get("release_weights")))
+                                  release_weights=bool(loaded.extra.get("release_weights")),
+                                  layers=layers)
         kv_parts, kv_heads, kv_dim = mc.kv_layout
         # With sliding-window and full layers, a block holds one group of layers
-        # (window_pool.py): the model reads each layer at its (group, slot).
+        # (window_pool.py): the model reads each layer at its (group, slot). A pipeline
+        # stage's pool holds its own layers.
         self.window_layout = config.window_layout(mc)
         self.model.place_layers(self.window_layout)
-        self.kv_cache = allocate_kv_cache(config.num_kv_blocks, config.pool_layers(mc),
-                                          kv_heads, config.block_size, kv_dim,
-                                          config.kv_torch_dtype, self.device,
-                                          prefault=config.prefault_kv, kv_parts=kv_parts)
+        pool_layers = (config.pool_layers(mc) if self.window_layout is not None
+                       else len(self.model.layer_range))
+        self.kv_cache = allocate_kv_cache(config.num_kv_blocks, pool_layers, kv_heads,
+                                          config.block_size, kv_dim, config.kv_torch_dtype,
+                                          self.device, prefault=config.prefault_kv,
+                                          kv_parts=kv_parts)
         # int4: open blocks are staged in pool blocks, seen through this int8 view.
         self.kv_stage: torch.Tensor | None = None
         if config.kv_dtype == "int4":
@@ -83,9 +123,12 @@ class ModelRunner:
         # Set to a list to record every step's shape (benchmarks); None costs nothing.
         self.step_log: list[StepShape] | None = None
         # CPU: big steps run as groups of sequences, one per core (core_split.py).
-        self.workers = self._core_workers()
+        self.workers = self._core_workers() if layers is None else None
         self.split_steps = 0  # steps run that way (tests, logs)
         self.lane_steps = 0  # steps run by one lane on its core (start())
+
+    def close(self) -> None:
+        """Release what outlives the engine (nothing here; stage processes for a pipeline)."""
 
     @property
     def num_lanes(self) -> int:
@@ -179,34 +222,17 @@ class ModelRunner:
 
     def _run(self, entries: list[ScheduledSequence]) -> ModelOutput:
         """Forward and sample these sequences (all of a step, or one core's group)."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        stage_units: list[list[int]] = []
-        window_tables: list[list[WindowBlock | None]] = []
-        logits_rows: list[int] = []
-        for e in entries:
-            seq = e.seq
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + e.num_new_tokens
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            query_lens.append(e.num_new_tokens)
-            seq_lens.append(end)
-            tables.append(seq.block_table)
-            stage_units.append(seq.stage_units)
-            window_tables.append(seq.window_table)
-            if e.sample:
-                logits_rows.append(len(input_ids) - 1)
+        inputs = step_inputs(entries)
         dev = self.device
-        meta = self.metadata(query_lens, seq_lens, tables, stage_units, window_tables)
+        meta = self.metadata(inputs.query_lens, inputs.seq_lens, inputs.tables,
+                             inputs.stage_units, inputs.window_tables)
         ends = [e for e in entries if e.sample]
         pooled = [k for k, e in enumerate(ends) if e.seq.params.embed]
         logits = self.model.forward(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            meta, self.kv_cache, torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            torch.tensor(inputs.input_ids, dtype=torch.long, device=dev),
+            torch.tensor(inputs.positions, dtype=torch.long, device=dev),
+            meta, self.kv_cache,
+            torch.tensor(inputs.logits_rows, dtype=torch.long, device=dev),
             hidden_only=bool(pooled))
         embeddings: dict[str, list[float]] = {}
         if pooled:

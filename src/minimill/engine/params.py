@@ -15,6 +15,11 @@ class EngineError(Exception):
     request raises InvalidRequestError (minimill/errors.py), which the API answers with 400."""
 
 
+class EngineDied(EngineError):
+    """The engine cannot step any more (a pipeline stage's process ended): its front end
+    stops it rather than failing requests one by one, and the work resumes elsewhere."""
+
+
 class FinishReason(str, Enum):  # noqa: UP042 (str() of members is relied on as is)
     """Why a request stopped; values are the OpenAI finish_reason strings."""
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from minimill.engine.frontend import AddRequest, Outcome
-from minimill.engine.params import EngineError, FinishReason, TokenDelta
+from minimill.engine.params import EngineDied, EngineError, FinishReason, TokenDelta
 
 if TYPE_CHECKING:
     from minimill.engine.core import EngineCore
@@ -34,6 +34,8 @@ def step_into(core: EngineCore, out: dict[str, list[Outcome]]) -> None:
     """One step; its deltas and per-request failures go to `out`."""
     try:
         result = core.step()
+    except EngineDied:
+        raise  # the engine stops; its requests resume elsewhere, not fail here
     except Exception as exc:  # a fault outside any one request: fail them all
         for request_id in list(core.scheduler.requests):
             core.abort_request(request_id)

@@ -133,7 +133,7 @@ async def _run_box_host(host: BoxHost | None) -> None:
 async def _amain(*, server: str, site: str, token: str, engine: str, model: str, dtype: str,
                  capacity: int, price_per_hour: float | None, chip: str | None,
                  clock: StartClock, kv: KvOptions, boxes: BoxOptions,
-                 agents: int = 0) -> None:
+                 agents: int = 0, pipeline_stages: int = 1) -> None:
     # Boxes first: a host that cannot isolate them says so before a long model load.
     box_host = open_box_host(server, token, site, boxes) if boxes.slots > 0 else None
     runner = open_runner(server, token, agents, boxes.insecure_no_sandbox) if agents else None
@@ -150,9 +150,12 @@ async def _amain(*, server: str, site: str, token: str, engine: str, model: str,
             return
         client = ControlPlaneClient(server, token)
         keeps_kv = engine == "builtin" and bool(kv.flash_dir)
+        engine_options = kv.engine_overrides()
+        if pipeline_stages > 1:
+            engine_options["pipeline_stages"] = pipeline_stages
         try:
             adapter = await open_engine(engine, model=model, dtype=dtype, capacity=capacity,
-                                        clock=clock, engine_options=kv.engine_overrides())
+                                        clock=clock, engine_options=engine_options)
         except BaseException:
             await client.close()
             raise
@@ -208,7 +211,7 @@ def _check_declared(price_per_hour: float | None, chip: str | None) -> str | Non
 def run_worker(*, server: str, site: str, token: str, price_per_hour: float | None,
                chip: str | None, engine: str, model: str, dtype: str, capacity: int,
                kv: KvOptions | None = None, boxes: BoxOptions | None = None,
-               agents: int = 0) -> None:
+               agents: int = 0, pipeline_stages: int = 1) -> None:
     """Join the fleet at `server` as `site` and serve until SIGTERM/SIGINT.
 
     The worker declares `price_per_hour` and `chip` with every lease call: they replace what
@@ -228,13 +231,16 @@ def run_worker(*, server: str, site: str, token: str, price_per_hour: float | No
     log.info("worker for site %r starting (pid %d)", site, os.getpid())
     if capacity < 1:
         raise SystemExit("--capacity must be at least 1")
+    if pipeline_stages > 1 and engine != "builtin":
+        raise SystemExit("--pipeline-stages needs the builtin engine (--engine builtin)")
     chip = _check_declared(price_per_hour, chip)
     started = time.monotonic()
     try:
         event_loop.run(_stoppable_start(_amain(
             server=server, site=site, token=token, engine=engine, model=model, dtype=dtype,
             capacity=capacity, price_per_hour=price_per_hour, chip=chip, clock=clock,
-            kv=kv or KvOptions(), boxes=boxes or BoxOptions(), agents=agents)))
+            kv=kv or KvOptions(), boxes=boxes or BoxOptions(), agents=agents,
+            pipeline_stages=pipeline_stages)))
     except (EngineStartError, SiteAuthError, BoxHostStartError, RunnerStartError) as exc:
         log.error("%s", exc)
         raise SystemExit(2) from None

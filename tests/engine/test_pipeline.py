@@ -1,0 +1,161 @@
+"""Pipeline stages inside one site (engine/pipeline_runner.py): real stage processes joined
+by torch.distributed (gloo), against the single-process engine on the same weights."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from minimill.engine.core import EngineCore
+from minimill.engine.llm import LLM
+from minimill.engine.params import EngineDied, InvalidRequestError, SamplingParams
+from minimill.models.grammar import GuidedDecoding
+from minimill.models.loader import load_model
+from minimill.models.types import LoadedModel
+from tiny_hf import save_tiny
+
+# Long enough that requests are still running when the test adds more, or kills a stage.
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+SETTINGS = {"dtype": "float32", "num_kv_blocks": 96, "num_threads": 1}
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smol_f32: LoadedModel
+               ) -> LoadedModel:
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny("llama", directory, smol_f32, num_hidden_layers=6)
+    return load_model(str(directory), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_llama: LoadedModel) -> list[list[int]]:
+    text = ("Pipelines keep every stage busy while the others work on earlier microbatches "
+            "of the same running batch, one step behind another.")
+    ids = tiny_llama.tokenizer.encode(text, add_special_tokens=True)
+    # Different lengths: a chunk of one block, several blocks, a single token.
+    return [ids[:5], ids, ids[:17], ids[:1], ids[3:30], ids[:9]]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama: LoadedModel, prompts: list[list[int]]) -> list[list[int]]:
+    llm = LLM(tiny_llama, **SETTINGS)
+    return [out.output_token_ids for out in llm.generate(prompts, GREEDY)]
+
+
+def _run_continuous(core: EngineCore, prompts: list[list[int]]) -> dict[str, list[int]]:
+    """Half the prompts first; the rest join once the first have tokens (while they run)."""
+    tokens: dict[str, list[int]] = {}
+    half = len(prompts) // 2
+    for i in range(half):
+        core.add_request(f"r{i}", prompts[i], GREEDY)
+    added = False
+    while core.has_unfinished or not added:
+        for delta in core.step().deltas:
+            tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+        if not added and sum(map(len, tokens.values())) >= 4:
+            for i in range(half, len(prompts)):
+                core.add_request(f"r{i}", prompts[i], GREEDY)
+            added = True
+    return tokens
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_greedy_output_is_the_single_engine_s_with_requests_joining_mid_run(
+        tiny_llama: LoadedModel, prompts: list[list[int]], reference: list[list[int]],
+        stages: int) -> None:
+    llm = LLM(tiny_llama, pipeline_stages=stages, **SETTINGS)
+    try:
+        runner = llm.engine.runner
+        assert runner.pipelined and runner.num_lanes == stages
+        # Every layer in one stage, in order (the last has fewer: it also projects onto the
+        # tokenizer's 49k vocabulary, most of this tiny model's work).
+        layers = [i for r in runner.plan.layers for i in r]
+        assert layers == list(range(6)) and all(runner.plan.layers)
+        assert all(p.is_alive() for p in runner.processes)
+        tokens = _run_continuous(llm.engine, prompts)
+        assert [tokens[f"r{i}"] for i in range(len(prompts))] == reference
+        # Whole batches through LLM.generate too.
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.output_token_ids for o in outs] == reference
+        # Microbatches overlapped: several were in flight, every stage ran every one.
+        stats = runner.stage_stats()
+        assert [s["stage"] for s in stats] == list(range(stages))
+        assert len({s["steps"] for s in stats}) == 1
+        assert stats[0]["steps"] >= 2 * GREEDY.max_tokens
+    finally:
+        llm.close()
+    assert all(p.exitcode == 0 for p in runner.processes)
+
+
+def test_smollm2_greedy_over_two_stages_is_the_single_engine_s(smol_f32: LoadedModel) -> None:
+    prompts = ["The capital of France is", "def fibonacci(n):",
+               "Once upon a time, in a land far away, there lived a"]
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    single = LLM(smol_f32, **SETTINGS)
+    expected = [o.output_token_ids for o in single.generate(prompts, params)]
+    llm = LLM(smol_f32, pipeline_stages=2, **SETTINGS)
+    try:
+        assert [o.output_token_ids for o in llm.generate(prompts, params)] == expected
+    finally:
+        llm.close()
+
+
+@pytest.fixture
+def two_stages(tiny_llama: LoadedModel) -> Iterator[LLM]:
+    llm = LLM(tiny_llama, pipeline_stages=2, **SETTINGS)
+    yield llm
+    llm.close()
+
+
+def test_a_stage_killed_mid_batch_stops_the_engine_and_every_stage(
+        two_stages: LLM, prompts: list[list[int]]) -> None:
+    core, runner = two_stages.engine, two_stages.engine.runner
+    for i, prompt in enumerate(prompts):
+        core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=200, temperature=0.0,
+                                                         ignore_eos=True))
+    outcome: list[BaseException] = []
+    killed = threading.Event()
+
+    def drive() -> None:
+        try:
+            while core.has_unfinished:
+                deltas = core.step().deltas
+                if deltas and not killed.is_set():
+                    os.kill(runner.stage_pids[0], signal.SIGKILL)  # with steps in flight
+                    killed.set()
+        except BaseException as exc:
+            outcome.append(exc)
+
+    driver = threading.Thread(target=drive, daemon=True)
+    driver.start()
+    driver.join(120)  # generous: a hang is the failure this guards against
+    assert not driver.is_alive(), "the engine kept waiting for a dead stage"
+    assert killed.is_set() and len(outcome) == 1
+    assert isinstance(outcome[0], EngineDied)
+    assert "stage 1" in str(outcome[0])
+    assert all(not p.is_alive() for p in runner.processes)
+    with pytest.raises(EngineDied):
+        core.step()
+    two_stages.close()  # after a death too
+
+
+def test_what_stages_do_not_run_yet_is_refused_by_name(
+        tiny_llama: LoadedModel, two_stages: LLM, tmp_path: Path) -> None:
+    with pytest.raises(InvalidRequestError, match="kv_dtype int4"):
+        LLM(tiny_llama, pipeline_stages=2, kv_dtype="int4", dtype="float32")
+    with pytest.raises(InvalidRequestError, match="KV tiers"):
+        LLM(tiny_llama, pipeline_stages=2, dtype="float32", kv_flash_dir=str(tmp_path),
+            kv_flash_bytes=1 << 20)
+    with pytest.raises(InvalidRequestError, match="exceeds the model's 6 decoder layers"):
+        LLM(tiny_llama, pipeline_stages=7, dtype="float32")
+    with pytest.raises(InvalidRequestError, match="embeddings"):
+        two_stages.embed(["hello"])
+    with pytest.raises(InvalidRequestError, match="guided decoding"):
+        two_stages.generate(["hello"], SamplingParams(
+            max_tokens=4, guided=GuidedDecoding(json_schema='{"type": "object"}')))
