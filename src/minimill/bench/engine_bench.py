@@ -5,6 +5,7 @@ from its own environment (bench/peer.py) — every figure measured in the same r
 
 from __future__ import annotations
 
+import gc
 import json
 import resource
 import time
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from minimill.bench.steal import StealMeter
+from minimill.engine.memory import release_freed_memory
 
 if TYPE_CHECKING:
     from minimill.bench.sol import SpeedOfLight
@@ -284,6 +286,9 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
                                       "ran; do not trust this figure")
     sample_text = outputs[0].text[:80]
     del llm, runner, outputs
+    # The engine's weights go back to the OS before a baseline loads its own copy.
+    gc.collect()
+    release_freed_memory()
     if options.random_weights and (not options.skip_hf or options.peer):
         # The engine took the random weights over as it built: the same seed makes them
         # again for transformers and the peer.
@@ -317,7 +322,8 @@ def _peer(options: EngineBenchOptions, loaded: Any, config: Any, prompts: list[l
     with err.status(f"running {options.peer} ...") if not quiet else nullcontext(), \
             StealMeter() as steal:
         result = run_peer(options.peer, options.peer_python, loaded, config.torch_dtype,
-                          prompts, [i.max_tokens for i in items], config.max_num_seqs)
+                          prompts, [i.max_tokens for i in items], config.max_num_seqs,
+                          drop_weights=True)
     return {"peer": result.get("peer"), "peer_version": result.get("version"),
             "peer_output_tok_s": result["output_tok_s"], "peer_steal_share": steal.share,
             "peer_speedup": round(output_tok_s / result["output_tok_s"], 3),

@@ -7,6 +7,7 @@ engines run the same numbers), the prompts as token ids (so both run the same to
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 
+from minimill.engine.memory import release_freed_memory
 from minimill.models.types import LoadedModel
 
 PEERS = ("vllm",)
@@ -52,8 +54,11 @@ def export_hf_dir(loaded: LoadedModel, dtype: torch.dtype, directory: Path) -> N
 
 def run_peer(peer: str, python: str, loaded: LoadedModel, dtype: torch.dtype,
              prompts: list[list[int]], max_tokens: list[int], max_num_seqs: int,
-             timeout_s: float = 3600.0) -> dict[str, Any]:
-    """Run the peer over the same prompts; returns its JSON figures (output_tok_s, ...)."""
+             timeout_s: float = 3600.0, drop_weights: bool = False) -> dict[str, Any]:
+    """Run the peer over the same prompts; returns its JSON figures (output_tok_s, ...).
+    `drop_weights`: empty `loaded.weights` once written for the peer (a caller that needs
+    them no more leaves the peer the memory: a model the size of the machine's share fits
+    once, not twice)."""
     if peer not in PEERS:
         raise PeerError(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
     if not Path(python).exists():
@@ -62,6 +67,10 @@ def run_peer(peer: str, python: str, loaded: LoadedModel, dtype: torch.dtype,
     with tempfile.TemporaryDirectory(prefix="minimill-peer-") as tmp:
         model_dir = Path(tmp) / "model"
         export_hf_dir(loaded, dtype, model_dir)
+        if drop_weights:
+            loaded.weights.clear()
+            gc.collect()
+            release_freed_memory()
         longest = max(len(p) + n for p, n in zip(prompts, max_tokens, strict=True))
         spec = {"model_dir": str(model_dir), "dtype": str(dtype).removeprefix("torch."),
                 "prompts": prompts, "max_tokens": max_tokens, "max_num_seqs": max_num_seqs,
@@ -79,5 +88,8 @@ def run_peer(peer: str, python: str, loaded: LoadedModel, dtype: torch.dtype,
         if line.startswith("PEER_RESULT "):
             result: dict[str, Any] = json.loads(line.removeprefix("PEER_RESULT "))
             return result
-    tail = (proc.stdout + proc.stderr)[-2000:]
+    # The root cause of a failure is often printed well before the traceback that ends it.
+    causes = [line for line in (proc.stdout + proc.stderr).splitlines()
+              if "Error" in line or "error:" in line][-12:]
+    tail = "\n".join(causes) + "\n...\n" + (proc.stdout + proc.stderr)[-2000:]
     raise PeerError(f"{peer} failed (exit {proc.returncode}):\n{tail}")

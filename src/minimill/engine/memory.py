@@ -73,3 +73,18 @@ def keep_freed_memory() -> bool:
         log.warning("mallopt refused the engine's memory settings; freed memory goes back "
                     "to the OS at once")
     return ok
+
+
+def release_freed_memory() -> bool:
+    """Hand the memory freed into malloc's heaps back to the OS now (glibc's malloc_trim):
+    what keep_freed_memory keeps for the next step, and what a process that dropped a model
+    of many small tensors (each expert's a few MB, below the mapping threshold) would
+    otherwise go on holding while another process needs it. False where the C library is not
+    glibc."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
