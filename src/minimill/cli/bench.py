@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -116,26 +118,11 @@ def bench_structured(
 ) -> None:
     """Grammar-constrained decoding against the same work unconstrained: throughput ratio,
     schema validity of every answer, grammar compile times."""
-    import json
-
-    from rich.console import Console
-
     from minimill.bench.structured_bench import StructuredBenchOptions, run_structured_bench
-    from minimill.engine.params import EngineError, InvalidRequestError
-    from minimill.models.types import ModelError
 
-    try:
-        report = run_structured_bench(StructuredBenchOptions(
-            workload=workload, json_out=json_out, model=model, dtype=dtype, limit=limit,
-            rounds=rounds))
-    except (EngineError, InvalidRequestError, ModelError, OSError) as exc:
-        Console(stderr=True).print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1) from None
-    if json_out:
-        print(json.dumps(report))
-        return
-    for key, value in report.items():
-        print(f"{key:>28}: {value}")
+    _print_report(lambda: run_structured_bench(StructuredBenchOptions(
+        workload=workload, json_out=json_out, model=model, dtype=dtype, limit=limit,
+        rounds=rounds)), json_out, 28)
 
 
 @bench_app.command("pipeline")
@@ -153,26 +140,11 @@ def bench_pipeline(
     """Pipeline stages of one core each against one engine of as many cores, the same
     workload in the same run: output tok/s of each, their ratio, and per stage the time
     computing, waiting (bubble) and communicating per step."""
-    import json
-
-    from rich.console import Console
-
     from minimill.bench.pipeline_bench import PipelineBenchOptions, run_pipeline_bench
-    from minimill.engine.params import EngineError, InvalidRequestError
-    from minimill.models.types import ModelError
 
-    try:
-        report = run_pipeline_bench(PipelineBenchOptions(
-            workload=workload, model=model, dtype=dtype, stages=stages, limit=limit,
-            rounds=rounds))
-    except (EngineError, InvalidRequestError, ModelError, OSError) as exc:
-        Console(stderr=True).print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1) from None
-    if json_out:
-        print(json.dumps(report))
-        return
-    for key, value in report.items():
-        print(f"{key:>32}: {value}")
+    _print_report(lambda: run_pipeline_bench(PipelineBenchOptions(
+        workload=workload, model=model, dtype=dtype, stages=stages, limit=limit,
+        rounds=rounds)), json_out, 32)
 
 
 @bench_app.command("kv")
@@ -314,6 +286,28 @@ def bench_fairness(
         return
     for key, value in report.items():
         typer.echo(f"{key:>36}: {value}")
+
+
+def _print_report(run: Callable[[], dict[str, Any]], json_out: bool, width: int) -> None:
+    """Run a bench and print its report (one JSON object, or a key per line); an engine,
+    request, model or file error is one red line and exit status 1."""
+    import json
+
+    from rich.console import Console
+
+    from minimill.engine.params import EngineError, InvalidRequestError
+    from minimill.models.types import ModelError
+
+    try:
+        report = run()
+    except (EngineError, InvalidRequestError, ModelError, OSError) as exc:
+        Console(stderr=True).print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from None
+    if json_out:
+        print(json.dumps(report))
+        return
+    for key, value in report.items():
+        print(f"{key:>{width}}: {value}")
 
 
 def _counts(text: str, what: str) -> tuple[int, ...]:

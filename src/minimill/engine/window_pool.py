@@ -108,7 +108,14 @@ class WindowBlocks:
         self._hash_of: dict[int, int] = {}
 
     def held(self, seq: Sequence) -> int:
-        return sum(1 for b in seq.window_table if b is not None)
+        """Window blocks the sequence holds: its table past the released ones, which are
+        always the table's start (what the window passed, or a reused prefix's)."""
+        table = seq.window_table
+        released = min(first_live_block(seq.num_computed_tokens, self.window, self.block_size),
+                       len(table))
+        while released and table[released - 1] is not None:  # not yet given back
+            released -= 1
+        return len(table) - released
 
     def usable_prefix(self, seq: Sequence, hashes: Seq[int]) -> int:
         """How many of the prefix blocks with these chained hashes (found for the full
@@ -203,12 +210,13 @@ class WindowBlocks:
         """Give back the window blocks no later query of the sequence reads."""
         first = first_live_block(seq.num_computed_tokens, self.window, self.block_size)
         table = seq.window_table
-        for i in range(min(first, len(table))):
-            window_block = table[i]
-            if window_block is not None:
-                for b in window_block:
-                    self.pool.release_block(b)
-                table[i] = None
+        # Released entries are the table's start: walk back from the first live block to them.
+        i = min(first, len(table)) - 1
+        while i >= 0 and (window_block := table[i]) is not None:
+            for b in window_block:
+                self.pool.release_block(b)
+            table[i] = None
+            i -= 1
 
     def free(self, seq: Sequence) -> None:
         for window_block in reversed(seq.window_table):  # tail first: least reusable first
