@@ -1,8 +1,9 @@
 """The experts layer in one C++ call (csrc/moe.cpp) against the PyTorch loop over the active
 experts that it replaces, on the same GEMM calls (the same rows per call) and activations: bit
 for bit, for Qwen3-MoE's, gpt-oss's and DeepSeek-V3's experts and routing, in float32 and
-bfloat16, with AMX's fixed rows per call and with the chunked rule of the other CPUs; and a
-token's output alone equal to its output in a batch."""
+bfloat16, with AMX's fixed rows per call and with the chunked rule of the other CPUs, and on
+the AMX tiles' own GEMM (csrc/amx_gemm.cpp) where the CPU has them; and a token's output alone
+equal to its output in a batch."""
 
 from __future__ import annotations
 
@@ -48,18 +49,37 @@ class Layer:
                                self.grouped)
 
 
-def random_layer(style: str, dtype: torch.dtype, ops: CpuKernels) -> tuple[Layer, int]:
+def amx_tiles() -> bool:
+    return load_cpu_kernels().available and CpuKernels()._amx_tiles
+
+
+NEEDS_TILES = pytest.mark.skipif(not amx_tiles(), reason="the CPU has no AMX tiles")
+
+
+def random_layer(style: str, dtype: torch.dtype, ops: CpuKernels,
+                 tiles: bool = False) -> tuple[Layer, int]:
     """A small random layer of `style` and its hidden size. gpt-oss's has widths that are not
-    a multiple of the vector width (the kernels' scalar tails) and gate values past the clamp."""
+    a multiple of the vector width (the kernels' scalar tails) and gate values past the clamp.
+    `tiles`: widths the AMX tiles divide, the experts packed for them where the CPU has them."""
     g = torch.Generator().manual_seed(STYLES.index(style))
-    num_experts, hidden, inner = {"qwen3_moe": (8, 64, 32), "gpt_oss": (6, 72, 40),
-                                  "deepseek_v3": (16, 64, 48)}[style]
+    if tiles:
+        num_experts, hidden, inner = {"qwen3_moe": (8, 64, 32), "gpt_oss": (6, 96, 64),
+                                      "deepseek_v3": (16, 64, 64)}[style]
+    else:
+        num_experts, hidden, inner = {"qwen3_moe": (8, 64, 32), "gpt_oss": (6, 72, 40),
+                                      "deepseek_v3": (16, 64, 48)}[style]
 
     def matrix(rows: int, cols: int, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(rows, cols, generator=g) * scale / cols ** 0.5).to(dtype)
 
-    gate_up = [ops.prepare_weight(matrix(2 * inner, hidden, 4.0)) for _ in range(num_experts)]
-    down = [ops.prepare_weight(matrix(hidden, inner)) for _ in range(num_experts)]
+    if tiles:
+        pairs = [ops.prepare_expert_weights(matrix(2 * inner, hidden, 4.0), matrix(hidden, inner))
+                 for _ in range(num_experts)]
+        gate_up, down = [p[0] for p in pairs], [p[1] for p in pairs]
+    else:
+        gate_up = [ops.prepare_weight(matrix(2 * inner, hidden, 4.0))
+                   for _ in range(num_experts)]
+        down = [ops.prepare_weight(matrix(hidden, inner)) for _ in range(num_experts)]
     if style == "gpt_oss":
         weights = ExpertWeights(
             router=ops.prepare_weight(matrix(num_experts, hidden)), gate_up=gate_up, down=down,
@@ -91,13 +111,52 @@ def test_the_cpp_layer_equals_the_python_loop(style: str, dtype: torch.dtype, am
         assert torch.equal(got, layer.forward(loop, x)), tokens
 
 
+@NEEDS_TILES
+@pytest.mark.parametrize("style", STYLES)
+def test_the_cpp_layer_equals_the_python_loop_on_amx_tiles(style: str) -> None:
+    native, loop = kernels(CpuKernels, True), kernels(PythonLoop, True)
+    layer, hidden = random_layer(style, torch.bfloat16, native, tiles=True)
+    assert all(w.dim() == 4 for w in layer.weights.gate_up + layer.weights.down)
+    g = torch.Generator().manual_seed(7)
+    for tokens in (1, 2, 37, 300):
+        x = (torch.randn(tokens, hidden, generator=g) * 2).to(torch.bfloat16)
+        got = layer.forward(native, x)
+        assert got.shape == x.shape and got.dtype == torch.bfloat16
+        assert torch.equal(got, layer.forward(loop, x)), tokens
+
+
+@NEEDS_TILES
+def test_the_tiles_gemm_computes_the_product() -> None:
+    """amx_linear against float32's product of the same bf16 values: within the output's
+    rounding; a row alone gives the bits it gives among 36 others; the bias is added."""
+    native = kernels(CpuKernels, True)
+    g = torch.Generator().manual_seed(11)
+    weight = torch.randn(96, 128, generator=g).to(torch.bfloat16)
+    bias = torch.randn(96, generator=g).to(torch.bfloat16)
+    packed, packed_down = native.prepare_expert_weights(weight, weight.t())
+    assert packed.dim() == 4 and packed_down.dim() == 4
+    x = torch.randn(37, 128, generator=g).to(torch.bfloat16)
+    got = native.expert_linear(x, packed, bias)
+    want = x.float() @ weight.float().t() + bias.float()
+    assert float((got.float() - want).abs().max()) <= 2 ** -7 * float(want.abs().max())
+    for row in (0, 17, 36):
+        assert torch.equal(native.expert_linear(x[row:row + 1], packed, bias)[0], got[row])
+    down_want = got.float() @ weight.float()
+    down_got = native.expert_linear(got, packed_down).float()
+    assert float((down_got - down_want).abs().max()) <= 2 ** -7 * float(down_want.abs().max())
+    # An expert the tiles do not divide keeps oneDNN's layout, both of its weights alike.
+    assert [w.dim() for w in native.prepare_expert_weights(weight, weight[:, :72])] == [2, 2]
+
+
+@pytest.mark.parametrize("tiles", [False, pytest.param(True, marks=NEEDS_TILES)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("style", STYLES)
-def test_a_tokens_output_does_not_depend_on_its_batch(style: str, dtype: torch.dtype) -> None:
+def test_a_tokens_output_does_not_depend_on_its_batch(style: str, dtype: torch.dtype,
+                                                      tiles: bool) -> None:
     """One row alone, then inside 37 other rows at two places: the experts it shares with
     others see other row counts and other places in their GEMM calls."""
     native = kernels(CpuKernels, CpuKernels()._amx_bf16)
-    layer, hidden = random_layer(style, dtype, native)
+    layer, hidden = random_layer(style, dtype, native, tiles)
     x = torch.randn(38, hidden, generator=torch.Generator().manual_seed(3)).to(dtype)
     alone = layer.forward(native, x[:1])
     assert torch.equal(layer.forward(native, x)[0], alone[0])

@@ -129,7 +129,8 @@ def measure(model: DecoderModel, steps: list[StepShape], budget_s: float = 8.0) 
             for weight, k in ((expert.gate_up[0], c.hidden_size),
                               (expert.down[0], c.moe_intermediate_size)):
                 x = torch.randn(rows, k, device=device).to(dtype)
-                seconds += _best_seconds(lambda x=x, w=weight: ops.linear(x, w), per_measure)
+                seconds += _best_seconds(lambda x=x, w=weight: ops.expert_linear(x, w),
+                                          per_measure)
             stick.expert_s_per_row[rows] = seconds / rows
         stick.bandwidth_bytes_s = _bandwidth(device)
     return stick

@@ -109,6 +109,7 @@ class DecoderModel:
             return w(name) + 1 if config.gemma_norms else w(name)
 
         pack = self.kernels.prepare_weight
+        pack_expert = self.kernels.prepare_expert_weights
         # A later stage holds neither: empty tensors stand in (never read there).
         none = torch.empty(0, device=device, dtype=dtype)
         self.embed = w("model.embed_tokens.weight") if self.is_first else none
@@ -143,16 +144,17 @@ class DecoderModel:
                                     else "post_attention_layernorm.weight")),
                 gate_up=None, down=None)
             if config.is_moe(i) and config.expert_style == "gpt_oss":
-                layer.experts = load_gpt_oss_experts(m, w, pack)
+                layer.experts = load_gpt_oss_experts(m, w, pack, pack_expert)
             elif config.is_moe(i) and config.expert_style == "deepseek_v3":
-                layer.experts = load_deepseek_experts(m, config.num_experts, w, pack)
+                layer.experts = load_deepseek_experts(m, config.num_experts, w, pack,
+                                                       pack_expert)
                 if config.n_shared_experts:
                     shared = m + "shared_experts."
                     layer.gate_up = pack(torch.cat([w(shared + "gate_proj.weight"),
                                                     w(shared + "up_proj.weight")]))
                     layer.down = pack(w(shared + "down_proj.weight"))
             elif config.is_moe(i):
-                layer.experts = load_experts(m, config.num_experts, w, pack)
+                layer.experts = load_experts(m, config.num_experts, w, pack, pack_expert)
             else:
                 layer.gate_up = pack(torch.cat([w(m + "gate_proj.weight"),
                                                 w(m + "up_proj.weight")]))

@@ -49,23 +49,30 @@ class GroupedRouting:
     scaling: float
 
 
+Pack = Callable[[torch.Tensor], torch.Tensor]
+# An expert's (gate_up, down) -> both packed (kernels.prepare_expert_weights).
+PackExpert = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 def load_experts(prefix: str, num_experts: int, w: Callable[[str], torch.Tensor],
-                 pack: Callable[[torch.Tensor], torch.Tensor]) -> ExpertWeights:
+                 pack: Pack, pack_expert: PackExpert) -> ExpertWeights:
     """Qwen3-MoE's experts under `prefix` ("model.layers.N.mlp.") in HF naming, fused and
-    packed."""
-    gate_up, down = _expert_matrices(prefix, num_experts, w, pack)
+    packed: the router by `pack` (kernels.prepare_weight), the experts' matrices by
+    `pack_expert` (kernels.prepare_expert_weights)."""
+    gate_up, down = _expert_matrices(prefix, num_experts, w, pack_expert)
     return ExpertWeights(router=pack(w(prefix + "gate.weight")), gate_up=gate_up, down=down)
 
 
 def _expert_matrices(prefix: str, num_experts: int, w: Callable[[str], torch.Tensor],
-                     pack: Callable[[torch.Tensor], torch.Tensor]
-                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                     pack: PackExpert) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Each expert's fused gate/up and its down projection, packed (Qwen3-MoE's naming)."""
     gate_up, down = [], []
     for e in range(num_experts):
         p = f"{prefix}experts.{e}."
-        gate_up.append(pack(torch.cat([w(p + "gate_proj.weight"), w(p + "up_proj.weight")])))
-        down.append(pack(w(p + "down_proj.weight")))
+        packed = pack(torch.cat([w(p + "gate_proj.weight"), w(p + "up_proj.weight")]),
+                      w(p + "down_proj.weight"))
+        gate_up.append(packed[0])
+        down.append(packed[1])
     return gate_up, down
 
 
@@ -75,20 +82,20 @@ class WeightReader(Protocol):
     def __call__(self, name: str, as_dtype: torch.dtype = ...) -> torch.Tensor: ...
 
 
-def load_deepseek_experts(prefix: str, num_experts: int, w: WeightReader,
-                          pack: Callable[[torch.Tensor], torch.Tensor]) -> ExpertWeights:
+def load_deepseek_experts(prefix: str, num_experts: int, w: WeightReader, pack: Pack,
+                          pack_expert: PackExpert) -> ExpertWeights:
     """DeepSeek-V3's routed experts (Qwen3-MoE's naming) and its router's correction bias,
     both router tensors in float32 whatever the model dtype, as HF keeps them (the loader
     reads them so, hf_loader._FLOAT32_WEIGHTS)."""
-    gate_up, down = _expert_matrices(prefix, num_experts, w, pack)
+    gate_up, down = _expert_matrices(prefix, num_experts, w, pack_expert)
     return ExpertWeights(
         router=pack(w(prefix + "gate.weight", torch.float32)), gate_up=gate_up,
         down=down,
         score_bias=w(prefix + "gate.e_score_correction_bias", torch.float32).contiguous())
 
 
-def load_gpt_oss_experts(prefix: str, w: Callable[[str], torch.Tensor],
-                         pack: Callable[[torch.Tensor], torch.Tensor]) -> ExpertWeights:
+def load_gpt_oss_experts(prefix: str, w: Callable[[str], torch.Tensor], pack: Pack,
+                         pack_expert: PackExpert) -> ExpertWeights:
     """gpt-oss's experts: HF keeps them as [experts, in, out] tensors with gate and up
     interleaved (even columns gate, odd up); here each expert's gate rows come before its up
     rows, as for every other gated MLP."""
@@ -102,10 +109,11 @@ def load_gpt_oss_experts(prefix: str, w: Callable[[str], torch.Tensor],
     assert weights.gate_up_bias is not None and weights.down_bias is not None
     for e in range(gate_up_all.shape[0]):
         fused = gate_up_all[e].t()  # [2 * I, hidden]
-        weights.gate_up.append(pack(torch.cat([fused[0::2], fused[1::2]])))
+        packed = pack_expert(torch.cat([fused[0::2], fused[1::2]]), down_all[e].t())
+        weights.gate_up.append(packed[0])
         bias = gate_up_bias[e]
         weights.gate_up_bias.append(torch.cat([bias[0::2], bias[1::2]]).contiguous())
-        weights.down.append(pack(down_all[e].t()))
+        weights.down.append(packed[1])
         weights.down_bias.append(down_bias[e].contiguous())
     return weights
 

@@ -42,6 +42,8 @@ def _build_flags(info: CpuInfo) -> list[str]:
                   "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]
         if "avx512_bf16" in info.flags:
             flags.append("-mavx512bf16")
+        if {"amx_tile", "amx_bf16"} <= set(info.flags):
+            flags += ["-mamx-tile", "-mamx-bf16"]
     elif isa == "avx2":
         flags += ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"]
     return flags

@@ -1,6 +1,7 @@
 // Routed experts in one call (moe.py): (token, choice) pairs grouped by expert, one GEMM per
 // expert for its gate and up (fused) and one for its down projection on the engine's prepacked
-// oneDNN weights, the experts' activation, and each token's weighted sum of its choices in the
+// weights (the AMX tiles' layout where the CPU has them, amx_gemm.cpp; else oneDNN's), the
+// experts' activation, and each token's weighted sum of its choices in the
 // router's order. The GEMM calls follow CpuKernels.linear's rules for the number of rows per
 // call (`tile` rows exactly, zero-padded; or 2..max_rows), so each row's numbers do not depend
 // on the other rows: a token gets the same bits alone or in any batch.
@@ -110,6 +111,13 @@ struct Expert {
 // activation are zeros, as the down projection's own padding would be.
 at::Tensor expert_mlp(const at::Tensor& rows, int64_t real_rows, const Expert& e,
                       const Activation& act, int64_t tile, int64_t max_rows) {
+  if (e.gate_up.dim() == 4) {  // packed for the AMX tiles (amx_gemm.cpp): rows in 16s
+    const at::Tensor gate_up = amx_linear(rows, e.gate_up, e.gate_up_bias);
+    at::Tensor a = rows.new_empty({rows.size(0), gate_up.size(1) / 2});
+    act(a.narrow(0, 0, real_rows), gate_up.narrow(0, 0, real_rows));
+    if (real_rows < rows.size(0)) a.narrow(0, real_rows, rows.size(0) - real_rows).zero_();
+    return amx_linear(a, e.down, e.down_bias);
+  }
   if (tile == 0 || !e.gate_up.is_mkldnn() || !e.down.is_mkldnn()) {
     const at::Tensor gate_up = gemm_chunked(rows, e.gate_up, e.gate_up_bias, max_rows);
     at::Tensor a = rows.new_empty({real_rows, gate_up.size(1) / 2});
@@ -268,8 +276,17 @@ at::Tensor moe_experts(at::Tensor x, at::Tensor expert_ids, at::Tensor routing,
                        static_cast<float>(swiglu_limit.value_or(0.0))};
   const at::Tensor ids = expert_ids.contiguous();
   // Weights that are not oneDNN's (no oneDNN in this build) take the chunked rule, as
-  // CpuKernels.linear gives them.
-  if (!gate_up[0].is_mkldnn()) tile = 0;
+  // CpuKernels.linear gives them; those packed for the AMX tiles are all packed alike.
+  const bool tiles = gate_up[0].dim() == 4;
+  for (size_t e = 0; e < gate_up.size(); ++e) {
+    TORCH_CHECK((gate_up[e].dim() == 4) == tiles && (down[e].dim() == 4) == tiles,
+                "moe_experts: every expert's weights packed alike");
+  }
+  if (tiles) {
+    TORCH_CHECK(tile == 16, "moe_experts: weights packed for the AMX tiles take tile=16");
+  } else if (!gate_up[0].is_mkldnn()) {
+    tile = 0;
+  }
   if (x.size(0) == 0) return x.new_empty({0, x.size(1)});
   if (x.scalar_type() == at::kFloat) {
     return experts_impl<float>(x, ids, routing, experts, act, tile, max_rows);

@@ -43,6 +43,9 @@ at::Tensor moe_experts(at::Tensor x, at::Tensor expert_ids, at::Tensor routing,
                        std::optional<std::vector<at::Tensor>> down_bias,
                        std::optional<double> swiglu_alpha, std::optional<double> swiglu_limit,
                        int64_t tile, int64_t max_rows);
+bool amx_available();
+at::Tensor amx_pack_weight(at::Tensor weight);
+at::Tensor amx_linear(at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias);
 void clamped_swiglu(at::Tensor out, at::Tensor gate_up, double alpha, double limit);
 std::vector<int64_t> pin_threads(std::vector<int64_t> cpus);
 

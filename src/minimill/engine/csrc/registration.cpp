@@ -55,6 +55,9 @@ TORCH_LIBRARY(minimill, m) {
   m.def("token_logprobs(Tensor logits, Tensor tokens, int num_top, Tensor(a!) chosen, "
         "Tensor(b!) top_ids, Tensor(c!) top_values) -> ()");
   m.def("pin_threads(int[] cpus) -> int[]");
+  m.def("amx_available() -> bool");
+  m.def("amx_pack_weight(Tensor weight) -> Tensor");
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor query_start, Tensor seq_lens, float scale, "
         "int block_size, int? window=None, Tensor? sinks=None) -> ()");
@@ -71,6 +74,7 @@ TORCH_LIBRARY(minimill, m) {
 // moe_experts' weights are oneDNN tensors (the MkldnnCPU key), its activations plain CPU ones.
 TORCH_LIBRARY_IMPL(minimill, CompositeExplicitAutograd, m) {
   m.impl("pin_threads", &minimill::pin_threads);
+  m.impl("amx_available", &minimill::amx_available);
   m.impl("moe_experts", &minimill::moe_experts);
 }
 
@@ -86,4 +90,6 @@ TORCH_LIBRARY_IMPL(minimill, CPU, m) {
   m.impl("kv_int4_write", &minimill::kv_int4_write);
   m.impl("sample_tokens", &minimill::sample_tokens);
   m.impl("token_logprobs", &minimill::token_logprobs);
+  m.impl("amx_pack_weight", &minimill::amx_pack_weight);
+  m.impl("amx_linear", &minimill::amx_linear);
 }
