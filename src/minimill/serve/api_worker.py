@@ -1,5 +1,5 @@
 """One more API process of `serve --workers K` (api_workers.py): the control plane's app
-served by uvicorn on the listening socket serve passed down, on serve's store."""
+served by uvicorn on the listening socket serve passed down, on serve's store (MINIMILL_DB)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from minimill.lifetime import die_with_parent
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m " + __spec__.name)
     parser.add_argument("--fd", type=int, required=True, help="the listening socket's fd")
-    parser.add_argument("--db", required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--webhook-allow-private", action="store_true")
     args = parser.parse_args(argv)
@@ -32,7 +31,10 @@ def main(argv: list[str] | None = None) -> None:
     from minimill.api.settings import Settings
 
     chosen: dict[str, Any] = {"webhook_allow_private": True} if args.webhook_allow_private else {}
-    app = create_app(Settings(db=args.db, models=[args.model], **chosen))
+    settings = Settings(models=[args.model], **chosen)
+    if not settings.db:
+        parser.error("MINIMILL_DB names no store")
+    app = create_app(settings)
     sock = socket.socket(fileno=args.fd)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
                                            timeout_graceful_shutdown=5))

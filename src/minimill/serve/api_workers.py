@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -25,6 +26,7 @@ from minimill.lifetime import owned_env
 
 log = logging.getLogger("minimill.serve")
 WORKER_MODULE = "minimill.serve.api_worker"
+DB_ENV = "MINIMILL_DB"  # api/settings.py's `db`
 # Seconds an API process gets to finish its calls after SIGTERM before it is killed.
 STOP_GRACE_S = 10.0
 RESTART_BACKOFF_MAX_S = 30.0
@@ -49,7 +51,10 @@ class ApiWorkers:
         self.count = count
         self.sock = sock
         self.command = [sys.executable, "-m", WORKER_MODULE, "--fd", str(sock.fileno()),
-                        "--db", db, "--model", model]
+                        "--model", model]
+        # The store URL in the environment, not the command line that `ps` shows to every
+        # user (it may hold a password).
+        self.db = db
         if webhook_allow_private:
             self.command.append("--webhook-allow-private")
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -58,8 +63,8 @@ class ApiWorkers:
     def _start_one(self) -> subprocess.Popen[bytes]:
         # A session of their own: a terminal's Ctrl-C reaches serve alone, which stops them
         # after its local worker (whose last calls they may be answering).
-        return subprocess.Popen(self.command, env=owned_env(), pass_fds=(self.sock.fileno(),),
-                                start_new_session=True)
+        return subprocess.Popen(self.command, env=owned_env({**os.environ, DB_ENV: self.db}),
+                                pass_fds=(self.sock.fileno(),), start_new_session=True)
 
     async def run(self) -> None:
         """Start them and keep them running until `stop` (on the main thread's loop: their
