@@ -130,7 +130,7 @@ class Serve(Proc):
 
     def __init__(self, home: Path, *, port: int | None = None, local_worker: bool = True,
                  extra_env: dict[str, str] | None = None, db: str | None = None,
-                 model: str | None = None) -> None:
+                 model: str | None = None, workers: int = 1) -> None:
         self.home = home
         self.port = port or free_port()
         self.key = ""
@@ -143,6 +143,8 @@ class Serve(Proc):
             args += ["--model", model]
         if not local_worker:
             args.append("--no-local-worker")
+        if workers != 1:
+            args += ["--workers", str(workers)]
         self.local_worker = local_worker
         super().__init__(args, env, home / f"serve-{self.port}.log")
 

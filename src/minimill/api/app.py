@@ -1,8 +1,9 @@
 """The control plane's HTTP app: routers, errors, and the background tasks of one process.
 
-Each process runs a janitor (reap expired leases, expire batches, delete expired files), the
-batch jobs (queue the lines of new batches, write the files of finished ones: in a worker
-process, so that the event loop and the heartbeats it serves never wait on them), a webhook
+Each process runs a janitor (reap expired leases, expire batches, delete expired files; on
+PostgreSQL one process at a time ticks: janitor_lock.py), the batch jobs (queue the lines of
+new batches, write the files of finished ones: in a worker process, so that the event loop and
+the heartbeats it serves never wait on them; each batch is claimed by one process), a webhook
 sender, and a progress poller for its waiting realtime requests and streams. Every piece of
 state is in the store, so any number of these processes can serve one store, and any of them
 can be killed at any moment.
@@ -56,7 +57,8 @@ from minimill.api.routes import metrics as metrics_route
 from minimill.api.settings import Settings
 from minimill.api.webhook_sender import run_webhook_sender
 from minimill.control.config import ControlConfig
-from minimill.control.janitor import batch_jobs, run_batch_jobs, tick
+from minimill.control.janitor import TickReport, batch_jobs, run_batch_jobs, tick
+from minimill.control.janitor_lock import JanitorLock
 from minimill.control.prompt_count import counter_for
 from minimill.control.site_view import PeerView
 from minimill.control.store import Store, open_store
@@ -65,19 +67,34 @@ __all__ = ["Settings", "create_app"]
 log = logging.getLogger("minimill.api")
 
 
+def _tick_if_held(lock: JanitorLock, store: Store, config: ControlConfig) -> TickReport | None:
+    return tick(store, time.time(), config, False) if lock.held() else None
+
+
 async def _janitor(store: Store, config: ControlConfig, interval_s: float,
                   requeued: Wakeup) -> None:
-    while True:
-        try:
-            report = await anyio.to_thread.run_sync(tick, store, time.time(), config, False)
+    """The janitor's ticks, in whichever process holds the janitor's lock (janitor_lock.py)."""
+    lock = JanitorLock(store)
+    try:
+        while True:
+            await _janitor_tick(lock, store, config, requeued)
+            await asyncio.sleep(interval_s)
+    finally:
+        lock.release()
+
+
+async def _janitor_tick(lock: JanitorLock, store: Store, config: ControlConfig,
+                        requeued: Wakeup) -> None:
+    try:
+        report = await anyio.to_thread.run_sync(_tick_if_held, lock, store, config)
+        if report is not None:
             if report.reaped_leases:
                 requeued.notify(report.reaped_leases)  # back in the queue: workers take them
             if (report.reaped_leases or report.expired_batches or report.reaped_boxes
                     or report.reaped_agents or report.idle_boxes or report.purged_requests):
                 log.info("janitor: %s", report)
-        except Exception:  # the store may be briefly unreachable; try again next tick
-            log.exception("janitor tick failed")
-        await asyncio.sleep(interval_s)
+    except Exception:  # the store may be briefly unreachable; try again next tick
+        log.exception("janitor tick failed")
 
 
 async def _batch_jobs(store: Store, config: ControlConfig, wake: asyncio.Event,

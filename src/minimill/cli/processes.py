@@ -64,6 +64,9 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8000, help="Port to listen on."),
     db: str | None = DbOption,
+    workers: int = typer.Option(1, min=1, help="API processes serving the port and the store "
+                                "(more than 1 needs --db postgresql://...); the local worker "
+                                "and the janitor's ticks stay one."),
     model: str = typer.Option(DEFAULT_MODEL, help="Model the local worker serves."),
     dtype: str = typer.Option("auto", help="Engine dtype of the local worker: " + DTYPE_HELP),
     kv_dtype: str = KvDtypeOption,
@@ -133,7 +136,7 @@ def serve(
     run_serve(host=host, port=port, db=db, model=model, dtype=dtype, local_worker=local_worker,
               price_per_hour=price_per_hour, kv=kv, boxes=boxes,
               insecure_no_sandbox=insecure_no_sandbox, agents=agents,
-              webhook_allow_private=webhook_allow_private)
+              webhook_allow_private=webhook_allow_private, workers=workers)
 
 
 def worker(

@@ -1,4 +1,5 @@
-"""`minimill serve`: the control plane (uvicorn, in this process) plus one local worker process.
+"""`minimill serve`: the control plane (uvicorn, in this process, and with `--workers K` in K-1
+more: api_workers.py) plus one local worker process.
 
 The local worker is an ordinary `minimill worker` subprocess that reaches the control plane over
 loopback HTTP with the "local" site's token, exactly as a remote site would. This process
@@ -28,6 +29,7 @@ from minimill.api.settings import Settings
 from minimill.fleet.kv_options import KvOptions
 from minimill.fleet.supervisor import LOCAL_SITE, WorkerSupervisor, worker_command
 from minimill.lifetime import STOP_SIGNALS, die_with_parent, stop_reason
+from minimill.serve.api_workers import ApiWorkers, check_workers
 
 log = logging.getLogger("minimill.serve")
 DEFAULT_TENANT = "default"
@@ -87,8 +89,8 @@ def _loopback_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-async def _serve(server: _Server, sock: socket.socket,
-                 supervisor: WorkerSupervisor | None) -> None:
+async def _serve(server: _Server, sock: socket.socket, supervisor: WorkerSupervisor | None,
+                 workers: ApiWorkers | None = None) -> None:
     loop = asyncio.get_running_loop()
     stopping_worker: list[asyncio.Task[None]] = []
 
@@ -116,21 +118,25 @@ async def _serve(server: _Server, sock: socket.socket,
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
-    worker_task: asyncio.Task[None] | None = None
+    background: list[asyncio.Task[None]] = []
     try:
         while not server.started and not serving.done():
             await asyncio.sleep(0.05)
+        if workers is not None and server.started:  # the socket listens: they may accept
+            background.append(asyncio.create_task(workers.run()))
         if supervisor is not None and server.started:
-            worker_task = asyncio.create_task(supervisor.run())
+            background.append(asyncio.create_task(supervisor.run()))
         await serving
     finally:
         if supervisor is not None:  # the API ended without a signal (it failed): stop it too
             supervisor.stopping = True
             await asyncio.to_thread(supervisor.stop)
         await asyncio.gather(*stopping_worker, return_exceptions=True)
-        if worker_task is not None:
-            worker_task.cancel()
-            await asyncio.gather(worker_task, return_exceptions=True)
+        if workers is not None:  # after the local worker, whose last calls they may serve
+            await asyncio.to_thread(workers.stop)
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
 
 
 def _sandboxed_count(count: int, insecure_no_sandbox: bool, check: Callable[[], None],
@@ -163,15 +169,16 @@ def _local_sandboxed(boxes: int, agents: int, insecure_no_sandbox: bool,
 def run_serve(*, host: str, port: int, db: str | None, model: str, dtype: str,
               local_worker: bool, price_per_hour: float, kv: KvOptions | None = None,
               boxes: int = 4, insecure_no_sandbox: bool = False, agents: int = 8,
-              webhook_allow_private: bool = False) -> None:
-    """Serve the OpenAI-compatible API on host:port, plus one local worker serving `model`,
-    holding up to `boxes` boxes and running up to `agents` durable agents. With
-    `webhook_allow_private`, webhooks may reach private addresses (else the environment's
-    MINIMILL_WEBHOOK_ALLOW_PRIVATE decides)."""
+              webhook_allow_private: bool = False, workers: int = 1) -> None:
+    """Serve the OpenAI-compatible API on host:port from `workers` processes (api_workers.py),
+    plus one local worker serving `model`, holding up to `boxes` boxes and running up to
+    `agents` durable agents. With `webhook_allow_private`, webhooks may reach private
+    addresses (else the environment's MINIMILL_WEBHOOK_ALLOW_PRIVATE decides)."""
     logging.basicConfig(level=os.environ.get("MINIMILL_LOG_LEVEL", "INFO"),
                         format="%(asctime)s serve %(levelname)s %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per call is noise
     die_with_parent()
+    check_workers(workers, db)
     from minimill.api.app import create_app
     from minimill.control.errors import ControlError
     from minimill.control.keys import create_key
@@ -216,10 +223,13 @@ def run_serve(*, host: str, port: int, db: str | None, model: str, dtype: str,
                              kv=kv, boxes=boxes, insecure_no_sandbox=insecure_no_sandbox,
                              agents=agents)
     supervisor = WorkerSupervisor(command, token) if local_worker else None
-    log.info("control plane on http://%s:%d/v1 (store %s)%s", host, port, store.url,
+    others = (ApiWorkers(workers - 1, sock, settings.db or store.url, model,
+                         webhook_allow_private) if workers > 1 else None)
+    log.info("control plane on http://%s:%d/v1 (store %s, %d API process%s)%s", host, port,
+             store.url, workers, "es" if workers > 1 else "",
              ", starting the local worker" if local_worker else "")
     try:
-        event_loop.run(_serve(server, sock, supervisor))
+        event_loop.run(_serve(server, sock, supervisor, others))
     finally:
         store.close()
         sock.close()
