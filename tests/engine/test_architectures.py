@@ -77,3 +77,39 @@ def test_the_benchmark_s_transformers_model_is_the_checkpoint_s(tiny: tuple[str,
     prompt = torch.tensor([_prompts()[0]])
     with torch.inference_mode():
         torch.testing.assert_close(rebuilt(prompt).logits, hf(prompt).logits)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_experts_on_amx_tiles_keep_a_sequence_s_numbers_its_own(
+        arch: str, tmp_path: Path, smol_f32: LoadedModel, monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    """bfloat16 experts whose widths the AMX tiles divide are packed for them where the CPU
+    has them (csrc/amx_gemm.cpp): a sequence's logits are the same bits alone and in a batch,
+    and as near the float32 engine's as with oneDNN's GEMMs for the experts."""
+    from minimill.engine.kernels import CpuKernels, TorchKernels
+    from minimill.engine.native import load_cpu_kernels
+
+    save_tiny(arch, tmp_path, smol_f32, moe_intermediate_size=32)
+    first, second = _prompts()
+
+    def bf16_logits() -> tuple[torch.Tensor, list[Any]]:
+        llm = LLM(load_model(str(tmp_path), torch.bfloat16), dtype="bfloat16",
+                  num_kv_blocks=64, kernels="native")
+        alone = engine_logits(llm, [first])[0]
+        assert torch.equal(alone, engine_logits(llm, [second, first, second[:7]])[1]), arch
+        return alone.float(), [la.experts for la in llm.engine.runner.model.layers
+                                if la.experts]
+
+    tiles = load_cpu_kernels().available and CpuKernels()._amx_tiles
+    on_tiles, experts = bf16_logits()
+    assert experts and all((w.dim() == 4) == tiles for e in experts for w in e.gate_up + e.down)
+    monkeypatch.setattr(CpuKernels, "prepare_expert_weights",
+                        TorchKernels.prepare_expert_weights)
+    on_onednn, experts = bf16_logits()
+    assert all(w.dim() == 2 for e in experts for w in e.gate_up + e.down)
+    f32 = LLM(load_model(str(tmp_path), torch.float32), dtype="float32", num_kv_blocks=64,
+              kernels="native")
+    reference = engine_logits(f32, [first])[0]
+    tiles_error = float((on_tiles - reference).abs().mean())
+    onednn_error = float((on_onednn - reference).abs().mean())
+    assert tiles_error <= 1.5 * onednn_error, (arch, tiles_error, onednn_error)
