@@ -1,12 +1,13 @@
-"""Loading a GGUF file (llama, qwen2, qwen3, qwen3moe architectures) into a LoadedModel in HF
-naming and layout.
+"""Loading a GGUF file (llama, qwen2, qwen3, qwen3moe, gemma3, gpt-oss architectures) into a
+LoadedModel in HF naming and layout.
 
 llama.cpp's converter permutes the rows of Q and K for llama models so that rotary embedding
 pairs adjacent dimensions; HF pairs dimension i with i + head_dim/2 (rotate_half). The
 permutation is undone here, so the engine and HF transformers see the same weights. Qwen's
 converters keep HF's order. A mixture of experts stores each layer's experts stacked in one
 tensor per projection (`blk.N.ffn_gate_exps`, [experts, out, in]); they are split into HF's
-per-expert names, and a layer without a router (`ffn_gate_inp`) is dense.
+per-expert names, and a layer without a router (`ffn_gate_inp`) is dense. What Gemma 3 and
+gpt-oss add lives in gguf_families.py.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from minimill.models import gguf_families as families
 from minimill.models.dequant import dequantize
 from minimill.models.gguf_file import GGUFHeader, read_gguf_header, read_tensor_bytes
 from minimill.models.gguf_tokenizer import tokenizer_from_gguf
@@ -26,9 +28,9 @@ from minimill.models.shape_check import check_shapes
 from minimill.models.tokenizer import END_OF_TURN_TOKENS, Tokenizer
 from minimill.models.types import LoadedModel, ModelConfig, ModelFileError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
 # GGUF's architecture names that the engine spells otherwise (ModelConfig.architecture).
-_ENGINE_ARCHITECTURE = {"qwen3moe": "qwen3_moe"}
+_ENGINE_ARCHITECTURE = {"qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
 PROGRESS_EVERY_S = 2.0
 log = logging.getLogger("minimill.models")
 
@@ -57,19 +59,25 @@ _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """HF parameter name of a GGUF tensor, or None if the tensor has no HF counterpart."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """HF parameter name of a GGUF tensor of `arch`, or None if the tensor has no HF
+    counterpart."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _LAYER_NAMES | families.LAYER_NAMES.get(arch, {})
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None or match.group(2) not in names:
         return None
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    hf_name = f"model.layers.{layer}.{names[part]}.{kind}"
+    return hf_name.removesuffix(".weight") if hf_name.endswith(families.BARE_NAMES) else hf_name
 
 
-def hf_expert_names(gguf_name: str, num_experts: int) -> list[str] | None:
-    """HF names of each expert's slice of a stacked expert tensor (None: not one)."""
+def hf_expert_names(gguf_name: str, num_experts: int, arch: str = "llama") -> list[str] | None:
+    """HF names of each expert's slice of a stacked expert tensor (None: not one, or `arch`
+    keeps its experts stacked)."""
+    if families.stacks_experts(arch):
+        return None
     match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match is None or match.group(2) not in _EXPERT_NAMES or match.group(3) != "weight":
         return None
@@ -129,14 +137,25 @@ def config_from_gguf(header: GGUFHeader, tokenizer: Tokenizer) -> ModelConfig:
         token_id = tokenizer.token_to_id(token)
         if token_id is not None and token_id not in eos_ids:
             eos_ids.append(token_id)
-    experts = _experts(header, arch, num_layers)
-    return ModelConfig(
+    family = _experts(header, arch, num_layers)
+    rope_scaling = _rope_scaling(header, arch)
+    try:
+        if arch == "gemma3":
+            family = families.gemma3_fields(header.metadata, num_layers, hidden, num_heads,
+                                             head_dim)
+        elif arch == "gpt-oss":
+            family = families.gpt_oss_fields(header.metadata, num_layers)
+            rope_scaling = families.gpt_oss_rope(rope_scaling)
+    except ModelFileError as exc:
+        raise ModelFileError(f"{header.path}: {exc}") from exc
+    fields: dict[str, Any] = dict(
         architecture=_ENGINE_ARCHITECTURE.get(arch, arch),
         vocab_size=vocab,
         hidden_size=hidden,
         # A mixture of experts may declare no dense width (no dense layer needs one).
         intermediate_size=int(header.metadata.get(f"{arch}.feed_forward_length", 0)
-                              if experts else _meta(header, f"{arch}.feed_forward_length")),
+                              if "num_experts" in family
+                              else _meta(header, f"{arch}.feed_forward_length")),
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=int(header.metadata.get(f"{arch}.attention.head_count_kv",
@@ -147,12 +166,12 @@ def config_from_gguf(header: GGUFHeader, tokenizer: Tokenizer) -> ModelConfig:
         max_position_embeddings=int(_meta(header, f"{arch}.context_length")),
         tie_word_embeddings="output.weight" not in header.tensors,
         attention_bias="blk.0.attn_q.bias" in header.tensors,
-        rope_scaling=_rope_scaling(header, arch),
+        rope_scaling=rope_scaling,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tuple(eos_ids),
         qk_norm="blk.0.attn_q_norm.weight" in header.tensors,
-        **experts,
     )
+    return ModelConfig(**(fields | family))
 
 
 def _experts(header: GGUFHeader, arch: str, num_layers: int) -> dict[str, Any]:
@@ -196,6 +215,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.bfloat16,
     header = read_gguf_header(path)
     tokenizer = tokenizer_from_gguf(header.metadata, path)
     config = config_from_gguf(header, tokenizer)
+    arch = str(header.metadata["general.architecture"])
     if "rope_freqs.weight" in header.tensors:
         # Llama 3.1-style frequency factors: not expressible as our rope_scaling yet.
         raise ModelFileError(f"{path}: rope_freqs (llama3 rope scaling) is not supported yet")
@@ -205,15 +225,20 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.bfloat16,
     with path.open("rb") as f:
         for info in header.tensors.values():
             progress.step()
-            hf_name = hf_tensor_name(info.name)
-            expert_names = hf_expert_names(info.name, config.num_experts)
+            hf_name = hf_tensor_name(info.name, arch)
+            expert_names = hf_expert_names(info.name, config.num_experts, arch)
             if hf_name is None and expert_names is None:
                 raise ModelFileError(f"{path}: unexpected tensor {info.name!r}")
-            if expert_names is not None and info.shape[:1] != (config.num_experts,):
+            if "_exps." in info.name and info.shape[:1] != (config.num_experts,):
                 raise ModelFileError(f"{path}: tensor {info.name!r} has shape {info.shape}, "
                                      f"metadata implies {config.num_experts} experts")
+            shifted = config.gemma_norms and info.name.endswith("norm.weight")
+            # A shifted norm is un-shifted in float32: in bfloat16, 1 + w keeps too few of
+            # w's bits.
             tensor = dequantize(read_tensor_bytes(f, info, path), info.ggml_type, info.shape,
-                                dtype)
+                                torch.float32 if shifted else dtype)
+            if shifted:
+                tensor = (tensor - families.GEMMA_NORM_SHIFT).to(dtype)
             if expert_names is not None:
                 # Each its own storage: the warm cache's safetensors refuse shared ones.
                 weights.update(zip(expert_names, (t.clone() for t in tensor.unbind(0)),
@@ -226,6 +251,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.bfloat16,
                 tensor = unpermute_rope_rows(tensor, config.num_key_value_heads)
             weights[hf_name] = tensor
     progress.done()
+    if arch == "gpt-oss":
+        families.gpt_oss_experts(weights, config.num_hidden_layers)
     check_shapes(path, config, weights)
     meta = header.metadata
     return LoadedModel(

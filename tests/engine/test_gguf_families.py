@@ -1,0 +1,108 @@
+"""Gemma 3 from GGUF: a tiny random checkpoint saved as an HF directory and written as
+llama.cpp's converter writes it (norms stored as 1 + w, a SentencePiece vocabulary) loads into
+the HF directory's config and weights, tokenizes as its tokenizer.json does, and generates what
+transformers does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engine_helpers import assert_greedy_close
+
+from gguf_from_hf import write_gemma3_gguf
+from minimill.engine.llm import LLM
+from minimill.engine.params import SamplingParams
+from minimill.models.loader import load_model
+from minimill.models.types import LoadedModel
+from tiny_hf import WINDOW, hf_greedy, save_tiny
+from tiny_spm import BOS_ID, EOS_ID, PAD_ID, PROBES, UNK_ID, gemma_style_tokenizer, spm_pieces
+
+COMPARED = ("architecture", "vocab_size", "hidden_size", "intermediate_size",
+            "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "rms_norm_eps", "rope_theta", "max_position_embeddings", "tie_word_embeddings",
+            "attention_bias", "qk_norm", "gemma_norms", "hidden_act", "scale_embeddings",
+            "attention_scale", "sliding_window", "layer_types", "sliding_rope_theta",
+            "num_experts", "num_experts_per_tok", "moe_intermediate_size", "dense_layers",
+            "expert_style", "o_proj_bias", "attention_sinks", "swiglu_alpha", "swiglu_limit",
+            "rope_scaling")
+# Six layers, so that llama.cpp's every-sixth-layer-global rule gives Gemma 3 one global layer.
+GEMMA3_LAYERS = 6
+Pair = tuple[str, Any, LoadedModel, LoadedModel]
+
+
+def _gemma3(directory: Path, smol_f32: LoadedModel) -> tuple[Any, Path]:
+    reference = gemma_style_tokenizer()
+    hf = save_tiny(
+        "gemma3", directory, smol_f32, vocab_size=reference.get_vocab_size(),
+        num_hidden_layers=GEMMA3_LAYERS,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        # llama.cpp scales Gemma 3's attention by the head width (27B aside).
+        query_pre_attn_scalar=32, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID)
+    reference.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+         "unk_token": "<unk>"}))
+    path = directory / "gemma3.gguf"
+    write_gemma3_gguf(path, directory, hf, spm_pieces(reference),
+                      {"bos": BOS_ID, "eos": EOS_ID, "unk": UNK_ID, "pad": PAD_ID})
+    return hf, path
+
+
+@pytest.fixture(scope="module", params=["gemma3"])
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+         smol_f32: LoadedModel) -> Pair:
+    arch = request.param
+    directory = tmp_path_factory.mktemp(arch)
+    hf, path = _gemma3(directory, smol_f32)
+    return (arch, hf, load_model(str(directory), torch.float32),
+            load_model(str(path), torch.float32))
+
+
+def test_the_gguf_loads_the_config_and_weights_of_the_hf_directory(pair: Pair) -> None:
+    arch, _, from_hf, from_gguf = pair
+    assert from_gguf.config.architecture == arch
+    for field in COMPARED:
+        expected = getattr(from_hf.config, field)
+        if isinstance(expected, float):  # GGUF keeps floats in 32 bits
+            expected = pytest.approx(expected, rel=1e-6)
+        assert getattr(from_gguf.config, field) == expected, field
+    if arch == "gemma3":
+        assert from_gguf.config.layer_types == ("sliding",) * 5 + ("full",)
+        assert from_gguf.config.sliding_window == WINDOW
+    assert from_gguf.weights.keys() == from_hf.weights.keys()
+    for name, tensor in from_hf.weights.items():
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            # Stored as 1 + w and taken back: w to float32's rounding at 1.
+            torch.testing.assert_close(from_gguf.weights[name], tensor, rtol=0, atol=2e-7)
+        else:
+            assert torch.equal(from_gguf.weights[name], tensor), name
+
+
+def test_the_gguf_tokenizes_as_the_hf_directory_does(pair: Pair) -> None:
+    _, _, from_hf, from_gguf = pair
+    for text in PROBES:
+        ids = from_hf.tokenizer.encode(text, add_special_tokens=True)
+        assert from_gguf.tokenizer.encode(text, add_special_tokens=True) == ids, text
+        assert from_gguf.tokenizer.decode(ids) == text
+    assert from_gguf.tokenizer.bos_token_id == from_hf.tokenizer.bos_token_id == BOS_ID
+
+
+def test_the_gguf_generates_what_the_hf_directory_and_transformers_do(pair: Pair) -> None:
+    arch, hf, from_hf, from_gguf = pair
+    vocab = from_gguf.config.vocab_size
+    # Past the sliding window, so the sliding layers drop keys.
+    prompt = torch.randint(3, vocab, (37,), generator=torch.Generator().manual_seed(2)).tolist()
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, top_logprobs=5)
+    out = LLM(from_gguf, dtype="float32", num_kv_blocks=64).generate([prompt], params)[0]
+    same_model = LLM(from_hf, dtype="float32", num_kv_blocks=64).generate([prompt], params)[0]
+    assert out.output_token_ids == same_model.output_token_ids
+    ref_tokens, ref_top = hf_greedy(hf, prompt, 16)
+    assert out.logprobs is not None
+    equal = assert_greedy_close(out.output_token_ids, [lp.top for lp in out.logprobs],
+                                ref_tokens, ref_top, f"{arch}: the GGUF model is not HF's")
+    assert equal >= 8
