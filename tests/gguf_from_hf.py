@@ -114,7 +114,9 @@ def round_gpt_oss_experts_to_mxfp4(hf: Any, directory: Path) -> None:
 
 
 def write_gpt_oss_gguf(path: Path, directory: Path, hf: Any, tokenizer_source: Path,
-                       experts_type: GGMLQuantizationType = GGMLQuantizationType.MXFP4) -> None:
+                       experts_type: GGMLQuantizationType = GGMLQuantizationType.MXFP4,
+                       drop: tuple[str, ...] = ()) -> None:
+    """`drop`: GGUF tensor names left out (a file that lacks them)."""
     cfg = hf.config
     names = get_tensor_name_map(MODEL_ARCH.GPT_OSS, cfg.num_hidden_layers)
     writer = GGUFWriter(path, arch="gpt-oss")
@@ -140,6 +142,8 @@ def write_gpt_oss_gguf(path: Path, directory: Path, hf: Any, tokenizer_source: P
         writer.add_tensor(gguf_name, _f32(tensor))
     for layer in range(cfg.num_hidden_layers):
         for gguf_name, tensor in gpt_oss_stacks(state, layer).items():
+            if gguf_name in drop:
+                continue
             if gguf_name.endswith(".weight") and experts_type != GGMLQuantizationType.F32:
                 writer.add_tensor(gguf_name, quantize(_f32(tensor), experts_type),
                                   raw_dtype=experts_type)

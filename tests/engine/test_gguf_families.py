@@ -1,7 +1,8 @@
-"""Gemma 3 from GGUF: a tiny random checkpoint saved as an HF directory and written as
-llama.cpp's converter writes it (norms stored as 1 + w, a SentencePiece vocabulary) loads into
-the HF directory's config and weights, tokenizes as its tokenizer.json does, and generates what
-transformers does."""
+"""Gemma 3 and gpt-oss from GGUF: a tiny random checkpoint saved as an HF directory and written
+as llama.cpp's converter writes it (Gemma: norms stored as 1 + w, a SentencePiece vocabulary;
+gpt-oss: sinks, biased experts split into gate / up / down stacks in MXFP4) loads into the HF
+directory's config and weights, tokenizes as its tokenizer.json does, and generates what the
+directory and transformers do."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import pytest
 import torch
 from engine_helpers import assert_greedy_close
 
-from gguf_from_hf import write_gemma3_gguf
+from gguf_from_hf import round_gpt_oss_experts_to_mxfp4, write_gemma3_gguf, write_gpt_oss_gguf
 from minimill.engine.llm import LLM
 from minimill.engine.params import SamplingParams
 from minimill.models.loader import load_model
-from minimill.models.types import LoadedModel
+from minimill.models.types import LoadedModel, ModelFileError
 from tiny_hf import WINDOW, hf_greedy, save_tiny
 from tiny_spm import BOS_ID, EOS_ID, PAD_ID, PROBES, UNK_ID, gemma_style_tokenizer, spm_pieces
 
@@ -53,12 +54,22 @@ def _gemma3(directory: Path, smol_f32: LoadedModel) -> tuple[Any, Path]:
     return hf, path
 
 
-@pytest.fixture(scope="module", params=["gemma3"])
+def _gpt_oss(directory: Path, smol_f32: LoadedModel, model_file: Path) -> tuple[Any, Path]:
+    # llama.cpp's SwiGLU limit is gpt-oss's own 7 (a GGUF has no key to say another).
+    hf = save_tiny("gpt_oss", directory, smol_f32, swiglu_limit=7.0)
+    round_gpt_oss_experts_to_mxfp4(hf, directory)
+    path = directory / "gpt_oss.gguf"
+    write_gpt_oss_gguf(path, directory, hf, model_file)
+    return hf, path
+
+
+@pytest.fixture(scope="module", params=["gemma3", "gpt_oss"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-         smol_f32: LoadedModel) -> Pair:
+         smol_f32: LoadedModel, model_file: Path) -> Pair:
     arch = request.param
     directory = tmp_path_factory.mktemp(arch)
-    hf, path = _gemma3(directory, smol_f32)
+    hf, path = (_gemma3(directory, smol_f32) if arch == "gemma3"
+                else _gpt_oss(directory, smol_f32, model_file))
     return (arch, hf, load_model(str(directory), torch.float32),
             load_model(str(path), torch.float32))
 
@@ -74,6 +85,9 @@ def test_the_gguf_loads_the_config_and_weights_of_the_hf_directory(pair: Pair) -
     if arch == "gemma3":
         assert from_gguf.config.layer_types == ("sliding",) * 5 + ("full",)
         assert from_gguf.config.sliding_window == WINDOW
+    if arch == "gpt_oss":
+        assert from_gguf.extra["ggml_types"] == ["F32", "MXFP4"]
+        assert from_gguf.config.layer_types == ("sliding", "full", "sliding")
     assert from_gguf.weights.keys() == from_hf.weights.keys()
     for name, tensor in from_hf.weights.items():
         if arch == "gemma3" and name.endswith("norm.weight"):
@@ -84,12 +98,16 @@ def test_the_gguf_loads_the_config_and_weights_of_the_hf_directory(pair: Pair) -
 
 
 def test_the_gguf_tokenizes_as_the_hf_directory_does(pair: Pair) -> None:
-    _, _, from_hf, from_gguf = pair
+    """Gemma 3: SentencePiece pieces and scores against the tokenizer.json; gpt-oss: the
+    default model's byte-level BPE, as the Qwen3 files have it."""
+    arch, _, from_hf, from_gguf = pair
     for text in PROBES:
         ids = from_hf.tokenizer.encode(text, add_special_tokens=True)
         assert from_gguf.tokenizer.encode(text, add_special_tokens=True) == ids, text
         assert from_gguf.tokenizer.decode(ids) == text
-    assert from_gguf.tokenizer.bos_token_id == from_hf.tokenizer.bos_token_id == BOS_ID
+    assert from_gguf.tokenizer.bos_token_id == from_hf.tokenizer.bos_token_id
+    if arch == "gemma3":
+        assert from_gguf.tokenizer.bos_token_id == BOS_ID
 
 
 def test_the_gguf_generates_what_the_hf_directory_and_transformers_do(pair: Pair) -> None:
@@ -106,3 +124,12 @@ def test_the_gguf_generates_what_the_hf_directory_and_transformers_do(pair: Pair
     equal = assert_greedy_close(out.output_token_ids, [lp.top for lp in out.logprobs],
                                 ref_tokens, ref_top, f"{arch}: the GGUF model is not HF's")
     assert equal >= 8
+
+
+def test_gpt_oss_experts_without_their_biases_are_refused(
+        tmp_path: Path, smol_f32: LoadedModel, model_file: Path) -> None:
+    hf = save_tiny("gpt_oss", tmp_path, smol_f32, swiglu_limit=7.0)
+    path = tmp_path / "no_bias.gguf"
+    write_gpt_oss_gguf(path, tmp_path, hf, model_file, drop=("blk.1.ffn_up_exps.bias",))
+    with pytest.raises(ModelFileError, match=r"layer 1 lacks its experts' .*up\.bias"):
+        load_model(str(path), torch.float32)

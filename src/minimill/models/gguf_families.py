@@ -113,8 +113,11 @@ def gpt_oss_experts(weights: dict[str, torch.Tensor], num_layers: int) -> None:
     interleaved (even columns gate), down_proj [experts, width, hidden]."""
     for layer in range(num_layers):
         p = f"model.layers.{layer}.mlp.experts."
-        if p + "gate.weight" not in weights:
-            continue
+        parts = [p + f"{proj}.{kind}" for proj in ("gate", "up", "down")
+                 for kind in ("weight", "bias")]
+        missing = [name for name in parts if name not in weights]
+        if missing:
+            raise ModelFileError(f"layer {layer} lacks its experts' {', '.join(missing)}")
         gate, up = weights.pop(p + "gate.weight"), weights.pop(p + "up.weight")
         weights[p + "gate_up_proj"] = torch.stack(
             [gate.transpose(1, 2), up.transpose(1, 2)], dim=-1).flatten(-2).contiguous()

@@ -28,7 +28,7 @@ from minimill.models.shape_check import check_shapes
 from minimill.models.tokenizer import END_OF_TURN_TOKENS, Tokenizer
 from minimill.models.types import LoadedModel, ModelConfig, ModelFileError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "gpt-oss")
 # GGUF's architecture names that the engine spells otherwise (ModelConfig.architecture).
 _ENGINE_ARCHITECTURE = {"qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
 PROGRESS_EVERY_S = 2.0
@@ -118,6 +118,9 @@ def _rope_scaling(header: GGUFHeader, arch: str) -> dict[str, Any] | None:
         value = meta.get(f"{arch}.rope.scaling.{gguf_key}")
         if value is not None:
             scaling[hf_key] = float(value)
+    if kind == "yarn":  # llama.cpp's YaRN defaults, where the file says none
+        scaling.setdefault("beta_fast", 32.0)
+        scaling.setdefault("beta_slow", 1.0)
     return scaling
 
 
