@@ -10,7 +10,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFWriter, RopeScalingType, get_tensor_name_map
+from gguf import (
+    MODEL_ARCH,
+    ExpertGatingFuncType,
+    GGMLQuantizationType,
+    GGUFWriter,
+    RopeScalingType,
+    get_tensor_name_map,
+)
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 
@@ -150,3 +157,81 @@ def write_gpt_oss_gguf(path: Path, directory: Path, hf: Any, tokenizer_source: P
             else:
                 writer.add_tensor(gguf_name, _f32(tensor))
     finish(writer)
+
+
+def write_deepseek2_gguf(path: Path, directory: Path, hf: Any, tokenizer_source: Path,
+                         split_kv_b: bool = True, sigmoid_gating: bool = True) -> None:
+    """DeepSeek-V3 as llama.cpp's `deepseek2`: MLA as multi-query attention over the latent,
+    kv_b_proj split into attn_k_b (transposed) and attn_v_b (`split_kv_b`; older converters
+    keep attn_kv_b), experts stacked, the correction bias as exp_probs_b (`sigmoid_gating`
+    false: no gating key, as DeepSeek-V2's files)."""
+    cfg = hf.config
+    names = get_tensor_name_map(MODEL_ARCH.DEEPSEEK2, cfg.num_hidden_layers)
+    writer = GGUFWriter(path, arch="deepseek2")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(1)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = cfg.rope_parameters
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    writer.add_rope_scaling_type(RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(float(rope["factor"]))
+    writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+    writer.add_rope_scaling_yarn_log_mul(0.1 * float(rope["mscale_all_dim"]))
+    writer.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    writer.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    if cfg.q_lora_rank is not None:
+        writer.add_q_lora_rank(cfg.q_lora_rank)
+    writer.add_kv_lora_rank(cfg.kv_lora_rank)
+    writer.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    writer.add_value_length(cfg.kv_lora_rank)
+    writer.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    writer.add_value_length_mla(cfg.v_head_dim)
+    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    writer.add_expert_count(cfg.n_routed_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_expert_shared_count(cfg.n_shared_experts)
+    writer.add_expert_weights_scale(cfg.routed_scaling_factor)
+    writer.add_expert_weights_norm(cfg.norm_topk_prob)
+    writer.add_expert_group_count(cfg.n_group)
+    writer.add_expert_group_used_count(cfg.topk_group)
+    if sigmoid_gating:
+        writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+    add_tokenizer(writer, tokenizer_source)
+    state = _state(directory)
+    heads, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    for name, tensor in _stacked_experts(state, cfg.num_hidden_layers,
+                                         cfg.n_routed_experts).items():
+        if name.endswith("e_score_correction_bias"):
+            layer = name.split(".")[2]
+            writer.add_tensor(f"blk.{layer}.exp_probs_b.bias", _f32(tensor))
+            continue
+        if split_kv_b and name.endswith("kv_b_proj.weight"):
+            kv_b = tensor.view(heads, nope + v, tensor.shape[-1])
+            k_b, v_b = torch.split(kv_b, [nope, v], dim=1)
+            for part, value in (("k_b_proj", k_b.transpose(1, 2)), ("v_b_proj", v_b)):
+                gguf_name = names.get_name(name.replace("kv_b_proj", part),
+                                           try_suffixes=(".weight",))
+                writer.add_tensor(gguf_name, _f32(value.contiguous()))
+            continue
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        writer.add_tensor(gguf_name, _f32(tensor))
+    finish(writer)
+
+
+def _stacked_experts(state: dict[str, torch.Tensor], num_layers: int, num_experts: int
+                     ) -> dict[str, torch.Tensor]:
+    """HF's per-expert weights stacked per layer and projection, as the converter merges them."""
+    out = {k: v for k, v in state.items() if ".mlp.experts." not in k}
+    for layer in range(num_layers):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            names = [f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
+                     for e in range(num_experts)]
+            if names[0] in state:
+                out[f"model.layers.{layer}.mlp.experts.{proj}.weight"] = torch.stack(
+                    [state[n] for n in names])
+    return out

@@ -1,8 +1,9 @@
-"""Gemma 3 and gpt-oss from GGUF: a tiny random checkpoint saved as an HF directory and written
-as llama.cpp's converter writes it (Gemma: norms stored as 1 + w, a SentencePiece vocabulary;
-gpt-oss: sinks, biased experts split into gate / up / down stacks in MXFP4) loads into the HF
-directory's config and weights, tokenizes as its tokenizer.json does, and generates what the
-directory and transformers do."""
+"""Gemma 3, gpt-oss and DeepSeek-V3 from GGUF: a tiny random checkpoint saved as an HF directory
+and written as llama.cpp's converter writes it (Gemma: norms stored as 1 + w, a SentencePiece
+vocabulary; gpt-oss: sinks, biased experts split into gate / up / down stacks in MXFP4;
+DeepSeek: `deepseek2`, MLA with kv_b split or whole, stacked and shared experts, the correction
+bias) loads into the HF directory's config and weights, tokenizes as its tokenizer.json does,
+and generates what the directory and transformers do."""
 
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ import pytest
 import torch
 from engine_helpers import assert_greedy_close
 
-from gguf_from_hf import round_gpt_oss_experts_to_mxfp4, write_gemma3_gguf, write_gpt_oss_gguf
+from gguf_from_hf import (
+    round_gpt_oss_experts_to_mxfp4,
+    write_deepseek2_gguf,
+    write_gemma3_gguf,
+    write_gpt_oss_gguf,
+)
 from minimill.engine.llm import LLM
 from minimill.engine.params import SamplingParams
 from minimill.models.loader import load_model
@@ -29,7 +35,9 @@ COMPARED = ("architecture", "vocab_size", "hidden_size", "intermediate_size",
             "attention_scale", "sliding_window", "layer_types", "sliding_rope_theta",
             "num_experts", "num_experts_per_tok", "moe_intermediate_size", "dense_layers",
             "expert_style", "o_proj_bias", "attention_sinks", "swiglu_alpha", "swiglu_limit",
-            "rope_scaling")
+            "rope_scaling", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+            "qk_rope_head_dim", "v_head_dim", "rope_interleave", "norm_topk_prob",
+            "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor")
 # Six layers, so that llama.cpp's every-sixth-layer-global rule gives Gemma 3 one global layer.
 GEMMA3_LAYERS = 6
 Pair = tuple[str, Any, LoadedModel, LoadedModel]
@@ -63,13 +71,29 @@ def _gpt_oss(directory: Path, smol_f32: LoadedModel, model_file: Path) -> tuple[
     return hf, path
 
 
-@pytest.fixture(scope="module", params=["gemma3", "gpt_oss"])
+def _deepseek_v3(directory: Path, smol_f32: LoadedModel, model_file: Path, variant: str
+                 ) -> tuple[Any, Path]:
+    """With a query bottleneck and kv_b split (llama.cpp's converter today), or a plain q_proj
+    and kv_b whole (its older files)."""
+    overrides = {"q_lora_rank": None} if variant == "plain_q" else {}
+    hf = save_tiny("deepseek_v3", directory, smol_f32, **overrides)
+    path = directory / "deepseek2.gguf"
+    write_deepseek2_gguf(path, directory, hf, model_file, split_kv_b=variant != "plain_q")
+    return hf, path
+
+
+@pytest.fixture(scope="module",
+                params=["gemma3", "gpt_oss", "deepseek_v3", "deepseek_v3/plain_q"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
          smol_f32: LoadedModel, model_file: Path) -> Pair:
-    arch = request.param
+    arch, _, variant = request.param.partition("/")
     directory = tmp_path_factory.mktemp(arch)
-    hf, path = (_gemma3(directory, smol_f32) if arch == "gemma3"
-                else _gpt_oss(directory, smol_f32, model_file))
+    if arch == "gemma3":
+        hf, path = _gemma3(directory, smol_f32)
+    elif arch == "gpt_oss":
+        hf, path = _gpt_oss(directory, smol_f32, model_file)
+    else:
+        hf, path = _deepseek_v3(directory, smol_f32, model_file, variant)
     return (arch, hf, load_model(str(directory), torch.float32),
             load_model(str(path), torch.float32))
 
@@ -88,6 +112,9 @@ def test_the_gguf_loads_the_config_and_weights_of_the_hf_directory(pair: Pair) -
     if arch == "gpt_oss":
         assert from_gguf.extra["ggml_types"] == ["F32", "MXFP4"]
         assert from_gguf.config.layer_types == ("sliding", "full", "sliding")
+    if arch == "deepseek_v3":
+        assert from_gguf.config.is_mla and from_gguf.config.dense_layers == (0,)
+        assert from_gguf.weights["model.layers.1.mlp.gate.weight"].dtype == torch.float32
     assert from_gguf.weights.keys() == from_hf.weights.keys()
     for name, tensor in from_hf.weights.items():
         if arch == "gemma3" and name.endswith("norm.weight"):
@@ -132,4 +159,15 @@ def test_gpt_oss_experts_without_their_biases_are_refused(
     path = tmp_path / "no_bias.gguf"
     write_gpt_oss_gguf(path, tmp_path, hf, model_file, drop=("blk.1.ffn_up_exps.bias",))
     with pytest.raises(ModelFileError, match=r"layer 1 lacks its experts' .*up\.bias"):
+        load_model(str(path), torch.float32)
+
+
+def test_deepseek_s_softmax_routing_is_refused_by_name(
+        tmp_path: Path, smol_f32: LoadedModel, model_file: Path) -> None:
+    """A deepseek2 file without expert_gating_func is DeepSeek-V2's softmax routing to
+    llama.cpp; the engine routes DeepSeek by sigmoid only."""
+    hf = save_tiny("deepseek_v3", tmp_path, smol_f32)
+    path = tmp_path / "v2.gguf"
+    write_deepseek2_gguf(path, tmp_path, hf, model_file, sigmoid_gating=False)
+    with pytest.raises(ModelFileError, match="expert_gating_func 'softmax' is not supported"):
         load_model(str(path), torch.float32)

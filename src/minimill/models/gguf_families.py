@@ -28,8 +28,8 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
                 "ffn_gate_exps": "mlp.experts.gate", "ffn_up_exps": "mlp.experts.up",
                 "ffn_down_exps": "mlp.experts.down"},
 }
-# HF names that carry no ".weight" suffix.
-BARE_NAMES = (".self_attn.sinks.weight",)
+# HF names that carry no ".weight" / ".bias" suffix.
+BARE_NAMES = (".self_attn.sinks.weight", ".e_score_correction_bias.bias")
 # Gemma 3's RMSNorm scales by (1 + weight); llama.cpp stores weight + 1.
 GEMMA_NORM_SHIFT = 1.0
 _SLIDING_THETA = 10000.0

@@ -1,5 +1,5 @@
-"""Loading a GGUF file (llama, qwen2, qwen3, qwen3moe, gemma3, gpt-oss architectures) into a
-LoadedModel in HF naming and layout.
+"""Loading a GGUF file (llama, qwen2, qwen3, qwen3moe, gemma3, gpt-oss, deepseek2 architectures)
+into a LoadedModel in HF naming and layout.
 
 llama.cpp's converter permutes the rows of Q and K for llama models so that rotary embedding
 pairs adjacent dimensions; HF pairs dimension i with i + head_dim/2 (rotate_half). The
@@ -7,7 +7,7 @@ permutation is undone here, so the engine and HF transformers see the same weigh
 converters keep HF's order. A mixture of experts stores each layer's experts stacked in one
 tensor per projection (`blk.N.ffn_gate_exps`, [experts, out, in]); they are split into HF's
 per-expert names, and a layer without a router (`ffn_gate_inp`) is dense. What Gemma 3 and
-gpt-oss add lives in gguf_families.py.
+gpt-oss add lives in gguf_families.py, DeepSeek's MLA and routing in gguf_deepseek2.py.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from minimill.models import gguf_deepseek2 as deepseek2
 from minimill.models import gguf_families as families
 from minimill.models.dequant import dequantize
 from minimill.models.gguf_file import GGUFHeader, read_gguf_header, read_tensor_bytes
@@ -28,9 +29,11 @@ from minimill.models.shape_check import check_shapes
 from minimill.models.tokenizer import END_OF_TURN_TOKENS, Tokenizer
 from minimill.models.types import LoadedModel, ModelConfig, ModelFileError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "gpt-oss")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "gpt-oss",
+                           "deepseek2")
 # GGUF's architecture names that the engine spells otherwise (ModelConfig.architecture).
-_ENGINE_ARCHITECTURE = {"qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
+_ENGINE_ARCHITECTURE = {"qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
+                        "deepseek2": "deepseek_v3"}
 PROGRESS_EVERY_S = 2.0
 log = logging.getLogger("minimill.models")
 
@@ -56,6 +59,7 @@ _LAYER_NAMES = {
 # Stacked experts: one tensor per layer and projection, split into HF's per-expert names.
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
                  "ffn_down_exps": "down_proj"}
+_FAMILY_NAMES = {**families.LAYER_NAMES, deepseek2.ARCH: deepseek2.LAYER_NAMES}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 
 
@@ -64,13 +68,13 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     counterpart."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    names = _LAYER_NAMES | families.LAYER_NAMES.get(arch, {})
+    names = _LAYER_NAMES | _FAMILY_NAMES.get(arch, {})
     match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match is None or match.group(2) not in names:
         return None
     layer, part, kind = match.groups()
     hf_name = f"model.layers.{layer}.{names[part]}.{kind}"
-    return hf_name.removesuffix(".weight") if hf_name.endswith(families.BARE_NAMES) else hf_name
+    return hf_name.rsplit(".", 1)[0] if hf_name.endswith(families.BARE_NAMES) else hf_name
 
 
 def hf_expert_names(gguf_name: str, num_experts: int, arch: str = "llama") -> list[str] | None:
@@ -83,6 +87,12 @@ def hf_expert_names(gguf_name: str, num_experts: int, arch: str = "llama") -> li
         return None
     layer, part = match.group(1), _EXPERT_NAMES[match.group(2)]
     return [f"model.layers.{layer}.mlp.experts.{e}.{part}.weight" for e in range(num_experts)]
+
+
+def _layer_of(gguf_name: str) -> int:
+    """The block a tensor belongs to (-1: a global tensor)."""
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    return -1 if match is None else int(match.group(1))
 
 
 def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -134,7 +144,8 @@ def config_from_gguf(header: GGUFHeader, tokenizer: Tokenizer) -> ModelConfig:
     num_heads = int(_meta(header, f"{arch}.attention.head_count"))
     head_dim = int(header.metadata.get(f"{arch}.attention.key_length", hidden // num_heads))
     vocab = len(header.metadata.get("tokenizer.ggml.tokens") or ())
-    num_layers = int(_meta(header, f"{arch}.block_count"))
+    num_layers = (deepseek2.num_decoder_layers(header.metadata) if arch == deepseek2.ARCH
+                  else int(_meta(header, f"{arch}.block_count")))
     eos_ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     for token in END_OF_TURN_TOKENS:
         token_id = tokenizer.token_to_id(token)
@@ -149,6 +160,11 @@ def config_from_gguf(header: GGUFHeader, tokenizer: Tokenizer) -> ModelConfig:
         elif arch == "gpt-oss":
             family = families.gpt_oss_fields(header.metadata, num_layers)
             rope_scaling = families.gpt_oss_rope(rope_scaling)
+        elif arch == deepseek2.ARCH:
+            rope_scaling = deepseek2.deepseek2_rope(header.metadata, rope_scaling)
+            family = deepseek2.deepseek2_fields(header.metadata, num_heads, num_layers,
+                                                rope_scaling)
+            family["o_proj_bias"] = "blk.0.attn_output.bias" in header.tensors
     except ModelFileError as exc:
         raise ModelFileError(f"{header.path}: {exc}") from exc
     fields: dict[str, Any] = dict(
@@ -228,6 +244,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.bfloat16,
     with path.open("rb") as f:
         for info in header.tensors.values():
             progress.step()
+            if _layer_of(info.name) >= config.num_hidden_layers:
+                continue  # a multi-token prediction layer, which the engine does not run
             hf_name = hf_tensor_name(info.name, arch)
             expert_names = hf_expert_names(info.name, config.num_experts, arch)
             if hf_name is None and expert_names is None:
@@ -237,9 +255,11 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.bfloat16,
                                      f"metadata implies {config.num_experts} experts")
             shifted = config.gemma_norms and info.name.endswith("norm.weight")
             # A shifted norm is un-shifted in float32: in bfloat16, 1 + w keeps too few of
-            # w's bits.
+            # w's bits. DeepSeek's router stays float32, as the HF loader keeps it.
+            keep32 = shifted or (config.expert_style == "deepseek_v3" and hf_name is not None
+                                 and hf_name.endswith(deepseek2.FLOAT32_SUFFIXES))
             tensor = dequantize(read_tensor_bytes(f, info, path), info.ggml_type, info.shape,
-                                torch.float32 if shifted else dtype)
+                                torch.float32 if keep32 else dtype)
             if shifted:
                 tensor = (tensor - families.GEMMA_NORM_SHIFT).to(dtype)
             if expert_names is not None:
@@ -254,8 +274,13 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.bfloat16,
                 tensor = unpermute_rope_rows(tensor, config.num_key_value_heads)
             weights[hf_name] = tensor
     progress.done()
-    if arch == "gpt-oss":
-        families.gpt_oss_experts(weights, config.num_hidden_layers)
+    try:
+        if arch == "gpt-oss":
+            families.gpt_oss_experts(weights, config.num_hidden_layers)
+        elif arch == deepseek2.ARCH:
+            deepseek2.join_kv_b(weights, config)
+    except ModelFileError as exc:
+        raise ModelFileError(f"{path}: {exc}") from exc
     check_shapes(path, config, weights)
     meta = header.metadata
     return LoadedModel(
