@@ -25,6 +25,7 @@ from minimill.engine.llm import LLM
 from minimill.engine.params import SamplingParams
 from minimill.models.loader import load_model
 from minimill.models.types import LoadedModel, ModelFileError
+from minimill.models.warm_cache import load_gguf_warm
 from tiny_hf import WINDOW, hf_greedy, save_tiny
 from tiny_spm import BOS_ID, EOS_ID, PAD_ID, PROBES, UNK_ID, gemma_style_tokenizer, spm_pieces
 
@@ -122,6 +123,24 @@ def test_the_gguf_loads_the_config_and_weights_of_the_hf_directory(pair: Pair) -
             torch.testing.assert_close(from_gguf.weights[name], tensor, rtol=0, atol=2e-7)
         else:
             assert torch.equal(from_gguf.weights[name], tensor), name
+
+
+def test_a_second_start_maps_the_warm_cache_with_the_same_weights(
+        pair: Pair, tmp_path: Path) -> None:
+    """In bfloat16, DeepSeek's router tensors stay float32: the warm file keeps them so, and
+    is used."""
+    arch, _, _, from_gguf = pair
+    source = Path(from_gguf.source_path)
+    cold = load_gguf_warm(source, torch.bfloat16, "m", tmp_path)
+    warm = load_gguf_warm(source, torch.bfloat16, "m", tmp_path)
+    assert cold.extra["warm_cache"].startswith("cold, cached")
+    assert warm.extra["warm_cache"].startswith("warm cache"), warm.extra["warm_cache"]
+    assert warm.config == cold.config
+    for name, tensor in cold.weights.items():
+        assert warm.weights[name].dtype == tensor.dtype and torch.equal(warm.weights[name],
+                                                                        tensor), name
+    if arch == "deepseek_v3":
+        assert warm.weights["model.layers.1.mlp.gate.weight"].dtype == torch.float32
 
 
 def test_the_gguf_tokenizes_as_the_hf_directory_does(pair: Pair) -> None:
