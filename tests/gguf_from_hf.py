@@ -160,15 +160,19 @@ def write_gpt_oss_gguf(path: Path, directory: Path, hf: Any, tokenizer_source: P
 
 
 def write_deepseek2_gguf(path: Path, directory: Path, hf: Any, tokenizer_source: Path,
-                         split_kv_b: bool = True, sigmoid_gating: bool = True) -> None:
+                         split_kv_b: bool = True, sigmoid_gating: bool = True,
+                         mtp_layers: int = 0) -> None:
     """DeepSeek-V3 as llama.cpp's `deepseek2`: MLA as multi-query attention over the latent,
     kv_b_proj split into attn_k_b (transposed) and attn_v_b (`split_kv_b`; older converters
     keep attn_kv_b), experts stacked, the correction bias as exp_probs_b (`sigmoid_gating`
-    false: no gating key, as DeepSeek-V2's files)."""
+    false: no gating key, as DeepSeek-V2's files; `mtp_layers`: that many multi-token
+    prediction blocks after the decoder's, copies of its last)."""
     cfg = hf.config
-    names = get_tensor_name_map(MODEL_ARCH.DEEPSEEK2, cfg.num_hidden_layers)
+    names = get_tensor_name_map(MODEL_ARCH.DEEPSEEK2, cfg.num_hidden_layers + mtp_layers)
     writer = GGUFWriter(path, arch="deepseek2")
-    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_block_count(cfg.num_hidden_layers + mtp_layers)
+    if mtp_layers:
+        writer.add_nextn_predict_layers(mtp_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(cfg.intermediate_size)
@@ -202,8 +206,12 @@ def write_deepseek2_gguf(path: Path, directory: Path, hf: Any, tokenizer_source:
         writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
     add_tokenizer(writer, tokenizer_source)
     state = _state(directory)
+    last = f"model.layers.{cfg.num_hidden_layers - 1}."
+    for extra in range(cfg.num_hidden_layers, cfg.num_hidden_layers + mtp_layers):
+        state |= {k.replace(last, f"model.layers.{extra}."): t
+                  for k, t in list(state.items()) if k.startswith(last)}
     heads, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
-    for name, tensor in _stacked_experts(state, cfg.num_hidden_layers,
+    for name, tensor in _stacked_experts(state, cfg.num_hidden_layers + mtp_layers,
                                          cfg.n_routed_experts).items():
         if name.endswith("e_score_correction_bias"):
             layer = name.split(".")[2]

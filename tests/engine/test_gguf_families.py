@@ -190,3 +190,19 @@ def test_deepseek_s_softmax_routing_is_refused_by_name(
     write_deepseek2_gguf(path, tmp_path, hf, model_file, sigmoid_gating=False)
     with pytest.raises(ModelFileError, match="expert_gating_func 'softmax' is not supported"):
         load_model(str(path), torch.float32)
+
+
+def test_deepseek_s_multi_token_prediction_blocks_are_left_out(
+        pair: Pair, tmp_path: Path, model_file: Path) -> None:
+    """A file may carry them after the decoder's blocks (nextn_predict_layers); the engine
+    does not run them, as it does not from an HF directory."""
+    arch, hf, _, from_gguf = pair
+    if arch != "deepseek_v3":
+        pytest.skip("DeepSeek's files only")
+    directory = Path(from_gguf.source_path).parent
+    path = tmp_path / "mtp.gguf"
+    write_deepseek2_gguf(path, directory, hf, model_file, mtp_layers=1,
+                         split_kv_b=hf.config.q_lora_rank is not None)
+    with_mtp = load_model(str(path), torch.float32)
+    assert with_mtp.config == from_gguf.config
+    assert with_mtp.weights.keys() == from_gguf.weights.keys()
