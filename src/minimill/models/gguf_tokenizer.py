@@ -1,4 +1,5 @@
-"""Building a Tokenizer from a GGUF file's `tokenizer.*` metadata (byte-level BPE vocabularies).
+"""Building a Tokenizer from a GGUF file's `tokenizer.*` metadata: byte-level BPE vocabularies
+here, SentencePiece ones in gguf_spm_tokenizer.py.
 
 llama.cpp names the pre-tokenizer (`tokenizer.ggml.pre`) instead of storing it; each supported
 name maps to the split the vocabulary's merges were learned with, as in the models' own
@@ -14,6 +15,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
+from minimill.models.gguf_spm_tokenizer import spm_backend
 from minimill.models.tokenizer import Tokenizer
 from minimill.models.types import ModelFileError
 
@@ -70,12 +72,8 @@ def _pre_tokenizer(pre: str, path: Path) -> pre_tokenizers.PreTokenizer:
                          f"(supported: {supported})")
 
 
-def tokenizer_from_gguf(metadata: dict[str, Any], path: Path) -> Tokenizer:
-    """The Tokenizer a GGUF file describes; ModelFileError for what it cannot build."""
-    kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ModelFileError(f"{path}: tokenizer model {kind!r} is not supported "
-                             "(only byte-level BPE, 'gpt2')")
+def _gpt2_backend(metadata: dict[str, Any], path: Path) -> tokenizers.Tokenizer:
+    """A byte-level BPE vocabulary with its merges (`tokenizer.ggml.model = "gpt2"`)."""
     tokens: list[str] = metadata.get("tokenizer.ggml.tokens") or []
     raw_merges: list[str] = metadata.get("tokenizer.ggml.merges") or []
     if not tokens or not raw_merges:
@@ -105,6 +103,21 @@ def tokenizer_from_gguf(metadata: dict[str, Any], path: Path) -> Tokenizer:
     backend.add_tokens([AddedToken(t, special=False, normalized=False)
                         for t, kind_ in zip(tokens, token_types, strict=True)
                         if kind_ == _USER_DEFINED])
+    return backend
+
+
+# tokenizer.ggml.model -> the builder of its backend.
+_BACKENDS = {"gpt2": _gpt2_backend, "llama": spm_backend}
+
+
+def tokenizer_from_gguf(metadata: dict[str, Any], path: Path) -> Tokenizer:
+    """The Tokenizer a GGUF file describes; ModelFileError for what it cannot build."""
+    kind = metadata.get("tokenizer.ggml.model")
+    if kind not in _BACKENDS:
+        raise ModelFileError(f"{path}: tokenizer model {kind!r} is not supported (supported: "
+                             "'gpt2' byte-level BPE, 'llama' SentencePiece)")
+    backend = _BACKENDS[kind](metadata, path)
+    tokens: list[str] = metadata.get("tokenizer.ggml.tokens") or []
 
     def token_of(key: str) -> str | None:
         token_id = metadata.get(f"tokenizer.ggml.{key}")
@@ -117,7 +130,8 @@ def tokenizer_from_gguf(metadata: dict[str, Any], path: Path) -> Tokenizer:
     bos = token_of("bos_token_id")
     if bos is not None and metadata.get("tokenizer.ggml.add_bos_token", False):
         backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, vocab[bos])])
+            single=f"{bos} $A", pair=f"{bos} $A $B",
+            special_tokens=[(bos, int(metadata["tokenizer.ggml.bos_token_id"]))])
     return Tokenizer(
         backend, bos_token=bos, eos_token=token_of("eos_token_id"),
         pad_token=token_of("padding_token_id"), unk_token=token_of("unknown_token_id"),

@@ -32,6 +32,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from minimill.models.gguf_deepseek2 import FLOAT32_SUFFIXES
 from minimill.models.shape_check import check_shapes
 from minimill.models.tokenizer import Tokenizer
 from minimill.models.types import LoadedModel, ModelConfig
@@ -121,7 +122,9 @@ def read(path: Path, source: Path, dtype: torch.dtype, name: str) -> LoadedModel
     wrong = [k for k, v in expected.items() if meta.get(k) != v]
     if wrong:
         raise WarmCacheMiss(f"made for another source or dtype ({', '.join(wrong)} differ)")
-    if any(t.dtype != dtype for t in weights.values()):
+    # DeepSeek's router tensors are float32 whatever the dtype, as the loader keeps them.
+    if any(t.dtype != dtype and not (t.dtype == torch.float32 and k.endswith(FLOAT32_SUFFIXES))
+           for k, t in weights.items()):
         raise WarmCacheMiss("tensors of another dtype")
     try:
         raw = json.loads(meta["config"])
