@@ -16,6 +16,9 @@ from serve_process import MODEL, Serve, Worker
 pytestmark = pytest.mark.slow
 
 LEASE_TTL_S = 300.0
+# Far more tokens than a CPU site streams between two checkpoints (every 0.5 s), so
+# the request is still running when its first streamed token arrives.
+MAX_TOKENS = 256
 
 
 def site_token(serve: Serve, name: str) -> str:
@@ -39,34 +42,46 @@ def test_a_restarted_worker_does_not_leave_its_killed_runs_leases_waiting(
         worker = Worker(fleet_home, server, site, token, extra_args=flash).start_and_wait()
         workers.append(worker)
         messages = [{"role": "user", "content": "Write a long essay on the history of Rome."}]
-        pool = concurrent.futures.ThreadPoolExecutor(1)
-        answer = pool.submit(serve.client(timeout=600).chat.completions.create, model=MODEL,
-                             messages=messages, max_tokens=96, temperature=0)
-        time.sleep(3.0)  # leased at once; some tokens generated, checkpointed every 0.5 s
+        stream = serve.client(timeout=600).chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            stream_options={"include_usage": True})
+        chunks = iter(stream)
+        # A streamed token reached the client: the site has checkpointed the request (a
+        # stream's tokens come through its checkpoints), so its restart resumes from there.
+        before = []
+        for chunk in chunks:
+            before.append(chunk)
+            if chunk.choices and chunk.choices[0].delta.content:
+                break
+        assert not any(c.choices and c.choices[0].finish_reason for c in before)
         worker.kill9()
         killed_at = time.monotonic()
-        assert not answer.done()
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        rest = pool.submit(list, chunks)
 
         again = Worker(fleet_home, server, site, token, extra_args=flash)
         workers.append(again)
         offset = again.log_path.stat().st_size
         again.start_and_wait()
         again.wait_for_log(r"leased 1 requests; 1 resume from checkpoints", 30, offset)
-        result = answer.result(timeout=240)
+        streamed = before + rest.result(timeout=240)
         waited = time.monotonic() - killed_at
         assert waited < LEASE_TTL_S / 2, f"the request waited {waited:.0f}s after the kill"
         log = again.log_text()[offset:]
         assert ("gave back 1 leases the previous run of this site held" in log) != kv_flash
-        assert result.choices[0].finish_reason == "length"
-        usage = result.usage
-        assert usage is not None and usage.completion_tokens == 96
+        finish = [c.choices[0].finish_reason for c in streamed
+                  if c.choices and c.choices[0].finish_reason]
+        assert finish == ["length"], finish
+        usage = streamed[-1].usage
+        assert usage is not None and usage.completion_tokens == MAX_TOKENS
         assert usage.prompt_tokens_details is not None
         # The restarted engine's pool starts empty: KV it did not compute came from flash.
         cached = usage.prompt_tokens_details.cached_tokens or 0
         assert (cached > 0) == kv_flash, cached
+        content = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
         reference = serve.client(timeout=600).chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=96, temperature=0)
-        assert result.choices[0].message.content == reference.choices[0].message.content
+            model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+        assert content == reference.choices[0].message.content
     finally:
         for w in workers:
             w.stop()
