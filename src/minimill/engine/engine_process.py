@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 # Only torch-free modules at the top: the parent never imports torch (the child does).
 from minimill.engine.frontend import AddRequest, EngineLimits, Outcome, StreamFrontend
-from minimill.engine.params import EngineError, InvalidRequestError
+from minimill.engine.params import EngineDied, EngineError, InvalidRequestError
 
 if TYPE_CHECKING:
     from minimill.engine.core import EngineCore
@@ -66,6 +66,7 @@ class ProcessEngine(StreamFrontend):
         assert isinstance(limits, EngineLimits)
         # The child's start after its interpreter and the spawn, phase by phase.
         self.start_phases: list[tuple[str, float]] = list(phases)
+        self._death_reason = ""  # what the child said of its end, if it could
         super().__init__(tokenizer, limits)
         self._send_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="minimill-engine-reader",
@@ -99,14 +100,20 @@ class ProcessEngine(StreamFrontend):
                 message = self._conn.recv()
             except (EOFError, OSError):
                 break
+            if message[0] == "died":  # the step loop's last word: why it stops
+                self._death_reason = str(message[1])
+                continue
             out, self._tok_s, self.step_counts = message
             self.deliver({request_id: [_rebuild(*item) if isinstance(item, tuple) else item
                                        for item in items]
                           for request_id, items in out.items()})
         if not self._closed:
-            log.error("the engine process died (exit code %s)", self._process.exitcode)
-            self._closed = True
-            self.fail_streams(EngineError("the engine process died"))
+            self._process.join(5)  # reaped, so that its exit code is known
+            reason = f"the engine process died (exit code {self._process.exitcode})"
+            if self._death_reason:
+                reason += f": {self._death_reason}"
+            log.error("%s", reason)
+            self.died(reason)
 
 
 def _portable(item: Outcome) -> Any:
@@ -206,7 +213,13 @@ def _step_loop(conn: Connection, core: EngineCore, parent_pid: int) -> None:
                 return
             apply_command(core, command, out)
         if core.has_unfinished:
-            step_into(core, out)
+            try:
+                step_into(core, out)
+            except EngineDied as exc:
+                # Said before the exit, so that the parent's log names the cause.
+                with contextlib.suppress(OSError, ValueError):
+                    conn.send(("died", str(exc)))
+                raise
         if out:
             conn.send(({request_id: [_portable(i) for i in items]
                         for request_id, items in out.items()}, core.recent_output_tok_s(),

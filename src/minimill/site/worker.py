@@ -2,7 +2,10 @@
 plane over HTTP and runs them (fleet/loops.py), until SIGTERM/SIGINT (or SIGHUP, its owner's
 death): then it stops leasing,
 lets running requests finish for a while (MINIMILL_WORKER_DRAIN_S, default 10 s), checkpoints
-and hands back whatever is left, and exits; a second signal skips the wait. A signal while it
+and hands back whatever is left, and exits; a second signal skips the wait. If its engine
+dies (its process, or one of its pipeline stages, killed or crashed), it hands back every
+unfinished lease with its checkpoint at once and exits with status 3, for a supervisor to
+start the site again. A signal while it
 is still starting (loading the model, or before its control plane ever answered) ends it at
 once. Started by `serve` (or any owner naming itself in MINIMILL_PARENT_PID), it also exits
 when its parent dies (lifetime.py). Its log says where its start time went (startup.py).
@@ -34,7 +37,7 @@ from minimill.agents.runner import AgentRunner, RunnerStartError, open_runner
 from minimill.boxes.host import BoxHost
 from minimill.boxes.host_setup import BoxHostStartError, BoxOptions, open_box_host
 from minimill.fleet.engine_factory import open_engine
-from minimill.fleet.engines import EngineStartError
+from minimill.fleet.engines import EngineDiedError, EngineStartError
 from minimill.fleet.kv_options import KvOptions
 from minimill.fleet.loops import Worker
 from minimill.fleet.startup import StartClock
@@ -47,6 +50,9 @@ from minimill.transport.protocol import MAX_CHIP_CHARS
 
 log = logging.getLogger("minimill.worker")
 NO_ENGINE = "none"  # --engine none: a box host that serves no tokens
+# The exit status of a worker whose engine died (a pipeline stage killed, the engine process
+# crashed): its leases went back, and a supervisor starts the site again.
+ENGINE_DIED_STATUS = 3
 
 
 class StoppedWhileStarting(BaseException):
@@ -244,6 +250,10 @@ def run_worker(*, server: str, site: str, token: str, price_per_hour: float | No
     except (EngineStartError, SiteAuthError, BoxHostStartError, RunnerStartError) as exc:
         log.error("%s", exc)
         raise SystemExit(2) from None
+    except EngineDiedError as exc:
+        log.error("exiting with status %d: the engine of site %r died (%s); its leases were "
+                  "handed back", ENGINE_DIED_STATUS, site, exc)
+        raise SystemExit(ENGINE_DIED_STATUS) from None
     except StoppedWhileStarting as exc:
         log.info("%s while starting (after %.1fs): exiting", exc, time.monotonic() - started)
         # Nothing was handed out yet, so nothing is owed: leave at once. An ordinary exit
