@@ -17,9 +17,10 @@ import threading
 from collections import defaultdict, deque
 from typing import Any
 
-from minimill.engine.config import EngineConfig, load_with_config
+from minimill.engine.config import EngineConfig
 from minimill.engine.core import EngineCore
 from minimill.engine.frontend import AddRequest, Outcome, StreamFrontend
+from minimill.engine.loading import load_with_config
 from minimill.engine.params import EngineDied, EngineError
 from minimill.engine.step_loop import apply_command, step_into
 from minimill.models.types import LoadedModel

@@ -47,7 +47,9 @@ class ProcessEngine(StreamFrontend):
             target=_child_main, args=(child_conn, model, config_overrides, os.getpid()),
             # A daemonic process may not start processes, and an engine with pipeline stages
             # starts one per stage; it dies with this process all the same (_child_main).
-            name="minimill-engine", daemon=int(config_overrides.get("pipeline_stages", 1)) <= 1)
+            name="minimill-engine",
+            daemon=(int(config_overrides.get("pipeline_stages", 1)) <= 1
+                    and config_overrides.get("max_memory_gb") is None))
         self._process.start()
         child_conn.close()
         if not self._conn.poll(_START_TIMEOUT_S):
@@ -162,8 +164,8 @@ def _child_main(conn: Connection, model: str, overrides: dict[str, Any],
         phases.append((phase, now - last))
         last = now
 
-    from minimill.engine.config import load_with_config
     from minimill.engine.core import EngineCore
+    from minimill.engine.loading import load_with_config
 
     mark("engine imports")
     try:
