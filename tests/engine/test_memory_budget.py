@@ -87,3 +87,24 @@ def test_a_model_within_the_budget_stays_one_process_its_pool_what_is_left(
         assert weights + kv_bytes <= budget_gb * GIB
     finally:
         llm.close()
+
+
+def test_a_gguf_model_s_stages_read_their_own_tensors_from_its_warm_file(
+        model_file: Path, smol_f32: LoadedModel) -> None:
+    weights = sum(t.numel() * t.element_size() for t in smol_f32.weights.values())
+    budget_gb = 0.8 * weights / GIB
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    single = LLM(smol_f32, **SETTINGS)
+    expected = [o.output_token_ids for o in single.generate(prompts, params)]
+    single.close()
+    llm = LLM(str(model_file), max_memory_gb=budget_gb, **SETTINGS)
+    try:
+        runner = llm.engine.runner
+        assert runner.pipelined and runner.plan.num_stages == 2
+        assert [o.output_token_ids for o in llm.generate(prompts, params)] == expected
+        for weight_bytes, kv_bytes in runner.stage_memory:
+            assert weight_bytes < 0.7 * weights  # its own layers, not the whole model
+            assert weight_bytes + kv_bytes <= budget_gb * GIB
+    finally:
+        llm.close()

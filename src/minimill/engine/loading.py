@@ -11,8 +11,7 @@ from minimill.engine.config import EngineConfig
 from minimill.engine.memory_budget import GIB, StageWeights, fit_stages
 from minimill.engine.params import InvalidRequestError
 from minimill.models.loader import load_model
-from minimill.models.registry import pull_model, resolve_model
-from minimill.models.types import LoadedModel, ModelNotPulledError
+from minimill.models.types import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -45,17 +44,7 @@ def _load_within_budget(model: str | LoadedModel, overrides: dict[str, Any],
     assert probe.max_memory_gb is not None
     dtype = probe.torch_dtype
     if isinstance(model, str):
-        try:
-            path = resolve_model(model)
-        except ModelNotPulledError:
-            if not auto_pull:
-                raise
-            path = pull_model(model)
-        if not path.is_dir():
-            raise InvalidRequestError(
-                f"max_memory_gb needs a model directory of safetensors files, whose tensors "
-                f"a stage reads one by one; {model} is {path.name}")
-        outline = load_model(model, dtype, keep=_nothing)
+        outline = load_model(model, dtype, auto_pull=auto_pull, keep=_nothing)
         shapes = outline.extra["weight_shapes"]
     else:
         outline, shapes = model, model.weights

@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from minimill.models.hf_config import architecture_of, config_from_hf
 from minimill.models.tokenizer import END_OF_TURN_TOKENS, Tokenizer
 from minimill.models.tokenizer_files import load_hf_tokenizer, read_json
-from minimill.models.types import LoadedModel, ModelFileError
+from minimill.models.types import LoadedModel, ModelFileError, kept_extra
 
 
 def _ids(value: Any) -> list[int]:
@@ -170,6 +170,5 @@ def load_hf_dir(directory: str | Path, dtype: torch.dtype = torch.bfloat16,
         name=name or directory.name, config=config, weights=weights, tokenizer=tokenizer,
         chat_template=tokenizer.chat_template, source_path=str(directory),
         extra={"format": "safetensors", "model_type": cfg.get("model_type"),
-               "sliding_window": cfg.get("sliding_window"), "weight_shapes": shapes,
-               "loaded_bytes": sum(t.numel() * t.element_size() for t in weights.values())},
+               "sliding_window": cfg.get("sliding_window"), **kept_extra(weights, shapes)},
     )

@@ -27,7 +27,8 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.bfloat16, *,
     """Resolve and load a model; `auto_pull` fetches a known model that is not cached yet.
 
     `keep`: only the weights it names (a pipeline stage's). A model directory's are read by
-    name and the others never are; a GGUF file is loaded whole and the others dropped."""
+    name and the others never are; a GGUF model's, one by one from its warm file (its first
+    start dequantizes it whole, once)."""
     try:
         path = resolve_model(name_or_path)
     except ModelNotPulledError:
@@ -43,8 +44,5 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.bfloat16, *,
         # A pulled model's warm file sits beside it; one given by path, in a shared directory.
         cache_dir = (model_dir(name_or_path) if name_or_path in KNOWN_MODELS
                      else minimill_home() / "models" / "warm")
-        loaded = load_gguf_warm(path, dtype, name, cache_dir)
-        if keep is not None:
-            loaded.weights = {n: t for n, t in loaded.weights.items() if keep(n)}
-        return loaded
+        return load_gguf_warm(path, dtype, name, cache_dir, keep)
     raise ModelFileError(f"{path}: not a .gguf file or a model directory")
