@@ -126,8 +126,13 @@ def read(path: Path, source: Path, dtype: torch.dtype, name: str,
                 tensor = f.get_tensor(key)
                 _digest_one(h, key, tensor)
                 shapes[key] = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-                if keep is None or keep(key):
+                if keep is None:
                     weights[key] = tensor
+                elif keep(key):
+                    # A copy: the tensors safetensors hands out map the whole file, and every
+                    # page of it was read for the digest; once no tensor maps it the file's
+                    # pages leave this process.
+                    weights[key] = tensor.clone()
     except Exception as exc:  # a truncated or garbled file: safetensors says so its own way
         raise WarmCacheMiss(f"unreadable ({type(exc).__name__}: {exc})") from None
     if meta.get("format") != FORMAT:
