@@ -60,6 +60,8 @@ IDLE_POLL_S = 0.2  # with no free slot, how long before looking again
 # (answered at once when work comes, with the slots the worker's finished requests freed
 # meanwhile): a worker costs the control plane a call every few seconds, not several a second.
 LEASE_WAIT_S = 2.0
+# How long a worker whose engine died waits for its lease call's answer before dropping it.
+LEASE_ANSWER_WAIT_S = LEASE_WAIT_S + 3.0
 BUSY_POLL_S = 0.05  # shortest gap between lease calls while slots free up
 COMPLETE_BATCH_S = 0.03  # results wait this long to share one POST
 MAX_COMPLETIONS_PER_POST = 256
@@ -474,6 +476,13 @@ class Worker:
             for task in (lease_task, *loops):
                 if task.done() and not task.cancelled() and task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
+            if self.engine_death is not None:
+                # The site's leases are about to go back: a lease call dropped now could still
+                # be granted them at the control plane (it has not seen the drop yet), its
+                # answer unread. Its answer is read instead (the lease loop gives back what it
+                # got), within the call's wait.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(lease_task), LEASE_ANSWER_WAIT_S)
             # A lease call in flight may wait for an unreachable control plane: drop it (what
             # it would have granted lapses and goes elsewhere).
             lease_task.cancel()
