@@ -432,8 +432,8 @@ class Worker:
     def engine_died(self, reason: str) -> None:
         """The engine is gone: no more leases, and everything unfinished goes back at once
         (the drain does not wait for requests that cannot finish). The releases wait until
-        the lease call in flight is dropped: sent before, they could be granted straight back
-        to it, the answer never read."""
+        the lease call in flight has answered (`run`): sent before, they could be granted
+        straight back to a call that is then dropped, its answer never read."""
         if self.engine_death is not None:
             return
         self.engine_death = reason
@@ -481,8 +481,7 @@ class Worker:
                 # be granted them at the control plane (it has not seen the drop yet), its
                 # answer unread. Its answer is read instead (the lease loop gives back what it
                 # got), within the call's wait.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(lease_task), LEASE_ANSWER_WAIT_S)
+                await asyncio.wait({lease_task}, timeout=LEASE_ANSWER_WAIT_S)
             # A lease call in flight may wait for an unreachable control plane: drop it (what
             # it would have granted lapses and goes elsewhere).
             lease_task.cancel()
