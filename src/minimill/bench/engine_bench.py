@@ -159,7 +159,8 @@ def run_engine_bench(options: EngineBenchOptions) -> None:
 
 def _load(options: EngineBenchOptions) -> tuple[Any, Any, str]:
     """(LoadedModel, EngineConfig, what was measured)."""
-    from minimill.engine.config import EngineConfig, load_with_config
+    from minimill.engine.config import EngineConfig
+    from minimill.engine.loading import load_with_config
     from minimill.models.loader import load_model
     from minimill.models.shapes import NAMED_SHAPES, random_model, shape_from_hf_config
 

@@ -86,9 +86,9 @@ def _shape_capacity(options: KvBenchOptions) -> dict[str, Any]:
 
 def _bench(options: KvBenchOptions, err: Any) -> dict[str, Any]:
     from minimill.bench.kv_capacity import capacity
-    from minimill.engine.config import load_with_config
     from minimill.engine.hardware import cpu_report
     from minimill.engine.llm import LLM
+    from minimill.engine.loading import load_with_config
 
     if options.shape is not None:
         return _shape_capacity(options)

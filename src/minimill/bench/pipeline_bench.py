@@ -34,9 +34,9 @@ def run_pipeline_bench(options: PipelineBenchOptions) -> dict[str, Any]:
     import torch
 
     from minimill.bench.engine_bench import read_workload
-    from minimill.engine.config import load_with_config
     from minimill.engine.hardware import cpu_report
     from minimill.engine.llm import LLM
+    from minimill.engine.loading import load_with_config
     from minimill.engine.params import SamplingParams
     from minimill.models.prompt import render_chat_prompt
 

@@ -182,8 +182,8 @@ def _served_run(options: SessionsBenchOptions, dtype: str, tiers: bool, flash_di
 
 def _probe(options: SessionsBenchOptions, flash_dir: Path) -> dict[str, Any]:
     """Restore vs recompute of one prompt's KV, the engine alone in this process."""
-    from minimill.engine.config import load_with_config
     from minimill.engine.llm import LLM
+    from minimill.engine.loading import load_with_config
     from minimill.engine.params import SamplingParams
 
     loaded, config = load_with_config(options.model, {"dtype": options.dtype}, auto_pull=True)

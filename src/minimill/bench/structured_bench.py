@@ -99,9 +99,9 @@ def run_structured_bench(options: StructuredBenchOptions) -> dict[str, Any]:
     import jsonschema
 
     from minimill.bench.engine_bench import read_workload
-    from minimill.engine.config import load_with_config
     from minimill.engine.hardware import cpu_report
     from minimill.engine.llm import LLM
+    from minimill.engine.loading import load_with_config
     from minimill.engine.params import SamplingParams
     from minimill.models.grammar import GuidedDecoding
     from minimill.models.prompt import render_chat_prompt

@@ -137,8 +137,8 @@ def generate(
     """Generate one chat answer offline with the builtin engine and print it."""
     from rich.console import Console
 
-    from minimill.engine.config import load_with_config
     from minimill.engine.llm import LLM
+    from minimill.engine.loading import load_with_config
     from minimill.engine.params import EngineError, InvalidRequestError, SamplingParams
     from minimill.models.types import ModelError
 

@@ -17,10 +17,11 @@ import threading
 from collections import defaultdict, deque
 from typing import Any
 
-from minimill.engine.config import EngineConfig, load_with_config
+from minimill.engine.config import EngineConfig
 from minimill.engine.core import EngineCore
 from minimill.engine.frontend import AddRequest, Outcome, StreamFrontend
-from minimill.engine.params import EngineError
+from minimill.engine.loading import load_with_config
+from minimill.engine.params import EngineDied, EngineError
 from minimill.engine.step_loop import apply_command, step_into
 from minimill.models.types import LoadedModel
 
@@ -64,7 +65,12 @@ class AsyncEngine(StreamFrontend):
                 self._wake.wait(_IDLE_WAIT_S)
                 self._wake.clear()
                 continue
-            step_into(core, out)
+            try:
+                step_into(core, out)
+            except EngineDied as exc:
+                self.deliver(out)
+                self.died(str(exc))
+                break
             self._tok_s = core.recent_output_tok_s()
             self.step_counts = (core.num_steps, core.num_step_seqs)
             self.deliver(out)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import InitVar, dataclass
-from typing import Any
 
 import torch
 
@@ -12,7 +11,7 @@ from minimill.engine.hardware import auto_dtype
 from minimill.engine.kernels import KERNEL_CHOICES
 from minimill.engine.params import InvalidRequestError
 from minimill.engine.window_pool import WindowLayout
-from minimill.models.types import LoadedModel, ModelConfig
+from minimill.models.types import ModelConfig
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 DTYPES: dict[str, torch.dtype] = {
@@ -69,6 +68,13 @@ class EngineConfig:
     # Pipeline parallelism inside one site (pipeline_runner.py): the decoder layers cut into
     # this many stages, stage 0 in the engine's process, each other in a process of its own.
     pipeline_stages: int = 1
+    # The most each of the engine's processes holds in weights and KV, in GiB (memory_budget.py):
+    # the model is cut into as many pipeline stages (pipeline_stages at least) as it takes,
+    # each loading only its own weights, its KV pool sized to what the budget leaves.
+    max_memory_gb: float | None = None
+    # Derived with max_memory_gb: the first layer of each stage after the first (the cut the
+    # budget chose; empty: stage_plan.py cuts by cost alone).
+    stage_starts: tuple[int, ...] = ()
     dtype_reason: str = ""  # why this dtype (set when dtype was "auto")
     # int4: staging units (kv_int4.INT4_STAGE_UNIT tokens each) per pool block; derived.
     stage_units_per_block: int = 0
@@ -109,6 +115,15 @@ class EngineConfig:
                 raise InvalidRequestError(f"{name} must be at least 1")
         if self.kv_host_bytes < 0 or self.kv_flash_bytes < 0:
             raise InvalidRequestError("KV tier sizes must be >= 0 bytes")
+        if self.max_memory_gb is not None:
+            if not self.max_memory_gb > 0:
+                raise InvalidRequestError(
+                    f"max_memory_gb (--max-memory-gb) must be > 0, got {self.max_memory_gb}")
+            if self.kv_cache_memory_bytes is not None:
+                raise InvalidRequestError(
+                    "give max_memory_gb (--max-memory-gb) or kv_cache_memory_bytes "
+                    "(--kv-cache-gb), not both: with a memory budget the KV pool takes what "
+                    "the weights leave of it")
         if self.num_threads is None:
             self.num_threads = os.cpu_count() or 1
         self._check_pipeline()
@@ -141,7 +156,7 @@ class EngineConfig:
         # Every running request must be able to decode in the same step.
         self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_num_seqs)
         if self.num_kv_blocks is None:
-            budget = self.kv_cache_memory_bytes or self._default_kv_bytes()
+            budget = self.kv_cache_memory_bytes or self.default_kv_bytes()
             self.num_kv_blocks = max(min_blocks, budget // self.kv_block_bytes(model_config))
         if self.num_kv_blocks < min_blocks:
             raise InvalidRequestError(
@@ -169,7 +184,7 @@ class EngineConfig:
             return None  # (a pipeline stage's pool holds its own layers, every one)
         return WindowLayout.of(model_config)
 
-    def _layer_block_bytes(self, model_config: ModelConfig) -> int:
+    def layer_block_bytes(self, model_config: ModelConfig) -> int:
         """Bytes of one KV block of one layer (K and V, values and scales)."""
         from minimill.engine.attention import block_elems
 
@@ -213,7 +228,7 @@ class EngineConfig:
     def kv_block_bytes(self, model_config: ModelConfig) -> int:
         """Bytes of one KV pool block (K and V, values and scales) across the layers it holds:
         every layer's, or one group's (window_pool.py)."""
-        return self.pool_layers(model_config) * self._layer_block_bytes(model_config)
+        return self.pool_layers(model_config) * self.layer_block_bytes(model_config)
 
     def kv_bytes_per_token(self, model_config: ModelConfig) -> float:
         """Bytes per token of full blocks (int4: sealed; an open block's staging takes one unit
@@ -230,7 +245,8 @@ class EngineConfig:
         return (model_config.num_hidden_layers * 2 * model_config.num_key_value_heads
                 * stage_elems(model_config.head_dim))
 
-    def _default_kv_bytes(self) -> int:
+    def default_kv_bytes(self) -> int:
+        """The KV pool's size when none is given: a share of free memory."""
         if self.device.startswith("cuda") and torch.cuda.is_available():
             free, _total = torch.cuda.mem_get_info(torch.device(self.device))
             return int(free * _GPU_KV_FRACTION)
@@ -239,19 +255,3 @@ class EngineConfig:
         except (ValueError, OSError):
             total = 8 << 30
         return int(min(_CPU_KV_MAX_BYTES, total * _CPU_KV_FRACTION))
-
-
-def load_with_config(model: str | LoadedModel, overrides: dict[str, Any], *,
-                     auto_pull: bool = False) -> tuple[LoadedModel, EngineConfig]:
-    """The loaded model and the engine config derived for it (what every front end starts
-    its EngineCore with)."""
-    from minimill.models.loader import load_model
-
-    probe = EngineConfig(**overrides)  # validates the overrides before a slow load
-    if isinstance(model, str):
-        loaded = load_model(model, probe.torch_dtype, auto_pull=auto_pull)
-        overrides = {**overrides, "model": model}
-    else:
-        loaded = model
-        overrides = {"model": loaded.name, **overrides}
-    return loaded, EngineConfig(**overrides, model_config=loaded.config)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 # Only torch-free modules at the top: the parent never imports torch (the child does).
 from minimill.engine.frontend import AddRequest, EngineLimits, Outcome, StreamFrontend
-from minimill.engine.params import EngineError, InvalidRequestError
+from minimill.engine.params import EngineDied, EngineError, InvalidRequestError
 
 if TYPE_CHECKING:
     from minimill.engine.core import EngineCore
@@ -47,7 +47,9 @@ class ProcessEngine(StreamFrontend):
             target=_child_main, args=(child_conn, model, config_overrides, os.getpid()),
             # A daemonic process may not start processes, and an engine with pipeline stages
             # starts one per stage; it dies with this process all the same (_child_main).
-            name="minimill-engine", daemon=int(config_overrides.get("pipeline_stages", 1)) <= 1)
+            name="minimill-engine",
+            daemon=(int(config_overrides.get("pipeline_stages", 1)) <= 1
+                    and config_overrides.get("max_memory_gb") is None))
         self._process.start()
         child_conn.close()
         if not self._conn.poll(_START_TIMEOUT_S):
@@ -66,6 +68,7 @@ class ProcessEngine(StreamFrontend):
         assert isinstance(limits, EngineLimits)
         # The child's start after its interpreter and the spawn, phase by phase.
         self.start_phases: list[tuple[str, float]] = list(phases)
+        self._death_reason = ""  # what the child said of its end, if it could
         super().__init__(tokenizer, limits)
         self._send_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="minimill-engine-reader",
@@ -99,14 +102,20 @@ class ProcessEngine(StreamFrontend):
                 message = self._conn.recv()
             except (EOFError, OSError):
                 break
+            if message[0] == "died":  # the step loop's last word: why it stops
+                self._death_reason = str(message[1])
+                continue
             out, self._tok_s, self.step_counts = message
             self.deliver({request_id: [_rebuild(*item) if isinstance(item, tuple) else item
                                        for item in items]
                           for request_id, items in out.items()})
         if not self._closed:
-            log.error("the engine process died (exit code %s)", self._process.exitcode)
-            self._closed = True
-            self.fail_streams(EngineError("the engine process died"))
+            self._process.join(5)  # reaped, so that its exit code is known
+            reason = f"the engine process died (exit code {self._process.exitcode})"
+            if self._death_reason:
+                reason += f": {self._death_reason}"
+            log.error("%s", reason)
+            self.died(reason)
 
 
 def _portable(item: Outcome) -> Any:
@@ -155,8 +164,8 @@ def _child_main(conn: Connection, model: str, overrides: dict[str, Any],
         phases.append((phase, now - last))
         last = now
 
-    from minimill.engine.config import load_with_config
     from minimill.engine.core import EngineCore
+    from minimill.engine.loading import load_with_config
 
     mark("engine imports")
     try:
@@ -206,7 +215,13 @@ def _step_loop(conn: Connection, core: EngineCore, parent_pid: int) -> None:
                 return
             apply_command(core, command, out)
         if core.has_unfinished:
-            step_into(core, out)
+            try:
+                step_into(core, out)
+            except EngineDied as exc:
+                # Said before the exit, so that the parent's log names the cause.
+                with contextlib.suppress(OSError, ValueError):
+                    conn.send(("died", str(exc)))
+                raise
         if out:
             conn.send(({request_id: [_portable(i) for i in items]
                         for request_id, items in out.items()}, core.recent_output_tok_s(),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -85,6 +85,8 @@ class StreamEngine(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
+    def on_death(self, callback: Callable[[str], None]) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -99,6 +101,10 @@ class StreamFrontend:
         self._closed = False
         self._tok_s = 0.0
         self.step_counts = (0, 0)  # (steps, sequences stepped) of the step loop so far
+        # Why the step loop is gone for good (None while it runs or after a close), and who
+        # wants to hear of it.
+        self.death: str | None = None
+        self._death_listeners: list[Callable[[str], None]] = []
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -170,14 +176,43 @@ class StreamFrontend:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request; its stream ends with finish_reason 'abort'. Unknown ids: no-op."""
+        """Cancel a request; its stream ends with finish_reason 'abort'. Unknown ids: no-op,
+        and so is any abort once the step loop has died (nothing runs there any more)."""
         with self._lock:
-            self._submit(request_id)
+            if self.death is not None:
+                return
+            try:
+                self._submit(request_id)
+            except EngineError:
+                if self.death is None and not self._closed:
+                    raise
 
     def _submit(self, command: AddRequest | str) -> None:
         """Hand a command (a request to add, or a request id to abort) to the step loop;
         called with the lock held."""
         raise NotImplementedError
+
+    def on_death(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(reason)` once when the step loop dies unasked (not on close), from
+        whichever thread notices: at once if it has died already."""
+        with self._lock:
+            dead = self.death
+            if dead is None:
+                self._death_listeners.append(callback)
+        if dead is not None:
+            callback(dead)
+
+    def died(self, reason: str) -> None:
+        """The step loop is gone for good: tell the listeners, then fail every open stream."""
+        with self._lock:
+            if self.death is not None:
+                return
+            self.death = reason
+            self._closed = True
+            listeners, self._death_listeners = self._death_listeners, []
+        for callback in listeners:
+            callback(reason)
+        self.fail_streams(EngineError(reason))
 
     def fail_streams(self, error: BaseException) -> None:
         """End every open stream with `error` (the step loop is gone)."""

@@ -7,8 +7,9 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from minimill.engine.config import EngineConfig, load_with_config
+from minimill.engine.config import EngineConfig
 from minimill.engine.core import EngineCore
+from minimill.engine.loading import load_with_config
 from minimill.engine.params import (
     EngineError,
     InvalidRequestError,

@@ -33,12 +33,13 @@ import torch
 
 from minimill.engine import pipeline_link as link
 from minimill.engine.config import EngineConfig
+from minimill.engine.memory_budget import StageWeights
 from minimill.engine.model_runner import ModelRunner, step_inputs
 from minimill.engine.params import EngineDied, EngineError
 from minimill.engine.pipeline_stage import StepFailed, StepWork, pin_to, stage_main
 from minimill.engine.scheduler import ModelOutput, ScheduledSequence, SchedulerOutput
-from minimill.engine.stage_plan import StagePlan, head_cost, layer_costs, plan_stages
-from minimill.models.types import LoadedModel
+from minimill.engine.stage_plan import StagePlan, head_cost, layer_costs, plan_at, plan_stages
+from minimill.models.types import LoadedModel, ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +54,13 @@ class PipelineStageError(EngineDied):
 
 
 def plan_for(config: EngineConfig, loaded: LoadedModel) -> StagePlan:
+    """The cut max_memory_gb chose (config.stage_starts), else the cheapest by cost; costs
+    from every weight's shape (a stage loaded with its own weights only records them all)."""
     mc = loaded.config
-    return plan_stages(layer_costs(mc, loaded.weights), config.pipeline_stages,
-                       head_cost(mc))
+    costs = layer_costs(mc, loaded.extra.get("weight_shapes") or loaded.weights)
+    if config.stage_starts:
+        return plan_at(costs, config.stage_starts, head_cost(mc))
+    return plan_stages(costs, config.pipeline_stages, head_cost(mc))
 
 
 def stage_cpus(num_stages: int, pin: bool) -> list[int | None]:
@@ -77,7 +82,12 @@ class PipelineRunner(ModelRunner):
                               "was built in memory")
         num_stages = self.plan.num_stages
         self.cpus = stage_cpus(num_stages, config.pin_threads)
+        weight_bytes = int(loaded.extra.get("loaded_bytes") or sum(
+            t.numel() * t.element_size() for t in loaded.weights.values()))
         super().__init__(config, loaded, self.plan.layers[0])
+        # What each stage holds, stage 0 first: (bytes of weights it read, of its KV pool).
+        self.stage_memory: list[tuple[int, int]] = [
+            (weight_bytes, self.kv_cache.numel() * self.kv_cache.element_size())]
         log.info("pipeline: %d stages, layers %s, estimated costs %s (imbalance %.2f)",
                  num_stages, [(r.start, r.stop) for r in self.plan.layers],
                  [f"{c:.3g}" for c in self.plan.costs], self.plan.imbalance())
@@ -88,9 +98,10 @@ class PipelineRunner(ModelRunner):
         self._closing = False
         self._work: queue.SimpleQueue[tuple[str, Any, Report] | None] = queue.SimpleQueue()
         self.stats = link.StageStats(0)
-        self._start_stages(config, source)
+        self._start_stages(config, source, loaded.config)
 
-    def _start_stages(self, config: EngineConfig, source: str) -> None:
+    def _start_stages(self, config: EngineConfig, source: str, model_config: ModelConfig
+                      ) -> None:
         store, port = link.open_store(self.plan.num_stages)
         context = multiprocessing.get_context("spawn")
         self.processes: list[Any] = []
@@ -101,7 +112,8 @@ class PipelineRunner(ModelRunner):
                 process = context.Process(
                     target=stage_main, name=f"minimill-stage-{rank}", daemon=True,
                     args=(theirs, rank, self.plan.num_stages, port, source, config,
-                          self.plan.layers[rank], self.cpus[rank]))
+                          StageWeights.of(self.plan.layers[rank], model_config),
+                          self.cpus[rank]))
                 process.start()
                 theirs.close()
                 self.processes.append(process)
@@ -113,6 +125,7 @@ class PipelineRunner(ModelRunner):
                 if not message or message[0] != "ready":
                     why = message[1] if message else f"exit code {process.exitcode}"
                     raise EngineError(f"pipeline stage {rank} did not start: {why}")
+                self.stage_memory.append(message[2])
             self.groups = link.join(0, self.plan.num_stages, port, store)
         except BaseException:
             self._kill_stages()

@@ -25,6 +25,7 @@ import torch
 
 from minimill.engine import pipeline_link as link
 from minimill.engine.config import EngineConfig
+from minimill.engine.memory_budget import StageWeights
 from minimill.engine.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -67,9 +68,11 @@ def pin_to(cpu: int | None) -> None:
 
 
 def stage_main(conn: Connection, rank: int, world_size: int, port: int, source: str,
-               config: EngineConfig, layers: range, cpu: int | None) -> None:
-    """A stage process's life: load its layers, say ready on `conn`, join the groups, run
-    steps until told to stop. It ends with stage 0's process (`conn` closes)."""
+               config: EngineConfig, keep: StageWeights, cpu: int | None) -> None:
+    """A stage process's life: load its layers' weights (only those, where the checkpoint
+    can be read by tensor), say ready on `conn` with its pid and the bytes it holds (weights
+    read, KV pool), join the groups, run steps until told to stop. It ends with stage 0's
+    process (`conn` closes)."""
     _watch_parent(conn)
     # Stage 0 decides when this stage stops; a signal to the whole group must not end it
     # first (it dies with its parent all the same).
@@ -83,13 +86,19 @@ def stage_main(conn: Connection, rank: int, world_size: int, port: int, source: 
         from minimill.engine.model_runner import ModelRunner
         from minimill.models.loader import load_model
 
-        loaded = load_model(source, config.torch_dtype)
-        runner = ModelRunner(config, loaded, layers)
-        loaded.weights.clear()  # the other stages' layers
+        loaded = load_model(source, config.torch_dtype, keep=keep)
+        if config.max_memory_gb is not None:
+            # The budget counts one copy of each weight: the engine takes them over.
+            loaded.extra["release_weights"] = True
+        weight_bytes = int(loaded.extra.get("loaded_bytes") or sum(
+            t.numel() * t.element_size() for t in loaded.weights.values()))
+        runner = ModelRunner(config, loaded, keep.layers)
+        loaded.weights.clear()
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", os.getpid()))
+    kv_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
+    conn.send(("ready", os.getpid(), (weight_bytes, kv_bytes)))
     groups = link.join(rank, world_size, port)
     StageLoop(runner, groups).run()
 

@@ -20,7 +20,8 @@ import torch
 
 from minimill.models.types import ModelConfig
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# A decoder layer's weight, its index captured.
+LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 # The context a token's attention is costed at: the order of the agents' requests.
 DEFAULT_CONTEXT_TOKENS = 1024
 
@@ -51,7 +52,7 @@ def layer_costs(config: ModelConfig, weights: Mapping[str, torch.Tensor],
     expert_share = (config.num_experts_per_tok / config.num_experts if config.num_experts
                     else 1.0)
     for name, tensor in weights.items():
-        match = _LAYER.match(name)
+        match = LAYER_NAME.match(name)
         if match is None or int(match.group(1)) >= len(costs):
             continue
         routed = ".experts." in name or name.endswith((".experts.gate_up_proj",
@@ -106,3 +107,17 @@ def plan_stages(costs: Sequence[float], num_stages: int, last_extra: float = 0.0
     bounds.reverse()
     ranges = tuple(range(a, b) for a, b in itertools.pairwise(bounds))
     return StagePlan(ranges, tuple(span(r.start, r.stop) for r in ranges))
+
+
+def plan_at(costs: Sequence[float], starts: Sequence[int], last_extra: float = 0.0
+            ) -> StagePlan:
+    """The cut that starts a stage at each of `starts` (after the first, at 0), with the
+    costs `plan_stages` would give it."""
+    n = len(costs)
+    bounds = [0, *starts, n]
+    if any(b <= a for a, b in itertools.pairwise(bounds)):
+        raise ValueError(f"stage starts {list(starts)} do not cut {n} layers in order")
+    ranges = tuple(range(a, b) for a, b in itertools.pairwise(bounds))
+    return StagePlan(ranges, tuple(sum(costs[r.start:r.stop]) + (last_extra if r.stop == n
+                                                                   else 0.0)
+                                   for r in ranges))

@@ -164,6 +164,9 @@ class BuiltinEngineAdapter:
     def abort(self, engine_request_id: str) -> None:
         self._engine.abort(engine_request_id)
 
+    def on_death(self, callback: Callable[[str], None]) -> None:
+        self._engine.on_death(callback)
+
     def tokens_per_s(self) -> float | None:
         value = self._engine.recent_output_tok_s()
         return float(value) if value else None

@@ -9,7 +9,7 @@ tokenization), the HTTP one from its text.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,6 +23,11 @@ class EngineStartError(RuntimeError):
 
 class EngineUnavailableError(RuntimeError):
     """The engine failed, not the request (a remote server down, 5xx): another site may run it."""
+
+
+class EngineDiedError(RuntimeError):
+    """The site's engine is gone for good (`EngineAdapter.on_death`): the worker has handed
+    its leases back and exits, for its supervisor to start the site again."""
 
 
 class JobError(Exception):
@@ -90,6 +95,12 @@ class EngineAdapter(Protocol):
 
     def abort(self, engine_request_id: str) -> None:
         """Stop a running job; its iterator ends (or raises) soon after."""
+        ...
+
+    def on_death(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(reason)` once, from any thread, if the engine is gone for good (its
+        process died): the site cannot serve without it. An engine that may come back (a
+        remote server) never calls it."""
         ...
 
     def tokens_per_s(self) -> float | None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from minimill.fleet.choices import ChoiceJob, resumed_token_count
 from minimill.fleet.engines import ChoiceUpdate, EngineStartError
@@ -126,6 +126,9 @@ class FakeEngineAdapter:
 
     def abort(self, engine_request_id: str) -> None:
         self._aborted.add(engine_request_id)
+
+    def on_death(self, callback: Callable[[str], None]) -> None:
+        """Never called: nothing of it can die apart from the worker."""
 
     def tokens_per_s(self) -> float | None:
         return self._rate

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -206,6 +206,10 @@ class HttpEngineAdapter:
     def abort(self, engine_request_id: str) -> None:
         # The stream is closed when the generator stops being iterated; the flag ends it early.
         self._aborted.add(engine_request_id)
+
+    def on_death(self, callback: Callable[[str], None]) -> None:
+        """Never called: a server that fails may answer again (its errors hand the leases
+        back one by one)."""
 
     def tokens_per_s(self) -> float | None:
         return self._rate.per_s()

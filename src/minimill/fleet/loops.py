@@ -16,16 +16,19 @@ capped in bytes, and a result too large to deliver at all fails its request.
 
 `stop()` ends leasing at once; running requests get `drain_timeout_s` to finish, then the rest
 are checkpointed and handed back, so they resume elsewhere without waiting for an expiry. A
-second `stop()` skips the wait (shutdown.py).
+second `stop()` skips the wait (shutdown.py). An engine that dies for good (its process
+gone) stops the worker the same way without the wait: `run` then raises EngineDiedError.
+A request whose engine call failed goes back with its checkpoint at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
-from minimill.fleet.engines import EngineAdapter
+from minimill.fleet.engines import EngineAdapter, EngineDiedError
 from minimill.fleet.gathering import COMPLETE_GATHER_S, LEASE_GATHER_S, lease_batch
 from minimill.fleet.held import HeldLease, SentCheckpoint, Tally, approx_bytes
 from minimill.fleet.releases import Releases
@@ -36,6 +39,7 @@ from minimill.transport.client import (
     ControlPlaneClient,
     ControlPlaneUnavailable,
     PayloadTooLarge,
+    send_within,
     sleep_backoff,
 )
 from minimill.transport.protocol import (
@@ -56,6 +60,8 @@ IDLE_POLL_S = 0.2  # with no free slot, how long before looking again
 # (answered at once when work comes, with the slots the worker's finished requests freed
 # meanwhile): a worker costs the control plane a call every few seconds, not several a second.
 LEASE_WAIT_S = 2.0
+# How long a worker whose engine died waits for its lease call's answer before dropping it.
+LEASE_ANSWER_WAIT_S = LEASE_WAIT_S + 3.0
 BUSY_POLL_S = 0.05  # shortest gap between lease calls while slots free up
 COMPLETE_BATCH_S = 0.03  # results wait this long to share one POST
 MAX_COMPLETIONS_PER_POST = 256
@@ -103,6 +109,9 @@ class Worker:
         # Or give them all back before the first lease call (a give-back after it would
         # return that call's new leases too).
         self.give_back_held = False
+        # Why the engine is gone for good, once it is: the worker hands everything back and
+        # `run` raises EngineDiedError.
+        self.engine_death: str | None = None
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def free_capacity(self) -> int:
@@ -116,8 +125,9 @@ class Worker:
             self.outbox[held.request_id] = held.result
             self._wake_complete.set()
         elif held.engine_failed:
-            # Stop heartbeating it: the lease lapses and the request resumes on another site.
-            del self.held[held.request_id]
+            # Handed back with what it made so far: it resumes on another site at once, not
+            # when its lease lapses.
+            self.hand_back([held.request_id])
             self._engine_cooldown_until = time.monotonic() + ENGINE_COOLDOWN_S
         self._wake_lease.set()
 
@@ -237,6 +247,11 @@ class Worker:
             log.info("gave back %d leases the previous run of this site held",
                      len(answer.released))
 
+    async def _give_back_everything(self) -> None:
+        answer = await self.client.release(ReleaseRequest(all_held=True))
+        if answer.released:
+            log.info("gave back %d more leases the site held", len(answer.released))
+
     def _heartbeat_items(self, force_all: bool) -> tuple[list[HeartbeatItem],
                                                          dict[str, SentCheckpoint]]:
         now = time.monotonic()
@@ -260,8 +275,9 @@ class Worker:
         return items, sent
 
     async def _send_releases(self) -> None:
-        """Hand back what is pending; a failure must not hold up the heartbeats of the rest."""
-        if not self.releases.pending:
+        """Hand back what is pending; a failure must not hold up the heartbeats of the rest.
+        Once the engine has died the drain sends them, after the lease call in flight."""
+        if not self.releases.pending or self.engine_death is not None:
             return
         try:
             await self.releases.send()
@@ -413,6 +429,21 @@ class Worker:
                      self.tally.generated_tokens, len(self.held), steps, step_seqs)
 
     # ---- lifecycle -----------------------------------------------------------------------------
+    def engine_died(self, reason: str) -> None:
+        """The engine is gone: no more leases, and everything unfinished goes back at once
+        (the drain does not wait for requests that cannot finish). The releases wait until
+        the lease call in flight has answered (`run`): sent before, they could be granted
+        straight back to a call that is then dropped, its answer never read."""
+        if self.engine_death is not None:
+            return
+        self.engine_death = reason
+        log.error("the engine died (%s): handing back %d leases; the site goes down",
+                  reason, sum(1 for h in self.held.values() if h.result is None)
+                  + len(self.releases.pending))
+        self.stopping.set()
+        self.hurry.set()
+        self._wake_lease.set()
+
     def stop(self) -> None:
         if not self.stopping.is_set():
             log.info("stopping: no new leases; finishing %d running requests", len(self.held))
@@ -423,6 +454,15 @@ class Worker:
             self.hurry.set()
 
     async def run(self) -> None:
+        """Serve until `stop()`; raises EngineDiedError (after handing back and delivering
+        what it can) if the engine dies."""
+        loop = asyncio.get_running_loop()
+
+        def on_death(reason: str) -> None:  # in the engine's reader thread
+            with contextlib.suppress(RuntimeError):  # the loop has ended: nothing to hand back
+                loop.call_soon_threadsafe(self.engine_died, reason)
+
+        self.adapter.on_death(on_death)
         loops = [asyncio.create_task(c) for c in
                  (self.heartbeat_loop(), self.complete_loop())]
         if self.stats_every_s > 0:
@@ -436,11 +476,21 @@ class Worker:
             for task in (lease_task, *loops):
                 if task.done() and not task.cancelled() and task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
+            if self.engine_death is not None:
+                # The site's leases are about to go back: a lease call dropped now could still
+                # be granted them at the control plane (it has not seen the drop yet), its
+                # answer unread. Its answer is read instead (the lease loop gives back what it
+                # got), within the call's wait.
+                await asyncio.wait({lease_task}, timeout=LEASE_ANSWER_WAIT_S)
             # A lease call in flight may wait for an unreachable control plane: drop it (what
             # it would have granted lapses and goes elsewhere).
             lease_task.cancel()
             await asyncio.gather(lease_task, return_exceptions=True)
             await drain(self)
+            if self.engine_death is not None:
+                # A lease answer that was lost as the call was dropped is handed back too.
+                await send_within(self._give_back_everything, "the site's last leases")
+                raise EngineDiedError(self.engine_death)
         finally:
             stop_task.cancel()
             lease_task.cancel()

@@ -1,19 +1,26 @@
 """Loading an HF-style model directory (config.json, safetensors, tokenizer.json) of any
-architecture hf_config.py knows into a LoadedModel."""
+architecture hf_config.py knows into a LoadedModel.
+
+A caller that needs only some of the weights (a pipeline stage: its own layers) names them
+with `keep`: each tensor is read from its file by name, the others never are. Every tensor's
+shape is recorded all the same (`extra["weight_shapes"]`, as meta tensors in the load's
+dtype), so that the whole model can be planned without its bytes, and `extra["loaded_bytes"]`
+counts the bytes of the tensors read.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
 
 from minimill.models.hf_config import architecture_of, config_from_hf
 from minimill.models.tokenizer import END_OF_TURN_TOKENS, Tokenizer
 from minimill.models.tokenizer_files import load_hf_tokenizer, read_json
-from minimill.models.types import LoadedModel, ModelFileError
+from minimill.models.types import LoadedModel, ModelFileError, kept_extra
 
 
 def _ids(value: Any) -> list[int]:
@@ -95,32 +102,45 @@ def _beyond_layers(name: str, num_layers: int) -> bool:
 _FLOAT32_WEIGHTS = {"deepseek_v3": (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")}
 
 
+Keep = Callable[[str], bool]
+
+
 def _load_weights(directory: Path, dtype: torch.dtype, num_layers: int,
-                  float32_suffixes: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+                  float32_suffixes: tuple[str, ...] = (), keep: Keep | None = None
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the weights `keep` names, every weight's shape as a meta tensor)."""
     weights: dict[str, torch.Tensor] = {}
+    shapes: dict[str, torch.Tensor] = {}
     for shard in _shard_files(directory):
         if not shard.is_file():
             raise ModelFileError(f"{shard}: weight file is missing")
         try:
-            tensors = load_file(str(shard))
+            with safe_open(str(shard), framework="pt") as tensors:
+                for name in tensors.keys():
+                    if name.endswith("rotary_emb.inv_freq"):  # a buffer old checkpoints kept
+                        continue
+                    if _beyond_layers(name, num_layers):
+                        continue
+                    as_dtype = torch.float32 if name.endswith(float32_suffixes) else dtype
+                    shapes[name] = torch.empty(tensors.get_slice(name).get_shape(),
+                                               dtype=as_dtype, device="meta")
+                    if keep is not None and not keep(name):
+                        continue
+                    tensor = tensors.get_tensor(name)
+                    # MXFP4 codes and scales stay bytes until they are dequantized below.
+                    quantized = (name.endswith(("_blocks", "_scales"))
+                                 and tensor.dtype == torch.uint8)
+                    weights[name] = tensor if quantized else tensor.to(as_dtype)
         except (SafetensorError, OSError, ValueError) as exc:
             raise ModelFileError(f"{shard}: truncated or corrupt safetensors file ({exc})") from exc
-        for name, tensor in tensors.items():
-            if name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints kept
-                continue
-            if _beyond_layers(name, num_layers):
-                continue
-            # MXFP4 codes and scales stay bytes until they are dequantized below.
-            quantized = name.endswith(("_blocks", "_scales")) and tensor.dtype == torch.uint8
-            keep = torch.float32 if name.endswith(float32_suffixes) else dtype
-            weights[name] = tensor if quantized else tensor.to(keep)
     _dequantize_mxfp4(weights, dtype)
-    return weights
+    return weights, shapes
 
 
 def load_hf_dir(directory: str | Path, dtype: torch.dtype = torch.bfloat16,
-                name: str | None = None) -> LoadedModel:
-    """Config, weights (in `dtype`) and tokenizer of an HF-style model directory."""
+                name: str | None = None, keep: Keep | None = None) -> LoadedModel:
+    """Config, weights (in `dtype`; those `keep` names, if given) and tokenizer of an
+    HF-style model directory."""
     directory = Path(directory)
     cfg = read_json(directory / "config.json")
     tokenizer = load_hf_tokenizer(directory)
@@ -130,10 +150,11 @@ def load_hf_dir(directory: str | Path, dtype: torch.dtype = torch.bfloat16,
     architecture_of(cfg, directory / "config.json")  # before reading any weights
     eos_ids, bos = _special_ids(cfg, tokenizer, generation_eos)
     config = config_from_hf(cfg, directory / "config.json", eos_ids, bos)
-    weights = _load_weights(directory, dtype, config.num_hidden_layers,
-                            _FLOAT32_WEIGHTS.get(config.architecture, ()))
+    weights, shapes = _load_weights(directory, dtype, config.num_hidden_layers,
+                                    _FLOAT32_WEIGHTS.get(config.architecture, ()), keep)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # same tensor as the embedding; keep one layout
+        shapes.pop("lm_head.weight", None)
     last = f"model.layers.{config.num_hidden_layers - 1}."
     required = ["model.embed_tokens.weight", "model.norm.weight",
                 last + ("mlp.down_proj.weight" if not config.is_moe(config.num_hidden_layers - 1)
@@ -141,12 +162,13 @@ def load_hf_dir(directory: str | Path, dtype: torch.dtype = torch.bfloat16,
                         else "mlp.gate.weight")]
     if not config.tie_word_embeddings:
         required.append("lm_head.weight")
-    missing = [key for key in required if key not in weights]
+    missing = [key for key in required
+               if key not in weights and (keep is None or keep(key) or key not in shapes)]
     if missing:
         raise ModelFileError(f"{directory}: weights lack {', '.join(missing)}")
     return LoadedModel(
         name=name or directory.name, config=config, weights=weights, tokenizer=tokenizer,
         chat_template=tokenizer.chat_template, source_path=str(directory),
         extra={"format": "safetensors", "model_type": cfg.get("model_type"),
-               "sliding_window": cfg.get("sliding_window")},
+               "sliding_window": cfg.get("sliding_window"), **kept_extra(weights, shapes)},
     )

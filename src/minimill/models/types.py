@@ -168,3 +168,12 @@ class LoadedModel:
     chat_template: str | None
     source_path: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def kept_extra(weights: dict[str, torch.Tensor], shapes: dict[str, torch.Tensor]
+               ) -> dict[str, Any]:
+    """What a load records in `LoadedModel.extra` of the weights it read: every weight's shape
+    as a meta tensor (`weight_shapes`, for planning the whole model when it kept only some)
+    and the bytes it read (`loaded_bytes`)."""
+    return {"weight_shapes": shapes,
+            "loaded_bytes": sum(t.numel() * t.element_size() for t in weights.values())}

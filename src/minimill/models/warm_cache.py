@@ -23,7 +23,7 @@ import json
 import logging
 import os
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 from minimill.models.gguf_deepseek2 import FLOAT32_SUFFIXES
 from minimill.models.shape_check import check_shapes
 from minimill.models.tokenizer import Tokenizer
-from minimill.models.types import LoadedModel, ModelConfig
+from minimill.models.types import LoadedModel, ModelConfig, kept_extra
 
 log = logging.getLogger("minimill.models")
 
@@ -71,10 +71,14 @@ def _digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     """A digest of the tensors' names and bytes, in name order."""
     h = hashlib.sha1(usedforsecurity=False)
     for name, tensor in sorted(tensors, key=lambda item: item[0]):
-        h.update(name.encode() + b"\0")
-        flat = tensor.contiguous().reshape(-1).view(torch.uint8)
-        h.update(flat.numpy().data)
+        _digest_one(h, name, tensor)
     return h.hexdigest()
+
+
+def _digest_one(h: Any, name: str, tensor: torch.Tensor) -> None:
+    h.update(name.encode() + b"\0")
+    flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+    h.update(flat.numpy().data)
 
 
 def _metadata(loaded: LoadedModel, source: Path, dtype: torch.dtype) -> dict[str, str]:
@@ -108,12 +112,28 @@ def write(loaded: LoadedModel, source: Path, dtype: torch.dtype, cache_dir: Path
     return target
 
 
-def read(path: Path, source: Path, dtype: torch.dtype, name: str) -> LoadedModel:
-    """The LoadedModel in the warm file `path`; WarmCacheMiss if it is not one to use."""
+def read(path: Path, source: Path, dtype: torch.dtype, name: str,
+         keep: Callable[[str], bool] | None = None) -> LoadedModel:
+    """The LoadedModel in the warm file `path`; WarmCacheMiss if it is not one to use.
+    `keep`: only the tensors it names are kept, the others read one at a time for the
+    digest and dropped."""
+    h = hashlib.sha1(usedforsecurity=False)
+    weights: dict[str, torch.Tensor] = {}
+    shapes: dict[str, torch.Tensor] = {}
     try:
         with safe_open(str(path), framework="pt") as f:
             meta: dict[str, Any] = f.metadata() or {}
-            weights = {key: f.get_tensor(key) for key in f.keys()}
+            for key in sorted(f.keys()):
+                tensor = f.get_tensor(key)
+                _digest_one(h, key, tensor)
+                shapes[key] = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+                if keep is None:
+                    weights[key] = tensor
+                elif keep(key):
+                    # A copy: the tensors safetensors hands out map the whole file, and every
+                    # page of it was read for the digest; once no tensor maps it the file's
+                    # pages leave this process.
+                    weights[key] = tensor.clone()
     except Exception as exc:  # a truncated or garbled file: safetensors says so its own way
         raise WarmCacheMiss(f"unreadable ({type(exc).__name__}: {exc})") from None
     if meta.get("format") != FORMAT:
@@ -124,7 +144,7 @@ def read(path: Path, source: Path, dtype: torch.dtype, name: str) -> LoadedModel
         raise WarmCacheMiss(f"made for another source or dtype ({', '.join(wrong)} differ)")
     # DeepSeek's router tensors are float32 whatever the dtype, as the loader keeps them.
     if any(t.dtype != dtype and not (t.dtype == torch.float32 and k.endswith(FLOAT32_SUFFIXES))
-           for k, t in weights.items()):
+           for k, t in shapes.items()):
         raise WarmCacheMiss("tensors of another dtype")
     try:
         raw = json.loads(meta["config"])
@@ -138,27 +158,32 @@ def read(path: Path, source: Path, dtype: torch.dtype, name: str) -> LoadedModel
                               chat_template=chat_template,
                               **{k: specials.get(k) for k in _SPECIALS})
         extra = json.loads(meta["extra"])
-        check_shapes(path, config, weights)
+        check_shapes(path, config, shapes)
     except Exception as exc:
         raise WarmCacheMiss(f"inconsistent ({type(exc).__name__}: {exc})") from None
-    if _digest(weights.items()) != meta.get("digest"):
+    if h.hexdigest() != meta.get("digest"):
         raise WarmCacheMiss("its bytes do not match their digest (corrupt)")
     return LoadedModel(name=name, config=config, weights=weights, tokenizer=tokenizer,
                        chat_template=chat_template, source_path=str(source),
-                       extra={**extra, "warm_cache": f"warm cache {path.name}"})
+                       extra={**extra, "warm_cache": f"warm cache {path.name}",
+                              **kept_extra(weights, shapes)})
 
 
-def load_gguf_warm(source: Path, dtype: torch.dtype, name: str, cache_dir: Path) -> LoadedModel:
-    """`load_gguf`, through the warm cache when it is enabled."""
+
+def load_gguf_warm(source: Path, dtype: torch.dtype, name: str, cache_dir: Path,
+                   keep: Callable[[str], bool] | None = None) -> LoadedModel:
+    """`load_gguf`, through the warm cache when it is enabled. `keep`: only the weights it
+    names, read one by one from the warm file; a cold start dequantizes the whole model once
+    (to write the warm file) and then drops the others."""
     # Only a cold load reads GGUF: a warm start does without the gguf package's import.
     from minimill.models.gguf_loader import load_gguf
 
     if not enabled():
-        return load_gguf(source, dtype, name=name)
+        return _kept(load_gguf(source, dtype, name=name), keep)
     path = cache_path(source, dtype, cache_dir)
     if path.is_file():
         try:
-            return read(path, source, dtype, name)
+            return read(path, source, dtype, name, keep)
         except WarmCacheMiss as exc:
             log.warning("ignoring the warm cache file %s: %s; rebuilding it", path, exc)
     else:
@@ -170,6 +195,16 @@ def load_gguf_warm(source: Path, dtype: torch.dtype, name: str, cache_dir: Path)
     except OSError as exc:  # a read-only or full disk: serve anyway, cold next time too
         log.warning("cannot write the warm cache in %s: %s", cache_dir, exc)
         loaded.extra["warm_cache"] = "cold, cache not written"
-        return loaded
+        return _kept(loaded, keep)
     loaded.extra["warm_cache"] = f"cold, cached as {written.name}"
+    return _kept(loaded, keep)
+
+
+def _kept(loaded: LoadedModel, keep: Callable[[str], bool] | None) -> LoadedModel:
+    if keep is None:
+        return loaded
+    shapes = {k: torch.empty(t.shape, dtype=t.dtype, device="meta")
+              for k, t in loaded.weights.items()}
+    loaded.weights = {k: t for k, t in loaded.weights.items() if keep(k)}
+    loaded.extra.update(kept_extra(loaded.weights, shapes))
     return loaded

@@ -2,7 +2,10 @@
 plane over HTTP and runs them (fleet/loops.py), until SIGTERM/SIGINT (or SIGHUP, its owner's
 death): then it stops leasing,
 lets running requests finish for a while (MINIMILL_WORKER_DRAIN_S, default 10 s), checkpoints
-and hands back whatever is left, and exits; a second signal skips the wait. A signal while it
+and hands back whatever is left, and exits; a second signal skips the wait. If its engine
+dies (its process, or one of its pipeline stages, killed or crashed), it hands back every
+unfinished lease with its checkpoint at once and exits with status 3, for a supervisor to
+start the site again. A signal while it
 is still starting (loading the model, or before its control plane ever answered) ends it at
 once. Started by `serve` (or any owner naming itself in MINIMILL_PARENT_PID), it also exits
 when its parent dies (lifetime.py). Its log says where its start time went (startup.py).
@@ -34,7 +37,7 @@ from minimill.agents.runner import AgentRunner, RunnerStartError, open_runner
 from minimill.boxes.host import BoxHost
 from minimill.boxes.host_setup import BoxHostStartError, BoxOptions, open_box_host
 from minimill.fleet.engine_factory import open_engine
-from minimill.fleet.engines import EngineStartError
+from minimill.fleet.engines import EngineDiedError, EngineStartError
 from minimill.fleet.kv_options import KvOptions
 from minimill.fleet.loops import Worker
 from minimill.fleet.startup import StartClock
@@ -47,6 +50,9 @@ from minimill.transport.protocol import MAX_CHIP_CHARS
 
 log = logging.getLogger("minimill.worker")
 NO_ENGINE = "none"  # --engine none: a box host that serves no tokens
+# The exit status of a worker whose engine died (a pipeline stage killed, the engine process
+# crashed): its leases went back, and a supervisor starts the site again.
+ENGINE_DIED_STATUS = 3
 
 
 class StoppedWhileStarting(BaseException):
@@ -133,7 +139,8 @@ async def _run_box_host(host: BoxHost | None) -> None:
 async def _amain(*, server: str, site: str, token: str, engine: str, model: str, dtype: str,
                  capacity: int, price_per_hour: float | None, chip: str | None,
                  clock: StartClock, kv: KvOptions, boxes: BoxOptions,
-                 agents: int = 0, pipeline_stages: int = 1) -> None:
+                 agents: int = 0, pipeline_stages: int = 1,
+                 max_memory_gb: float | None = None) -> None:
     # Boxes first: a host that cannot isolate them says so before a long model load.
     box_host = open_box_host(server, token, site, boxes) if boxes.slots > 0 else None
     runner = open_runner(server, token, agents, boxes.insecure_no_sandbox) if agents else None
@@ -153,6 +160,8 @@ async def _amain(*, server: str, site: str, token: str, engine: str, model: str,
         engine_options = kv.engine_overrides()
         if pipeline_stages > 1:
             engine_options["pipeline_stages"] = pipeline_stages
+        if max_memory_gb is not None:
+            engine_options["max_memory_gb"] = max_memory_gb
         try:
             adapter = await open_engine(engine, model=model, dtype=dtype, capacity=capacity,
                                         clock=clock, engine_options=engine_options)
@@ -211,7 +220,8 @@ def _check_declared(price_per_hour: float | None, chip: str | None) -> str | Non
 def run_worker(*, server: str, site: str, token: str, price_per_hour: float | None,
                chip: str | None, engine: str, model: str, dtype: str, capacity: int,
                kv: KvOptions | None = None, boxes: BoxOptions | None = None,
-               agents: int = 0, pipeline_stages: int = 1) -> None:
+               agents: int = 0, pipeline_stages: int = 1,
+               max_memory_gb: float | None = None) -> None:
     """Join the fleet at `server` as `site` and serve until SIGTERM/SIGINT.
 
     The worker declares `price_per_hour` and `chip` with every lease call: they replace what
@@ -233,6 +243,10 @@ def run_worker(*, server: str, site: str, token: str, price_per_hour: float | No
         raise SystemExit("--capacity must be at least 1")
     if pipeline_stages > 1 and engine != "builtin":
         raise SystemExit("--pipeline-stages needs the builtin engine (--engine builtin)")
+    if max_memory_gb is not None and engine != "builtin":
+        raise SystemExit("--max-memory-gb needs the builtin engine (--engine builtin)")
+    if max_memory_gb is not None and not max_memory_gb > 0:
+        raise SystemExit(f"--max-memory-gb must be > 0, not {max_memory_gb}")
     chip = _check_declared(price_per_hour, chip)
     started = time.monotonic()
     try:
@@ -240,10 +254,14 @@ def run_worker(*, server: str, site: str, token: str, price_per_hour: float | No
             server=server, site=site, token=token, engine=engine, model=model, dtype=dtype,
             capacity=capacity, price_per_hour=price_per_hour, chip=chip, clock=clock,
             kv=kv or KvOptions(), boxes=boxes or BoxOptions(), agents=agents,
-            pipeline_stages=pipeline_stages)))
+            pipeline_stages=pipeline_stages, max_memory_gb=max_memory_gb)))
     except (EngineStartError, SiteAuthError, BoxHostStartError, RunnerStartError) as exc:
         log.error("%s", exc)
         raise SystemExit(2) from None
+    except EngineDiedError as exc:
+        log.error("exiting with status %d: the engine of site %r died (%s); its leases were "
+                  "handed back", ENGINE_DIED_STATUS, site, exc)
+        raise SystemExit(ENGINE_DIED_STATUS) from None
     except StoppedWhileStarting as exc:
         log.info("%s while starting (after %.1fs): exiting", exc, time.monotonic() - started)
         # Nothing was handed out yet, so nothing is owed: leave at once. An ordinary exit
