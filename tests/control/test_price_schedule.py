@@ -64,6 +64,17 @@ def test_background_waits_for_the_cheap_hours_that_still_meet_the_deadline() -> 
     assert not defer_background(site(None), NOW + DAY, 600.0, NOW)
 
 
+def test_the_last_leases_span_counts_toward_the_time_the_work_needs() -> None:
+    me = site()
+    # Due at 10:08: 240 s of the fleet's time, with the safety factor, fit before it from
+    # 10:00, so the cheap hour is worth waiting for...
+    deadline = NOW + 10 * 3600 + 480
+    assert defer_background(me, deadline, 240.0, NOW)
+    # ...but not when the work goes out in leases of 300 s: the last one, run by one site
+    # alone, ends past the deadline if the work starts at 10:00.
+    assert not defer_background(me, deadline, 240.0, NOW, tail_s=300.0)
+
+
 def test_place_defers_background_but_never_realtime() -> None:
     me = site()
     snapshot = Snapshot(site=me, capacity=10, models=frozenset({"m"}), sites=(me,),

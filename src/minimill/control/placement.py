@@ -36,9 +36,9 @@ the asking site leaves it. Rules:
 - Prices that move: a site whose price follows a schedule (price_schedule.py) is ranked at its
   price now, and leaves background work for a later hour that is cheaper by more than
   `tolerance` when starting then still meets the work's deadline (`defer_background`: the
-  work's own time, or all the work due by that deadline at the fleet's rate, with the deadline
-  safety factor). Realtime work is never deferred, nor background work whose deadline is at
-  risk.
+  work's own time, or all the work due by that deadline at the fleet's rate plus the span of
+  the last lease, which one site runs alone, with the deadline safety factor). Realtime work
+  is never deferred, nor background work whose deadline is at risk.
 - Placement follows the KV: a request of a session whose KV a live peer with free room holds
   (its worker reports recent sessions) is left to that peer, unless the peer is much dearer
   (`affinity_max_premium`). Only a preference: a peer without room takes nothing, and the
@@ -242,14 +242,20 @@ def deadline_risk(due: Mapping[float, float], tokens_per_s: float, now: float,
 
 
 def defer_background(site: SiteState, deadline: float, work_s: float, now: float,
-                     policy: PlacementPolicy = DEFAULT_POLICY) -> bool:
+                     policy: PlacementPolicy = DEFAULT_POLICY, tail_s: float = 0.0) -> bool:
     """Should the site leave background work due by `deadline`, needing `work_s` seconds, for
     a cheaper hour of its price schedule? Yes when an hour that starts early enough to meet
-    the deadline (with the safety factor) is cheaper than now by more than `tolerance`."""
+    the deadline (with the safety factor) is cheaper than now by more than `tolerance`.
+
+    `tail_s`: the longest one indivisible part of that work runs once started (a lease's
+    span). When `work_s` is the fleet's time for all of it, the parts are not cut finer than
+    that: the last one starts as the queue empties and runs on alone, so its span adds to the
+    time needed instead of sharing the fleet's rate (work due 216 s of the fleet's time, in
+    leases of 71 s, ends 281 s after it starts, not 216)."""
     schedule = site.price_schedule
     if schedule is None:
         return False
-    latest_start = deadline - work_s * policy.deadline_safety
+    latest_start = deadline - (work_s + tail_s) * policy.deadline_safety
     if latest_start <= now:
         return False
     now_price = site.price_at(now)
