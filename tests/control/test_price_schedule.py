@@ -7,11 +7,13 @@ import pytest
 
 from minimill.control import price_schedule
 from minimill.control.placement import (
+    Backlog,
     Candidate,
     SiteState,
     Snapshot,
     background_key,
     defer_background,
+    needs_backlog,
     place,
 )
 from minimill.control.price_schedule import PriceSchedule
@@ -83,6 +85,26 @@ def test_place_defers_background_but_never_realtime() -> None:
                                     cand("bg-soon", Tier.BACKGROUND, NOW + 3600)))
     assert place(snapshot, NOW) == ["rt", "bg-soon"]
     assert place(snapshot, NOW + 11 * 3600) == ["rt", "bg-soon", "bg-tomorrow"]
+
+
+def test_place_waits_for_the_cheap_hour_only_when_the_whole_backlog_still_fits() -> None:
+    """A request's own time (16 tokens: 8 s) fits between 10:00 and a 10:30 deadline; the
+    work due by it may not, at the rate of the live fleet (here the site alone, 100 tok/s)."""
+    me = site()
+    deadline = NOW + 10 * 3600 + 1800
+    queue = tuple(cand(f"r{i}", Tier.BACKGROUND, deadline) for i in range(10))
+
+    def placed(queued_tokens: int) -> list[str]:
+        backlog = (Backlog(deadline=deadline, site_id=None, num_requests=queued_tokens // 16,
+                           max_tokens=queued_tokens, num_unbounded=0),)
+        snapshot = Snapshot(site=me, capacity=10, models=frozenset({"m"}), sites=(me,),
+                            candidates=queue, backlog=backlog)
+        assert needs_backlog(snapshot, NOW)  # a site with a schedule reads the backlog
+        return place(snapshot, NOW)
+
+    assert placed(160) == []  # 2 s of work: it waits for 10:00
+    # 2000 s of work at 100 tok/s from 10:00 would end past 10:30: it starts now.
+    assert placed(200_000) == [f"r{i}" for i in range(10)]
 
 
 def test_sites_rank_at_their_price_now() -> None:

@@ -35,10 +35,11 @@ the asking site leaves it. Rules:
   finish `handback_lead_s` before its outage starts, when it gives back all it still holds.
 - Prices that move: a site whose price follows a schedule (price_schedule.py) is ranked at its
   price now, and leaves background work for a later hour that is cheaper by more than
-  `tolerance` when starting then still meets the work's deadline (`defer_background`: the
-  work's own time, or all the work due by that deadline at the fleet's rate plus the span of
-  the last lease, which one site runs alone, with the deadline safety factor). Realtime work
-  is never deferred, nor background work whose deadline is at risk.
+  `tolerance` when starting then still meets the work's deadline (`defer_background`: all
+  the work due by that deadline, queued or held, at the live fleet's rate, plus the span of
+  the last part, which one site runs alone: here a request's own time; with the deadline
+  safety factor). Realtime work is never deferred, nor background work whose deadline is at
+  risk. A site with a schedule reads the backlog for it (`needs_backlog`).
 - Placement follows the KV: a request of a session whose KV a live peer with free room holds
   (its worker reports recent sessions) is left to that peer, unless the peer is much dearer
   (`affinity_max_premium`). Only a preference: a peer without room takes nothing, and the
@@ -52,6 +53,7 @@ dearer site takes what the cheaper free sites leave, as here (tests/sim/test_sim
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -263,6 +265,36 @@ def defer_background(site: SiteState, deadline: float, work_s: float, now: float
                for t in schedule.hour_starts(now, latest_start))
 
 
+def due_by(backlog: Iterable[Backlog],
+           policy: PlacementPolicy = DEFAULT_POLICY) -> Callable[[float], float]:
+    """Tokens of the background work (queued or held, anywhere) due by a deadline, read off
+    prefix sums: a lease call asks it of every candidate it may defer."""
+    due: dict[float, float] = {}
+    for b in backlog:
+        tokens = b.max_tokens + b.num_unbounded * policy.default_remaining_tokens
+        due[b.deadline] = due.get(b.deadline, 0.0) + tokens
+    deadlines = sorted(due)
+    totals = [0.0]
+    for d in deadlines:
+        totals.append(totals[-1] + due[d])
+    return lambda deadline: totals[bisect.bisect_right(deadlines, deadline)]
+
+
+def defers(site: SiteState, candidate: Candidate, due: Callable[[float], float] | None,
+           fleet_tokens_per_s: float, now: float,
+           policy: PlacementPolicy = DEFAULT_POLICY) -> bool:
+    """defer_background for one candidate of a lease call: the time needed is all the work
+    due by its deadline (`due`: the backlog) at the live fleet's rate, then the candidate's own
+    time (the last request started runs on alone); without a backlog, its own time only. A
+    cheap hour that one request fits before the deadline may not fit a batch of thousands."""
+    own_s = policy.estimated_seconds(candidate)
+    if due is None:
+        return defer_background(site, candidate.deadline, own_s, now, policy)
+    work_s = (due(candidate.deadline) / fleet_tokens_per_s if fleet_tokens_per_s > 0
+              else math.inf)
+    return defer_background(site, candidate.deadline, work_s, now, policy, tail_s=own_s)
+
+
 def ranks_of(snapshot: Snapshot, now: float,
              policy: PlacementPolicy = DEFAULT_POLICY) -> FleetRanks:
     """The snapshot's sites ranked once (peer_ranks.py): the index the snapshot carries, else
@@ -280,8 +312,11 @@ def standing(snapshot: Snapshot, now: float,
 
 
 def needs_backlog(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLICY) -> bool:
-    """Whether deadline risk can change the answer: some live peer is cheaper."""
-    return standing(snapshot, now, policy).any_cheaper_live()
+    """Whether the backlog can change the answer: some live peer is cheaper (deadline risk),
+    or the asking site's price follows a schedule (whether the work due still finishes after a
+    cheaper hour starts)."""
+    return (snapshot.site.price_schedule is not None
+            or standing(snapshot, now, policy).any_cheaper_live())
 
 
 def peer_room(snapshot: Snapshot, now: float,
@@ -297,11 +332,14 @@ def peer_room(snapshot: Snapshot, now: float,
 def deadline_at_risk(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLICY,
                      rated: Standing | None = None) -> float | None:
     """The latest deadline whose background work the live sites cheaper than the asking one
-    cannot finish in time (None: none at risk). Work counted: queued, and leased to them."""
+    cannot finish in time (None: none at risk, or no live site is cheaper: the asking one goes
+    first anyway). Work counted: queued, and leased to them."""
     if not snapshot.backlog:
         return None
     ranks = ranks_of(snapshot, now, policy)
     rated = rated if rated is not None else ranks.standing(snapshot.site, now)
+    if not rated.any_cheaper_live():
+        return None
     rate = rated.cheaper_tokens_per_s()
     due: dict[float, int] = {}
     for b in snapshot.backlog:
@@ -428,8 +466,11 @@ def place(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLI
     shared = [c for c in background  # what cheaper peers leave to this site and its equals
               if urgent(c) or not (held_elsewhere(c) or cheaper.give(c))]
     # A cheaper hour ahead that still meets the deadline: leave it queued until then.
-    shared = [c for c in shared if urgent(c) or not defer_background(
-        me, c.deadline, policy.estimated_seconds(c), now, policy)]
+    if me.price_schedule is not None:
+        due = due_by(snapshot.backlog, policy) if snapshot.backlog else None
+        fleet = rated.live_tokens_per_s() + site_health.expected_tokens_per_s(me, now, policy)
+        shared = [c for c in shared
+                  if urgent(c) or not defers(me, c, due, fleet, now, policy)]
     share = fair_share(snapshot, len(picked), rated,
                        len(shared) + snapshot.background_beyond, now, policy)
     taken = 0
