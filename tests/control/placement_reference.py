@@ -17,6 +17,7 @@ from minimill.control.placement import (
     SiteState,
     Snapshot,
     background_key,
+    cheaper_hour_ahead,
     deadline_risk,
     defers,
     due_by,
@@ -31,7 +32,7 @@ def _peers(snapshot: Snapshot) -> list[SiteState]:
 
 
 def needs_backlog(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLICY) -> bool:
-    return snapshot.site.price_schedule is not None or any(site_health.alive(p, now, policy)
+    return cheaper_hour_ahead(snapshot, now, policy) or any(site_health.alive(p, now, policy)
                and ranking.cheaper(p, snapshot.site, now, policy)
                for p in _peers(snapshot))
 

@@ -99,12 +99,16 @@ def test_place_waits_for_the_cheap_hour_only_when_the_whole_backlog_still_fits()
                            max_tokens=queued_tokens, num_unbounded=0),)
         snapshot = Snapshot(site=me, capacity=10, models=frozenset({"m"}), sites=(me,),
                             candidates=queue, backlog=backlog)
-        assert needs_backlog(snapshot, NOW)  # a site with a schedule reads the backlog
+        assert needs_backlog(snapshot, NOW)  # a cheaper hour ahead: it reads the backlog
         return place(snapshot, NOW)
 
     assert placed(160) == []  # 2 s of work: it waits for 10:00
     # 2000 s of work at 100 tok/s from 10:00 would end past 10:30: it starts now.
     assert placed(200_000) == [f"r{i}" for i in range(10)]
+    # Inside the cheap hours no cheaper one lies ahead: the backlog is not worth its query.
+    inside = Snapshot(site=me, capacity=10, models=frozenset({"m"}), sites=(me,),
+                      candidates=queue)
+    assert not needs_backlog(inside, NOW + 10 * 3600 + 60)
 
 
 def test_sites_rank_at_their_price_now() -> None:

@@ -313,10 +313,22 @@ def standing(snapshot: Snapshot, now: float,
 
 def needs_backlog(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLICY) -> bool:
     """Whether the backlog can change the answer: some live peer is cheaper (deadline risk),
-    or the asking site's price follows a schedule (whether the work due still finishes after a
-    cheaper hour starts)."""
-    return (snapshot.site.price_schedule is not None
-            or standing(snapshot, now, policy).any_cheaper_live())
+    or a cheaper hour of the asking site's schedule starts before the last deadline of the
+    background candidates (whether the work due still finishes after it). The backlog is read
+    with a query over all unfinished background work, so a site asks for it only then."""
+    return (standing(snapshot, now, policy).any_cheaper_live()
+            or cheaper_hour_ahead(snapshot, now, policy))
+
+
+def cheaper_hour_ahead(snapshot: Snapshot, now: float,
+                       policy: PlacementPolicy = DEFAULT_POLICY) -> bool:
+    """Whether some background candidate could wait for a cheaper hour of the asking site's
+    schedule (were its work no time at all)."""
+    if snapshot.site.price_schedule is None:
+        return False
+    latest = max((c.deadline for c in snapshot.candidates if c.tier != Tier.REALTIME),
+                 default=None)
+    return latest is not None and defer_background(snapshot.site, latest, 0.0, now, policy)
 
 
 def peer_room(snapshot: Snapshot, now: float,
