@@ -17,8 +17,10 @@ from minimill.control.placement import (
     SiteState,
     Snapshot,
     background_key,
+    cheaper_hour_ahead,
     deadline_risk,
-    defer_background,
+    defers,
+    due_by,
     fits,
     realtime_key,
 )
@@ -30,7 +32,7 @@ def _peers(snapshot: Snapshot) -> list[SiteState]:
 
 
 def needs_backlog(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLICY) -> bool:
-    return any(site_health.alive(p, now, policy)
+    return cheaper_hour_ahead(snapshot, now, policy) or any(site_health.alive(p, now, policy)
                and ranking.cheaper(p, snapshot.site, now, policy)
                for p in _peers(snapshot))
 
@@ -57,6 +59,8 @@ def deadline_at_risk(snapshot: Snapshot, now: float,
     me = snapshot.site
     cheaper = [p for p in _peers(snapshot)
                if site_health.alive(p, now, policy) and ranking.cheaper(p, me, now, policy)]
+    if not cheaper:
+        return None
     rate = sum(site_health.expected_tokens_per_s(p, now, policy) for p in cheaper)
     theirs = {p.site_id for p in cheaper}
     due: dict[float, int] = {}
@@ -132,8 +136,13 @@ def place(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLI
             plan.give(cheaper, candidate)
     shared = [c for c in background
               if urgent(c) or not (held_elsewhere(c) or plan.give(cheaper, c))]
-    shared = [c for c in shared if urgent(c) or not defer_background(
-        me, c.deadline, policy.estimated_seconds(c), now, policy)]
+    if me.price_schedule is not None:
+        due = due_by(snapshot.backlog, policy) if snapshot.backlog else None
+        fleet = site_health.expected_tokens_per_s(me, now, policy) + sum(
+            site_health.expected_tokens_per_s(p, now, policy) for p in _peers(snapshot)
+            if site_health.alive(p, now, policy))
+        shared = [c for c in shared
+                  if urgent(c) or not defers(me, c, due, fleet, now, policy)]
     share = fair_share(snapshot, len(picked), equals,
                        len(shared) + snapshot.background_beyond, now, policy)
     taken = 0

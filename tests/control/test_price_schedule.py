@@ -7,11 +7,13 @@ import pytest
 
 from minimill.control import price_schedule
 from minimill.control.placement import (
+    Backlog,
     Candidate,
     SiteState,
     Snapshot,
     background_key,
     defer_background,
+    needs_backlog,
     place,
 )
 from minimill.control.price_schedule import PriceSchedule
@@ -64,6 +66,17 @@ def test_background_waits_for_the_cheap_hours_that_still_meet_the_deadline() -> 
     assert not defer_background(site(None), NOW + DAY, 600.0, NOW)
 
 
+def test_the_last_leases_span_counts_toward_the_time_the_work_needs() -> None:
+    me = site()
+    # Due at 10:08: 240 s of the fleet's time, with the safety factor, fit before it from
+    # 10:00, so the cheap hour is worth waiting for...
+    deadline = NOW + 10 * 3600 + 480
+    assert defer_background(me, deadline, 240.0, NOW)
+    # ...but not when the work goes out in leases of 300 s: the last one, run by one site
+    # alone, ends past the deadline if the work starts at 10:00.
+    assert not defer_background(me, deadline, 240.0, NOW, tail_s=300.0)
+
+
 def test_place_defers_background_but_never_realtime() -> None:
     me = site()
     snapshot = Snapshot(site=me, capacity=10, models=frozenset({"m"}), sites=(me,),
@@ -72,6 +85,30 @@ def test_place_defers_background_but_never_realtime() -> None:
                                     cand("bg-soon", Tier.BACKGROUND, NOW + 3600)))
     assert place(snapshot, NOW) == ["rt", "bg-soon"]
     assert place(snapshot, NOW + 11 * 3600) == ["rt", "bg-soon", "bg-tomorrow"]
+
+
+def test_place_waits_for_the_cheap_hour_only_when_the_whole_backlog_still_fits() -> None:
+    """A request's own time (16 tokens: 8 s) fits between 10:00 and a 10:30 deadline; the
+    work due by it may not, at the rate of the live fleet (here the site alone, 100 tok/s)."""
+    me = site()
+    deadline = NOW + 10 * 3600 + 1800
+    queue = tuple(cand(f"r{i}", Tier.BACKGROUND, deadline) for i in range(10))
+
+    def placed(queued_tokens: int) -> list[str]:
+        backlog = (Backlog(deadline=deadline, site_id=None, num_requests=queued_tokens // 16,
+                           max_tokens=queued_tokens, num_unbounded=0),)
+        snapshot = Snapshot(site=me, capacity=10, models=frozenset({"m"}), sites=(me,),
+                            candidates=queue, backlog=backlog)
+        assert needs_backlog(snapshot, NOW)  # a cheaper hour ahead: it reads the backlog
+        return place(snapshot, NOW)
+
+    assert placed(160) == []  # 2 s of work: it waits for 10:00
+    # 2000 s of work at 100 tok/s from 10:00 would end past 10:30: it starts now.
+    assert placed(200_000) == [f"r{i}" for i in range(10)]
+    # Inside the cheap hours no cheaper one lies ahead: the backlog is not worth its query.
+    inside = Snapshot(site=me, capacity=10, models=frozenset({"m"}), sites=(me,),
+                      candidates=queue)
+    assert not needs_backlog(inside, NOW + 10 * 3600 + 60)
 
 
 def test_sites_rank_at_their_price_now() -> None:

@@ -226,3 +226,25 @@ def test_held_time_costs_the_scheduled_price_of_its_hour(store: Store) -> None:
     status = {s.name: s for s in list_sites(store, T0 + 20)}["scheduled"]
     assert status.cost_usd == pytest.approx(9.0 * 10 / 3600)
     assert status.price_now == 9.0 and status.price_per_hour == 0.36
+
+
+def test_a_site_waits_for_its_cheap_hour_only_when_the_batch_still_fits_after_it(
+        store: Store) -> None:
+    """The lease call reads the backlog for a site whose price follows a schedule: two
+    requests wait for the cheap hour 22.2 h ahead (1.8 h before their deadline); 600 of
+    1,000 tokens each, at the site's rate, would not fit in those 1.8 h, so they start now."""
+    owner = tenant(store)
+    scheduled = site(store, "scheduled", 1.0)
+    hourly = [1.0] * 24
+    hourly[int((T0 + 23 * 3600) // 3600) % 24] = 0.2
+    set_price_schedule(store, "scheduled", PriceSchedule(0.0, tuple(hourly)))
+    ask = LeaseRequest(capacity=8, models=[MODEL], tokens_per_s=100.0)
+
+    def lines(n: int, prefix: str) -> list[str]:
+        return [chat_line(f"{prefix}{i}", max_tokens=1000) for i in range(n)]
+
+    small = batch(store, owner, lines(2, "s"), now=T0)
+    assert small.counts.total == 2
+    assert lease(store, scheduled, ask, T0, CONFIG).leases == []
+    batch(store, owner, lines(600, "b"), now=T0)
+    assert len(lease(store, scheduled, ask, T0 + 1, CONFIG).leases) == 8

@@ -178,10 +178,11 @@ def _snapshot(conn: Connection, site: Site, ask: LeaseRequest, capacity: int, mo
         counted = lease_queue.count_background(conn, models, now,
                                                min(window + sharing, MAX_CANDIDATES))
         beyond = max(0, counted - read)
-    backlog = _backlog(conn) if queue.candidates and needs_backlog(bare, now, policy) else ()
-    return replace(bare, candidates=queue.candidates, backlog=backlog,
-                   tenant_load=queue.tenant_load, tenant_weights=queue.tenant_weights,
-                   background_beyond=beyond)
+    read_queue = replace(bare, candidates=queue.candidates, tenant_load=queue.tenant_load,
+                         tenant_weights=queue.tenant_weights, background_beyond=beyond)
+    if queue.candidates and needs_backlog(read_queue, now, policy):
+        return replace(read_queue, backlog=_backlog(conn))
+    return read_queue
 
 
 def _declared(ask: LeaseRequest) -> dict[str, Any]:

@@ -237,6 +237,10 @@ class Standing:
     def any_cheaper_live(self) -> bool:
         return any(r.cheaper and r.live > 0 for r in self.groups)
 
+    def live_tokens_per_s(self) -> float:
+        """Expected throughput of all the live peers."""
+        return sum(r.live_tokens_per_s for r in self.groups)
+
     def cheaper_tokens_per_s(self) -> float:
         """Expected throughput of the live peers that are cheaper."""
         return sum(r.live_tokens_per_s for r in self.groups if r.cheaper)

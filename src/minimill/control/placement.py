@@ -35,10 +35,11 @@ the asking site leaves it. Rules:
   finish `handback_lead_s` before its outage starts, when it gives back all it still holds.
 - Prices that move: a site whose price follows a schedule (price_schedule.py) is ranked at its
   price now, and leaves background work for a later hour that is cheaper by more than
-  `tolerance` when starting then still meets the work's deadline (`defer_background`: the
-  work's own time, or all the work due by that deadline at the fleet's rate, with the deadline
+  `tolerance` when starting then still meets the work's deadline (`defer_background`: all
+  the work due by that deadline, queued or held, at the live fleet's rate, plus the span of
+  the last part, which one site runs alone: here a request's own time; with the deadline
   safety factor). Realtime work is never deferred, nor background work whose deadline is at
-  risk.
+  risk. A site with a schedule reads the backlog for it (`needs_backlog`).
 - Placement follows the KV: a request of a session whose KV a live peer with free room holds
   (its worker reports recent sessions) is left to that peer, unless the peer is much dearer
   (`affinity_max_premium`). Only a preference: a peer without room takes nothing, and the
@@ -52,6 +53,7 @@ dearer site takes what the cheaper free sites leave, as here (tests/sim/test_sim
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -242,19 +244,55 @@ def deadline_risk(due: Mapping[float, float], tokens_per_s: float, now: float,
 
 
 def defer_background(site: SiteState, deadline: float, work_s: float, now: float,
-                     policy: PlacementPolicy = DEFAULT_POLICY) -> bool:
+                     policy: PlacementPolicy = DEFAULT_POLICY, tail_s: float = 0.0) -> bool:
     """Should the site leave background work due by `deadline`, needing `work_s` seconds, for
     a cheaper hour of its price schedule? Yes when an hour that starts early enough to meet
-    the deadline (with the safety factor) is cheaper than now by more than `tolerance`."""
+    the deadline (with the safety factor) is cheaper than now by more than `tolerance`.
+
+    `tail_s`: the longest one indivisible part of that work runs once started (a lease's
+    span). When `work_s` is the fleet's time for all of it, the parts are not cut finer than
+    that: the last one starts as the queue empties and runs on alone, so its span adds to the
+    time needed instead of sharing the fleet's rate (work due 216 s of the fleet's time, in
+    leases of 71 s, ends 281 s after it starts, not 216)."""
     schedule = site.price_schedule
     if schedule is None:
         return False
-    latest_start = deadline - work_s * policy.deadline_safety
+    latest_start = deadline - (work_s + tail_s) * policy.deadline_safety
     if latest_start <= now:
         return False
     now_price = site.price_at(now)
     return any(site.price_at(t) * (1 + policy.tolerance) < now_price
                for t in schedule.hour_starts(now, latest_start))
+
+
+def due_by(backlog: Iterable[Backlog],
+           policy: PlacementPolicy = DEFAULT_POLICY) -> Callable[[float], float]:
+    """Tokens of the background work (queued or held, anywhere) due by a deadline, read off
+    prefix sums: a lease call asks it of every candidate it may defer."""
+    due: dict[float, float] = {}
+    for b in backlog:
+        tokens = b.max_tokens + b.num_unbounded * policy.default_remaining_tokens
+        due[b.deadline] = due.get(b.deadline, 0.0) + tokens
+    deadlines = sorted(due)
+    totals = [0.0]
+    for d in deadlines:
+        totals.append(totals[-1] + due[d])
+    return lambda deadline: totals[bisect.bisect_right(deadlines, deadline)]
+
+
+def defers(site: SiteState, candidate: Candidate, due: Callable[[float], float] | None,
+           fleet_tokens_per_s: float, now: float,
+           policy: PlacementPolicy = DEFAULT_POLICY) -> bool:
+    """defer_background for one candidate of a lease call: the time needed is all the work
+    due by its deadline (`due`: the backlog) at the live fleet's rate, then the candidate's own
+    time (the last request started runs on alone); without a backlog, its own time only. A
+    cheap hour that one request fits before the deadline may not fit a batch of thousands."""
+    own_s = policy.estimated_seconds(candidate)
+    if due is None:
+        return defer_background(site, candidate.deadline, own_s, now, policy)
+    work_s = (due(candidate.deadline) / fleet_tokens_per_s if fleet_tokens_per_s > 0
+              else math.inf)
+    return defer_background(site, candidate.deadline, work_s, now, policy, tail_s=own_s)
 
 
 def ranks_of(snapshot: Snapshot, now: float,
@@ -274,8 +312,23 @@ def standing(snapshot: Snapshot, now: float,
 
 
 def needs_backlog(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLICY) -> bool:
-    """Whether deadline risk can change the answer: some live peer is cheaper."""
-    return standing(snapshot, now, policy).any_cheaper_live()
+    """Whether the backlog can change the answer: some live peer is cheaper (deadline risk),
+    or a cheaper hour of the asking site's schedule starts before the last deadline of the
+    background candidates (whether the work due still finishes after it). The backlog is read
+    with a query over all unfinished background work, so a site asks for it only then."""
+    return (standing(snapshot, now, policy).any_cheaper_live()
+            or cheaper_hour_ahead(snapshot, now, policy))
+
+
+def cheaper_hour_ahead(snapshot: Snapshot, now: float,
+                       policy: PlacementPolicy = DEFAULT_POLICY) -> bool:
+    """Whether some background candidate could wait for a cheaper hour of the asking site's
+    schedule (were its work no time at all)."""
+    if snapshot.site.price_schedule is None:
+        return False
+    latest = max((c.deadline for c in snapshot.candidates if c.tier != Tier.REALTIME),
+                 default=None)
+    return latest is not None and defer_background(snapshot.site, latest, 0.0, now, policy)
 
 
 def peer_room(snapshot: Snapshot, now: float,
@@ -291,11 +344,14 @@ def peer_room(snapshot: Snapshot, now: float,
 def deadline_at_risk(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLICY,
                      rated: Standing | None = None) -> float | None:
     """The latest deadline whose background work the live sites cheaper than the asking one
-    cannot finish in time (None: none at risk). Work counted: queued, and leased to them."""
+    cannot finish in time (None: none at risk, or no live site is cheaper: the asking one goes
+    first anyway). Work counted: queued, and leased to them."""
     if not snapshot.backlog:
         return None
     ranks = ranks_of(snapshot, now, policy)
     rated = rated if rated is not None else ranks.standing(snapshot.site, now)
+    if not rated.any_cheaper_live():
+        return None
     rate = rated.cheaper_tokens_per_s()
     due: dict[float, int] = {}
     for b in snapshot.backlog:
@@ -422,8 +478,11 @@ def place(snapshot: Snapshot, now: float, policy: PlacementPolicy = DEFAULT_POLI
     shared = [c for c in background  # what cheaper peers leave to this site and its equals
               if urgent(c) or not (held_elsewhere(c) or cheaper.give(c))]
     # A cheaper hour ahead that still meets the deadline: leave it queued until then.
-    shared = [c for c in shared if urgent(c) or not defer_background(
-        me, c.deadline, policy.estimated_seconds(c), now, policy)]
+    if me.price_schedule is not None:
+        due = due_by(snapshot.backlog, policy) if snapshot.backlog else None
+        fleet = rated.live_tokens_per_s() + site_health.expected_tokens_per_s(me, now, policy)
+        shared = [c for c in shared
+                  if urgent(c) or not defers(me, c, due, fleet, now, policy)]
     share = fair_share(snapshot, len(picked), rated,
                        len(shared) + snapshot.background_beyond, now, policy)
     taken = 0

@@ -51,6 +51,7 @@ class Simulation:
         self.known: dict[str, list[Outage]] = {r: [] for r in world.region_sites}
         self.outstanding = scenario.num_requests
         self.arrivals = Arrivals(scenario)
+        self.slowest_tokens_per_s = min(s.tokens_per_s for s in world.sites)
 
     # -- events -----------------------------------------------------------------------------
     def at(self, t: float, kind: int, payload: Any) -> None:
@@ -170,14 +171,19 @@ class Simulation:
 
     def _deferred(self, i: int, piece: Piece) -> bool:
         """Would site `i` leave `piece` for a cheaper hour of its price schedule that still
-        meets the deadline of all the work due by the piece's (at the fleet's rate)?"""
+        meets the deadline of all the work due by the piece's (at the fleet's rate, then the
+        last lease's span: a lease is not shared between sites)?"""
         site = self.world.sites[i]
         if not self.p.uses_forecasts or site.schedule is None or piece.tier == Tier.REALTIME:
             return False
         state = self.p.state(site, self.now, self.now, self.now, 0, 0, ())
         fleet = self.p.fleet_rate()
         work_s = self.queue.due_by(piece.deadline) / fleet if fleet > 0 else math.inf
-        return placement.defer_background(state, piece.deadline, work_s, self.now, self.policy)
+        # A lease call's work spans at most lease_work_s, or one request alone at the
+        # slowest site's rate when a single one is longer (a lease gets at least one).
+        tail_s = max(self.scenario.lease_work_s, piece.remaining / self.slowest_tokens_per_s)
+        return placement.defer_background(state, piece.deadline, work_s, self.now, self.policy,
+                                          tail_s)
 
     def _lease_seconds(self, i: int) -> float:
         seconds = self.scenario.lease_work_s
