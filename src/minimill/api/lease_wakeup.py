@@ -44,7 +44,8 @@ def lease_wakeup_of(app: FastAPI) -> Wakeup:
     return wakeup
 
 
-def lease_wakeup(request: Request) -> Wakeup:
+async def lease_wakeup(request: Request) -> Wakeup:
+    # async: a lookup, not worth a trip to a thread (deps.py)
     return lease_wakeup_of(request.app)
 
 
