@@ -10,7 +10,7 @@ in tests/api/test_api_roles.py checks every route with every kind of credential)
   not learn they exist;
 - worker protocol routes answer 401 to anything but a site token, and 403 to a site token
   not registered for their part of the protocol (`sites create NAME --serves tokens,boxes,
-  agents`): token leases (TokenSiteCallDep, checked on the thread of the call's store work),
+  agents`): token leases (TokenFleetDep, checked on the thread of the call's store work),
   box hosts (BoxSiteDep), agent runners (AgentSiteDep);
   a site's own outages answer any of its tokens (SiteDep).
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -27,7 +27,9 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from minimill.api import harness_auth
+from minimill.api.box_wakeup import Wakeup
 from minimill.api.errors import unknown_url
+from minimill.api.lease_wakeup import lease_wakeup_of
 from minimill.api.progress import ProgressWatcher
 from minimill.control import harness_keys
 from minimill.control.config import ControlConfig
@@ -150,27 +152,38 @@ def _site_serving(scope: SiteScope) -> Callable[[Store, HTTPAuthorizationCredent
     return check
 
 
-def _site_call(scope: SiteScope) -> Callable[..., Awaitable[SiteCall]]:
-    async def call(request: Request, store: StoreDep, credentials: Credentials) -> SiteCall:
-        token = _site_token(credentials)
-        # Anything not shaped as a site token (a tenant's or an operator's key) is refused
-        # here, before its body is read, as a dependency that checked the store refused it.
-        if not token.startswith(SITE_TOKEN_PREFIX):
-            raise AuthenticationError("Incorrect site token provided.",
-                                      code="invalid_site_token")
-        site_call = SiteCall(token, scope)
-        # A body FastAPI refuses never reaches the route: its 400 checks the token first
-        # (errors.py), so that a site learns nothing of a part it does not serve.
-        request.state.deferred_auth = functools.partial(site_call.site, store)
-        return site_call
+@dataclass(frozen=True, slots=True)
+class TokenFleetCall:
+    """All that a token lease route (lease, heartbeat, complete, release) takes, solved as one
+    dependency: FastAPI's solving of a dependency per part, each keyed, cached and awaited,
+    cost these calls more CPU than their thread's store work."""
 
-    return call
+    site: SiteCall  # checked by the route, on its store work's thread
+    store: Store
+    config: ControlConfig
+    watcher: ProgressWatcher
+    lease_wakeup: Wakeup
+
+
+async def get_token_fleet_call(request: Request, credentials: Credentials) -> TokenFleetCall:
+    token = _site_token(credentials)
+    # Anything not shaped as a site token (a tenant's or an operator's key) is refused here,
+    # before its body is read, as a dependency that checked the store refused it.
+    if not token.startswith(SITE_TOKEN_PREFIX):
+        raise AuthenticationError("Incorrect site token provided.", code="invalid_site_token")
+    state = request.app.state
+    site_call = SiteCall(token, SiteScope.TOKENS)
+    # A body FastAPI refuses never reaches the route: its 400 checks the token first
+    # (errors.py), so that a site learns nothing of a part it does not serve.
+    request.state.deferred_auth = functools.partial(site_call.site, state.store)
+    return TokenFleetCall(site_call, state.store, state.config, state.watcher,
+                          lease_wakeup_of(request.app))
 
 
 TenantDep = Annotated[Tenant, Depends(get_tenant)]
 OperatorDep = Annotated[Operator, Depends(get_operator)]
 SiteDep = Annotated[Site, Depends(get_site)]
 # The token lease routes, the hottest of the protocol, check the token themselves (SiteCall).
-TokenSiteCallDep = Annotated[SiteCall, Depends(_site_call(SiteScope.TOKENS))]
+TokenFleetDep = Annotated[TokenFleetCall, Depends(get_token_fleet_call)]
 BoxSiteDep = Annotated[Site, Depends(_site_serving(SiteScope.BOXES))]
 AgentSiteDep = Annotated[Site, Depends(_site_serving(SiteScope.AGENTS))]

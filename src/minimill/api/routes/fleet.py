@@ -14,22 +14,18 @@ import asyncio
 import threading
 import time
 from dataclasses import asdict
-from typing import Annotated
 
 import anyio
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 
 from minimill.api.box_wakeup import Wakeup
 from minimill.api.deps import (
-    ConfigDep,
     SiteCall,
     SiteDep,
     StoreDep,
-    TokenSiteCallDep,
-    WatcherDep,
+    TokenFleetDep,
 )
 from minimill.api.errors import error_responses
-from minimill.api.lease_wakeup import lease_wakeup
 from minimill.api.schemas import (
     OutageCreate,
     OutageCreated,
@@ -61,13 +57,12 @@ from minimill.transport.protocol import (
 LEASE_THREADS = 8
 
 router = APIRouter(prefix=FLEET_PREFIX, tags=["fleet"], responses=error_responses(400, 401, 403))
-LeaseWakeupDep = Annotated[Wakeup, Depends(lease_wakeup)]
 
 
 @router.post("/lease", response_model=LeaseResponse)
-async def lease(ask: LeaseRequest, request: Request, store: StoreDep, call: TokenSiteCallDep,
-                config: ConfigDep, wakeup: LeaseWakeupDep) -> LeaseResponse:
+async def lease(ask: LeaseRequest, request: Request, fleet: TokenFleetDep) -> LeaseResponse:
     """Work for the worker; with `wait_s`, held open until there is some or the time is up."""
+    store, call, config, wakeup = fleet.store, fleet.site, fleet.config, fleet.lease_wakeup
     deadline = time.monotonic() + min(ask.wait_s, config.lease_ttl_s / 3)
     nothing = LeaseResponse(leases=[], lease_ttl_s=config.lease_ttl_s)
     gone = threading.Event()
@@ -144,10 +139,10 @@ def _lease_threads(request: Request) -> anyio.CapacityLimiter:
 
 
 @router.post("/heartbeat", response_model=HeartbeatResponse)
-async def heartbeat(beat: HeartbeatRequest, store: StoreDep, call: TokenSiteCallDep,
-                    config: ConfigDep, watcher: WatcherDep) -> HeartbeatResponse:
-    answer = await anyio.to_thread.run_sync(_heartbeat, store, call, beat, config)
-    watcher.poke(i.request_id for i in beat.leases
+async def heartbeat(beat: HeartbeatRequest, fleet: TokenFleetDep) -> HeartbeatResponse:
+    answer = await anyio.to_thread.run_sync(_heartbeat, fleet.store, fleet.site, beat,
+                                            fleet.config)
+    fleet.watcher.poke(i.request_id for i in beat.leases
                  if (i.checkpoint is not None or i.delta is not None)
                  and i.request_id in answer.extended)
     return answer
@@ -160,11 +155,11 @@ def _heartbeat(store: Store, call: SiteCall, beat: HeartbeatRequest,
 
 # A rejection carries a message only when there is more to say than its reason.
 @router.post("/complete", response_model=CompleteResponse, response_model_exclude_none=True)
-async def complete(done: CompleteRequest, request: Request, store: StoreDep,
-                   call: TokenSiteCallDep, config: ConfigDep,
-                   watcher: WatcherDep) -> CompleteResponse:
-    answer, batch_ended = await anyio.to_thread.run_sync(_complete, store, call, done, config)
-    watcher.poke(answer.accepted)
+async def complete(done: CompleteRequest, request: Request,
+                   fleet: TokenFleetDep) -> CompleteResponse:
+    answer, batch_ended = await anyio.to_thread.run_sync(_complete, fleet.store, fleet.site,
+                                                         done, fleet.config)
+    fleet.watcher.poke(answer.accepted)
     if batch_ended:
         request.app.state.ingest_wake.set()  # a batch's last line: finalize it now
     return answer
@@ -180,13 +175,12 @@ def _complete(store: Store, call: SiteCall, done: CompleteRequest,
 
 
 @router.post("/release", response_model=ReleaseResponse)
-async def release_leases(ask: ReleaseRequest, store: StoreDep, call: TokenSiteCallDep,
-                         config: ConfigDep, watcher: WatcherDep,
-                         wakeup: LeaseWakeupDep) -> ReleaseResponse:
-    answer = await anyio.to_thread.run_sync(_release, store, call, ask, config)
-    watcher.poke(answer.released)
+async def release_leases(ask: ReleaseRequest, fleet: TokenFleetDep) -> ReleaseResponse:
+    answer = await anyio.to_thread.run_sync(_release, fleet.store, fleet.site, ask, fleet.config)
+    fleet.watcher.poke(answer.released)
     if answer.released:
-        wakeup.notify(len(answer.released))  # back in the queue: waiting workers take them up
+        # Back in the queue: waiting workers take them up.
+        fleet.lease_wakeup.notify(len(answer.released))
     return answer
 
 
