@@ -13,6 +13,7 @@ import httpx
 from api_harness import MODEL, ApiEnv, wait_for
 from openai import OpenAI
 
+from minimill.control.records import SiteScope
 from minimill.control.site_view import list_sites
 from minimill.control.sites import create_site
 
@@ -64,6 +65,34 @@ def test_fleet_routes_need_a_site_token(env: ApiEnv) -> None:
     with fleet(env) as ok:
         bad = ok.post("/lease", json={"capacity": -1, "models": [MODEL]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "capacity"
+
+
+def test_a_replaced_token_or_withdrawn_scope_refuses_the_very_next_call(env: ApiEnv) -> None:
+    """Fleet routes check the site token on each call's own store thread, with nothing cached:
+    `sites create --replace` (any process, here straight on the store) takes effect at once."""
+    name, old_token = new_site(env)
+    with fleet(env, old_token) as old:
+        assert old.post("/heartbeat", json={"leases": []}).status_code == 200
+        assert old.post("/complete", json={"results": []}).status_code == 200
+        new_token = create_site(env.store, name, 0.72, "cpu", replace=True)
+        # A malformed body too: the token is refused before a word about the body.
+        for path, body in (("/heartbeat", {"leases": []}), ("/complete", {"results": []}),
+                           ("/complete", {}), ("/release", {"leases": []}),
+                           ("/lease", {"capacity": 1, "models": [MODEL]})):
+            answer = old.post(path, json=body)
+            assert answer.status_code == 401, path
+            assert answer.json()["error"]["code"] == "invalid_site_token", path
+    with fleet(env, new_token) as new:
+        assert new.post("/heartbeat", json={"leases": []}).status_code == 200
+    boxes_only = create_site(env.store, name, 0.72, "cpu", replace=True,
+                             serves=frozenset({SiteScope.BOXES}))
+    with fleet(env, boxes_only) as narrowed:
+        for path, body in (("/heartbeat", {"leases": []}), ("/complete", {"results": []}),
+                           ("/complete", {}), ("/release", {"leases": []}),
+                           ("/lease", {"capacity": 1, "models": [MODEL]})):
+            refused = narrowed.post(path, json=body)
+            assert refused.status_code == 403, path
+            assert refused.json()["error"]["code"] == "site_scope", path
 
 
 def test_a_bad_declared_price_or_chip_is_refused(env: ApiEnv) -> None:

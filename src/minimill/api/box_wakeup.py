@@ -63,7 +63,8 @@ class BoxWakeups:
         self.output = Wakeup()  # a host's streamed output or result was accepted
 
 
-def box_wakeups(request: Request) -> BoxWakeups:
+async def box_wakeups(request: Request) -> BoxWakeups:
+    # async: a lookup, not worth a trip to a thread (deps.py)
     app_state = request.app.state
     if not hasattr(app_state, "box_wakeups"):
         app_state.box_wakeups = BoxWakeups()

@@ -10,27 +10,33 @@ in tests/api/test_api_roles.py checks every route with every kind of credential)
   not learn they exist;
 - worker protocol routes answer 401 to anything but a site token, and 403 to a site token
   not registered for their part of the protocol (`sites create NAME --serves tokens,boxes,
-  agents`): token leases (TokenSiteDep), box hosts (BoxSiteDep), agent runners (AgentSiteDep);
+  agents`): token leases (TokenFleetDep, checked on the thread of the call's store work),
+  box hosts (BoxSiteDep), agent runners (AgentSiteDep);
   a site's own outages answer any of its tokens (SiteDep).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from minimill.api import harness_auth
+from minimill.api.box_wakeup import Wakeup
 from minimill.api.errors import unknown_url
+from minimill.api.lease_wakeup import lease_wakeup_of
 from minimill.api.progress import ProgressWatcher
 from minimill.control import harness_keys
 from minimill.control.config import ControlConfig
 from minimill.control.errors import AuthenticationError, PermissionDeniedError
 from minimill.control.keys import authenticate, authenticate_operator, is_revoked
 from minimill.control.records import Operator, Site, SiteScope, Tenant
+from minimill.control.sites import TOKEN_PREFIX as SITE_TOKEN_PREFIX
 from minimill.control.sites import authenticate_site
 from minimill.control.store import Store
 
@@ -39,17 +45,20 @@ _bearer = HTTPBearer(auto_error=False, description="An API key (tenants), an ope
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
-def get_store(request: Request) -> Store:
+# The lookups below are `async def`: FastAPI runs a plain `def` dependency on a thread of its
+# pool, and a fleet call solved four of them (a hop to a thread and back each, about as much
+# CPU as the call's own store work) to read three attributes.
+async def get_store(request: Request) -> Store:
     store: Store = request.app.state.store
     return store
 
 
-def get_config(request: Request) -> ControlConfig:
+async def get_config(request: Request) -> ControlConfig:
     config: ControlConfig = request.app.state.config
     return config
 
 
-def get_watcher(request: Request) -> ProgressWatcher:
+async def get_watcher(request: Request) -> ProgressWatcher:
     watcher: ProgressWatcher = request.app.state.watcher
     return watcher
 
@@ -93,35 +102,88 @@ def get_operator(store: StoreDep, credentials: Credentials) -> Operator:
 
 
 def get_site(store: StoreDep, credentials: Credentials) -> Site:
+    return SiteCall(_site_token(credentials), None).site(store)
+
+
+def _site_token(credentials: HTTPAuthorizationCredentials | None) -> str:
     if credentials is None:
         raise AuthenticationError("A site token is required (minimill sites create NAME).",
                                   code="missing_site_token")
-    site = authenticate_site(store, credentials.credentials)
-    if site is None:
-        raise AuthenticationError("Incorrect site token provided.", code="invalid_site_token")
-    return site
+    return credentials.credentials
 
 
 _SCOPE_ROUTES = {SiteScope.TOKENS: "token leases", SiteScope.BOXES: "box hosts",
                  SiteScope.AGENTS: "agent runners"}
 
 
-def _site_serving(scope: SiteScope) -> Callable[[Site], Site]:
-    def check(site: Annotated[Site, Depends(get_site)]) -> Site:
-        if scope not in site.serves:
+@dataclass(frozen=True, slots=True)
+class SiteCall:
+    """A worker protocol call's site token, not yet checked: the route checks it with `site`
+    on the thread, and just before the transactions, of the call's own store work. Checked by
+    a dependency, it cost every call a trip to a thread of its own besides.
+    Nothing is cached: a token replaced or a scope withdrawn (`sites create --replace`, from
+    any process) refuses the very next call."""
+
+    token: str
+    scope: SiteScope | None  # the part of the protocol the route is for; None: any
+
+    def site(self, store: Store) -> Site:
+        """The calling site; 401 for a token of no site, 403 for a site not registered for
+        the route's part of the protocol."""
+        site = authenticate_site(store, self.token)
+        if site is None:
+            raise AuthenticationError("Incorrect site token provided.",
+                                      code="invalid_site_token")
+        if self.scope is not None and self.scope not in site.serves:
             serves = ",".join(sorted(s.value for s in site.serves))
             raise PermissionDeniedError(
-                f"Site {site.name!r} serves {serves}: this route is for {_SCOPE_ROUTES[scope]} "
-                f"(the operator registers a site for it with `minimill sites create "
-                f"{site.name} --replace --serves {serves},{scope.value}`).", code="site_scope")
+                f"Site {site.name!r} serves {serves}: this route is for "
+                f"{_SCOPE_ROUTES[self.scope]} (the operator registers a site for it with "
+                f"`minimill sites create {site.name} --replace --serves "
+                f"{serves},{self.scope.value}`).", code="site_scope")
         return site
 
+
+def _site_serving(scope: SiteScope) -> Callable[[Store, HTTPAuthorizationCredentials | None],
+                                                Site]:
+    def check(store: StoreDep, credentials: Credentials) -> Site:
+        return SiteCall(_site_token(credentials), scope).site(store)
+
     return check
+
+
+@dataclass(frozen=True, slots=True)
+class TokenFleetCall:
+    """All that a token lease route (lease, heartbeat, complete, release) takes, solved as one
+    dependency: FastAPI's solving of a dependency per part, each keyed, cached and awaited,
+    cost these calls more CPU than their thread's store work."""
+
+    site: SiteCall  # checked by the route, on its store work's thread
+    store: Store
+    config: ControlConfig
+    watcher: ProgressWatcher
+    lease_wakeup: Wakeup
+
+
+async def get_token_fleet_call(request: Request, credentials: Credentials) -> TokenFleetCall:
+    token = _site_token(credentials)
+    # Anything not shaped as a site token (a tenant's or an operator's key) is refused here,
+    # before its body is read, as a dependency that checked the store refused it.
+    if not token.startswith(SITE_TOKEN_PREFIX):
+        raise AuthenticationError("Incorrect site token provided.", code="invalid_site_token")
+    state = request.app.state
+    site_call = SiteCall(token, SiteScope.TOKENS)
+    # A body FastAPI refuses never reaches the route: its 400 checks the token first
+    # (errors.py), so that a site learns nothing of a part it does not serve.
+    request.state.deferred_auth = functools.partial(site_call.site, state.store)
+    return TokenFleetCall(site_call, state.store, state.config, state.watcher,
+                          lease_wakeup_of(request.app))
 
 
 TenantDep = Annotated[Tenant, Depends(get_tenant)]
 OperatorDep = Annotated[Operator, Depends(get_operator)]
 SiteDep = Annotated[Site, Depends(get_site)]
-TokenSiteDep = Annotated[Site, Depends(_site_serving(SiteScope.TOKENS))]
+# The token lease routes, the hottest of the protocol, check the token themselves (SiteCall).
+TokenFleetDep = Annotated[TokenFleetCall, Depends(get_token_fleet_call)]
 BoxSiteDep = Annotated[Site, Depends(_site_serving(SiteScope.BOXES))]
 AgentSiteDep = Annotated[Site, Depends(_site_serving(SiteScope.AGENTS))]

@@ -10,8 +10,10 @@ whose traceback goes to the log only.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -51,8 +53,16 @@ async def _control_error(_request: Request, exc: Exception) -> JSONResponse:
                           code=exc.code, headers=headers)
 
 
-async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
+    # A caller whose credential the route checks with its own store work (deps.SiteCall) is
+    # answered 401 or 403 before a word about its body, as one checked by a dependency is.
+    deferred_auth: Callable[[], object] | None = getattr(request.state, "deferred_auth", None)
+    if deferred_auth is not None:
+        try:
+            await anyio.to_thread.run_sync(deferred_auth)
+        except ControlError as refused:
+            return await _control_error(request, refused)
     errors: list[Any] = list(exc.errors())
     if errors and errors[0].get("type") == "json_invalid":
         detail = (errors[0].get("ctx") or {}).get("error", "invalid JSON")

@@ -20,7 +20,7 @@ import asyncio
 import logging
 
 import anyio
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 
 from minimill.api.box_wakeup import Wakeup
 from minimill.control import leases
@@ -42,10 +42,6 @@ def lease_wakeup_of(app: FastAPI) -> Wakeup:
         state.lease_wakeup = Wakeup()
     wakeup: Wakeup = state.lease_wakeup
     return wakeup
-
-
-def lease_wakeup(request: Request) -> Wakeup:
-    return lease_wakeup_of(request.app)
 
 
 async def relook(store: Store, wakeup: Wakeup, interval_s: float = RECHECK_S,

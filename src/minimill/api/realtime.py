@@ -16,7 +16,7 @@ import anyio
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
-from minimill.api.lease_wakeup import lease_wakeup
+from minimill.api.lease_wakeup import lease_wakeup_of
 from minimill.api.progress import ProgressWatcher, Watch
 from minimill.api.rate_headers import remember
 from minimill.api.streaming import WAKE_S, ChunkStream, num_choices
@@ -87,7 +87,7 @@ async def serve_realtime(request: Request, kind: Kind,
                                                       prepared, time.time(), config,
                                                       idempotency_key, limits)
     remember(request, rate)
-    lease_wakeup(request).notify(1)  # a worker waiting in its lease call takes it at once
+    lease_wakeup_of(request.app).notify(1)  # a worker waiting in its lease call takes it at once
     watch = watcher.watch(request_id)
     handed_over = False
     record: RequestRecord | None = await anyio.to_thread.run_sync(get_request, store,

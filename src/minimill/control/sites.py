@@ -93,12 +93,16 @@ def create_site(store: Store, name: str, price_per_hour: float, chip: str = "cpu
     return token
 
 
+# Built once: every fleet call authenticates, and building the statement each time was half
+# of the ~145 us of CPU that took on SQLite.
+_SITE_BY_TOKEN_HASH = select(sites).where(sites.c.token_hash == bindparam("token_hash"))
+
+
 def authenticate_site(store: Store, token: str) -> Site | None:
     if not token.startswith(TOKEN_PREFIX):
         return None
     with store.read() as conn:
-        row = conn.execute(select(sites).where(
-            sites.c.token_hash == hash_secret(token))).first()
+        row = conn.execute(_SITE_BY_TOKEN_HASH, {"token_hash": hash_secret(token)}).first()
     return _site(row) if row else None
 
 

@@ -2,9 +2,10 @@
 outages a site announces, lists and withdraws for itself.
 
 Authenticated with a site token: lease, heartbeat, complete and release need a site registered
-for tokens (`--serves tokens`); a site's own outages answer any of its tokens. Accepted completions
-and fresh checkpoints wake the realtime waiters of this process at once; other processes
-notice through their pollers.
+for tokens (`--serves tokens`) and check the token on the thread of their store work, one trip
+to the thread pool per call (deps.SiteCall); a site's own outages answer any of its tokens.
+Accepted completions and fresh checkpoints wake the realtime waiters of this process at once;
+other processes notice through their pollers.
 """
 
 from __future__ import annotations
@@ -13,15 +14,18 @@ import asyncio
 import threading
 import time
 from dataclasses import asdict
-from typing import Annotated, Any
 
 import anyio
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 
 from minimill.api.box_wakeup import Wakeup
-from minimill.api.deps import ConfigDep, SiteDep, StoreDep, TokenSiteDep, WatcherDep
+from minimill.api.deps import (
+    SiteCall,
+    SiteDep,
+    StoreDep,
+    TokenFleetDep,
+)
 from minimill.api.errors import error_responses
-from minimill.api.lease_wakeup import lease_wakeup
 from minimill.api.schemas import (
     OutageCreate,
     OutageCreated,
@@ -32,7 +36,6 @@ from minimill.api.schemas import (
 from minimill.control import batch_finalize, leases, release
 from minimill.control.config import ControlConfig
 from minimill.control.placement import DEFAULT_POLICY
-from minimill.control.records import Site
 from minimill.control.site_view import PeerView
 from minimill.control.sites import add_outage, list_outages, remove_outage
 from minimill.control.store import Store
@@ -54,19 +57,18 @@ from minimill.transport.protocol import (
 LEASE_THREADS = 8
 
 router = APIRouter(prefix=FLEET_PREFIX, tags=["fleet"], responses=error_responses(400, 401, 403))
-LeaseWakeupDep = Annotated[Wakeup, Depends(lease_wakeup)]
 
 
 @router.post("/lease", response_model=LeaseResponse)
-async def lease(ask: LeaseRequest, request: Request, store: StoreDep, site: TokenSiteDep,
-                config: ConfigDep, wakeup: LeaseWakeupDep) -> LeaseResponse:
+async def lease(ask: LeaseRequest, request: Request, fleet: TokenFleetDep) -> LeaseResponse:
     """Work for the worker; with `wait_s`, held open until there is some or the time is up."""
+    store, call, config, wakeup = fleet.store, fleet.site, fleet.config, fleet.lease_wakeup
     deadline = time.monotonic() + min(ask.wait_s, config.lease_ttl_s / 3)
     nothing = LeaseResponse(leases=[], lease_ttl_s=config.lease_ttl_s)
     gone = threading.Event()
     listener = asyncio.create_task(_until_disconnected(request, gone))
     try:
-        return await _held(request, store, site, ask, config, wakeup, deadline, nothing, gone)
+        return await _held(request, store, call, ask, config, wakeup, deadline, nothing, gone)
     finally:
         listener.cancel()
 
@@ -79,10 +81,10 @@ async def _until_disconnected(request: Request, gone: threading.Event) -> None:
     gone.set()
 
 
-async def _held(request: Request, store: Store, site: Site, ask: LeaseRequest,
+async def _held(request: Request, store: Store, call: SiteCall, ask: LeaseRequest,
                 config: ControlConfig, wakeup: Wakeup, deadline: float,
                 nothing: LeaseResponse, gone: threading.Event) -> LeaseResponse:
-    answer = await _look(request, store, site, ask, config, gone)
+    answer = await _look(request, store, call, ask, config, gone)
     while True:
         if answer is None:
             return nothing  # the worker dropped the call: nobody reads this
@@ -95,17 +97,14 @@ async def _held(request: Request, store: Store, site: Site, ask: LeaseRequest,
             return answer
         # Later looks of this call only look for work (the first touched the site, adopted
         # any held leases and recorded its sessions), with the slots its finished requests
-        # freed meanwhile.
-        update: dict[str, Any] = {"adopt_held": False, "held_sessions": None}
-        if ask.slots is not None:
-            held = await anyio.to_thread.run_sync(leases.held_by, store, site.id)
-            update["capacity"] = max(0, ask.slots - held)
-        ask = ask.model_copy(update=update)
-        answer = await _look(request, store, site, ask, config, gone)
+        # freed meanwhile (_lease_now counts them).
+        ask = ask.model_copy(update={"adopt_held": False, "held_sessions": None})
+        answer = await _look(request, store, call, ask, config, gone, relook=True)
 
 
-async def _look(request: Request, store: Store, site: Site, ask: LeaseRequest,
-                config: ControlConfig, gone: threading.Event) -> LeaseResponse | None:
+async def _look(request: Request, store: Store, call: SiteCall, ask: LeaseRequest,
+                config: ControlConfig, gone: threading.Event,
+                relook: bool = False) -> LeaseResponse | None:
     """One lease transaction, once a lease thread is free; None when the worker dropped the
     call meanwhile (a stopping worker, or one whose call waited past its timeout): what it
     would be granted would wait out its lease. At a thousand sites calls waited for a thread
@@ -114,14 +113,19 @@ async def _look(request: Request, store: Store, site: Site, ask: LeaseRequest,
     async with _lease_threads(request):
         if gone.is_set():
             return None
-        return await anyio.to_thread.run_sync(_lease_now, store, site, ask, config,
-                                              request.app.state.peer_view, gone)
+        return await anyio.to_thread.run_sync(_lease_now, store, call, ask, config,
+                                              request.app.state.peer_view, gone, relook)
 
 
-def _lease_now(store: Store, site: Site, ask: LeaseRequest, config: ControlConfig,
-               peers: PeerView, gone: threading.Event) -> LeaseResponse:
+def _lease_now(store: Store, call: SiteCall, ask: LeaseRequest, config: ControlConfig,
+               peers: PeerView, gone: threading.Event, relook: bool) -> LeaseResponse:
     """The lease transaction at the time it starts (not when the call came in: a call may
-    wait seconds for a thread, and its leases run from their grant)."""
+    wait seconds for a thread, and its leases run from their grant). Each look checks the
+    token again: a held call of a site whose token was replaced meanwhile gets no more work."""
+    site = call.site(store)
+    if relook and ask.slots is not None:
+        ask = ask.model_copy(update={
+            "capacity": max(0, ask.slots - leases.held_by(store, site.id))})
     return leases.lease(store, site, ask, time.time(), config, DEFAULT_POLICY, peers,
                         gone=gone.is_set)
 
@@ -135,47 +139,54 @@ def _lease_threads(request: Request) -> anyio.CapacityLimiter:
 
 
 @router.post("/heartbeat", response_model=HeartbeatResponse)
-async def heartbeat(beat: HeartbeatRequest, store: StoreDep, site: TokenSiteDep,
-                    config: ConfigDep, watcher: WatcherDep) -> HeartbeatResponse:
-    answer = await anyio.to_thread.run_sync(leases.heartbeat, store, site, beat, time.time(),
-                                            config)
-    watcher.poke(i.request_id for i in beat.leases
+async def heartbeat(beat: HeartbeatRequest, fleet: TokenFleetDep) -> HeartbeatResponse:
+    answer = await anyio.to_thread.run_sync(_heartbeat, fleet.store, fleet.site, beat,
+                                            fleet.config)
+    fleet.watcher.poke(i.request_id for i in beat.leases
                  if (i.checkpoint is not None or i.delta is not None)
                  and i.request_id in answer.extended)
     return answer
 
 
+def _heartbeat(store: Store, call: SiteCall, beat: HeartbeatRequest,
+               config: ControlConfig) -> HeartbeatResponse:
+    return leases.heartbeat(store, call.site(store), beat, time.time(), config)
+
+
 # A rejection carries a message only when there is more to say than its reason.
 @router.post("/complete", response_model=CompleteResponse, response_model_exclude_none=True)
-async def complete(done: CompleteRequest, request: Request, store: StoreDep,
-                   site: TokenSiteDep, config: ConfigDep,
-                   watcher: WatcherDep) -> CompleteResponse:
-    answer, batch_ended = await anyio.to_thread.run_sync(_complete, store, site, done,
-                                                         time.time(), config)
-    watcher.poke(answer.accepted)
+async def complete(done: CompleteRequest, request: Request,
+                   fleet: TokenFleetDep) -> CompleteResponse:
+    answer, batch_ended = await anyio.to_thread.run_sync(_complete, fleet.store, fleet.site,
+                                                         done, fleet.config)
+    fleet.watcher.poke(answer.accepted)
     if batch_ended:
         request.app.state.ingest_wake.set()  # a batch's last line: finalize it now
     return answer
 
 
-def _complete(store: Store, site: Site, done: CompleteRequest, now: float,
+def _complete(store: Store, call: SiteCall, done: CompleteRequest,
               config: ControlConfig) -> tuple[CompleteResponse, bool]:
     """The completions accepted, and whether one of them was the last line of its batch (one
-    trip to the thread pool for both)."""
-    answer = leases.complete(store, site, done, now, config)
+    trip to the thread pool for the token's check and both)."""
+    site = call.site(store)
+    answer = leases.complete(store, site, done, time.time(), config)
     return answer, batch_finalize.any_finishable_among(store, answer.accepted)
 
 
 @router.post("/release", response_model=ReleaseResponse)
-async def release_leases(ask: ReleaseRequest, store: StoreDep, site: TokenSiteDep,
-                         config: ConfigDep, watcher: WatcherDep,
-                         wakeup: LeaseWakeupDep) -> ReleaseResponse:
-    answer = await anyio.to_thread.run_sync(release.release, store, site, ask, time.time(),
-                                            config)
-    watcher.poke(answer.released)
+async def release_leases(ask: ReleaseRequest, fleet: TokenFleetDep) -> ReleaseResponse:
+    answer = await anyio.to_thread.run_sync(_release, fleet.store, fleet.site, ask, fleet.config)
+    fleet.watcher.poke(answer.released)
     if answer.released:
-        wakeup.notify(len(answer.released))  # back in the queue: waiting workers take them up
+        # Back in the queue: waiting workers take them up.
+        fleet.lease_wakeup.notify(len(answer.released))
     return answer
+
+
+def _release(store: Store, call: SiteCall, ask: ReleaseRequest,
+             config: ControlConfig) -> ReleaseResponse:
+    return release.release(store, call.site(store), ask, time.time(), config)
 
 
 @router.post("/outages", response_model=OutageCreated)
