@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from serve_process import MODEL, Serve, chat_line, read_jsonl
+from sqlalchemy.engine import make_url
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 NUM_LINES = 60
@@ -15,8 +16,16 @@ NUM_LINES = 60
 
 def test_chat_and_a_durable_batch_on_postgres(e2e_home: Path, pg_url: str,
                                               tmp_path: Path) -> None:
-    first = Serve(e2e_home, db=pg_url).start_and_wait()
+    # A URL with a password (the test server trusts local connections and ignores it): the
+    # log names the store without it.
+    url = make_url(pg_url)
+    if url.password is None:
+        url = url.set(password="never-logged")
+    first = Serve(e2e_home, db=url.render_as_string(hide_password=False)).start_and_wait()
     try:
+        log = first.log_text()
+        assert "store postgresql" in log and "***" in log
+        assert str(url.password) not in log
         client = first.client()
         resp = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=4,

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import uvicorn
+from sqlalchemy.engine import make_url
 
 from minimill import event_loop
 from minimill.api.settings import Settings
@@ -225,8 +226,10 @@ def run_serve(*, host: str, port: int, db: str | None, model: str, dtype: str,
     supervisor = WorkerSupervisor(command, token) if local_worker else None
     others = (ApiWorkers(workers - 1, sock, settings.db or store.url, model,
                          webhook_allow_private) if workers > 1 else None)
+    # The URL may carry the store's password: the log shows *** in its place.
+    shown = make_url(store.url).render_as_string(hide_password=True)
     log.info("control plane on http://%s:%d/v1 (store %s, %d API process%s)%s", host, port,
-             store.url, workers, "es" if workers > 1 else "",
+             shown, workers, "es" if workers > 1 else "",
              ", starting the local worker" if local_worker else "")
     try:
         event_loop.run(_serve(server, sock, supervisor, others))
