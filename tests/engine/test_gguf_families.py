@@ -192,13 +192,13 @@ def test_deepseek_s_softmax_routing_is_refused_by_name(
         load_model(str(path), torch.float32)
 
 
+@pytest.mark.parametrize("pair", ["deepseek_v3", "deepseek_v3/plain_q"], indirect=True)
 def test_deepseek_s_multi_token_prediction_blocks_are_left_out(
         pair: Pair, tmp_path: Path, model_file: Path) -> None:
     """A file may carry them after the decoder's blocks (nextn_predict_layers); the engine
     does not run them, as it does not from an HF directory."""
     arch, hf, _, from_gguf = pair
-    if arch != "deepseek_v3":
-        pytest.skip("DeepSeek's files only")
+    assert arch == "deepseek_v3"
     directory = Path(from_gguf.source_path).parent
     path = tmp_path / "mtp.gguf"
     write_deepseek2_gguf(path, directory, hf, model_file, mtp_layers=1,
