@@ -68,10 +68,17 @@ def spm_backend(metadata: dict[str, Any], path: Path) -> tokenizers.Tokenizer:
     if prefix_space:
         steps.append(decoders.Strip(" ", 1, 0))
     backend.decoder = decoders.Sequence(steps)
+    add_typed_tokens(backend, tokens, token_types)
+    return backend
+
+
+def add_typed_tokens(backend: tokenizers.Tokenizer, tokens: list[str],
+                     token_types: list[int]) -> None:
+    """The vocabulary's control tokens as special tokens and its user-defined ones as added
+    tokens, both matched verbatim in the text (any GGUF tokenizer model)."""
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                 for t, kind in zip(tokens, token_types, strict=True)
                                 if kind == CONTROL])
     backend.add_tokens([AddedToken(t, special=False, normalized=False)
                         for t, kind in zip(tokens, token_types, strict=True)
                         if kind == USER_DEFINED])
-    return backend

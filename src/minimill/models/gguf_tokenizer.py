@@ -13,15 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Regex, decoders, models, pre_tokenizers, processors
 
-from minimill.models.gguf_spm_tokenizer import spm_backend
+from minimill.models.gguf_spm_tokenizer import CONTROL, add_typed_tokens, spm_backend
 from minimill.models.tokenizer import Tokenizer
 from minimill.models.types import ModelFileError
-
-# llama.cpp token types (llama_token_type).
-_CONTROL = 3
-_USER_DEFINED = 4
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -83,7 +79,7 @@ def _gpt2_backend(metadata: dict[str, Any], path: Path) -> tokenizers.Tokenizer:
     vocab: dict[str, int] = {}
     for index, (token, token_type) in enumerate(zip(tokens, token_types, strict=True)):
         # Control tokens keep their spelling so chat templates match them as written.
-        keep = token_type == _CONTROL or set(token) <= alphabet
+        keep = token_type == CONTROL or set(token) <= alphabet
         vocab[token if keep else _byte_spelling(token)] = index
     merges: list[tuple[str, str]] = []
     for merge in raw_merges:
@@ -97,12 +93,7 @@ def _gpt2_backend(metadata: dict[str, Any], path: Path) -> tokenizers.Tokenizer:
     backend.pre_tokenizer = _pre_tokenizer(str(metadata.get("tokenizer.ggml.pre", "default")),
                                            path)
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, kind_ in zip(tokens, token_types, strict=True)
-                                if kind_ == _CONTROL])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, kind_ in zip(tokens, token_types, strict=True)
-                        if kind_ == _USER_DEFINED])
+    add_typed_tokens(backend, tokens, token_types)
     return backend
 
 
