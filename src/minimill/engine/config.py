@@ -68,6 +68,10 @@ class EngineConfig:
     # Pipeline parallelism inside one site (pipeline_runner.py): the decoder layers cut into
     # this many stages, stage 0 in the engine's process, each other in a process of its own.
     pipeline_stages: int = 1
+    # "HOST:PORT": the stages after the first are not started here but join from other hosts
+    # of the site (`minimill stage --connect HOST:PORT`, stage_hosts.py); HOST is this host's
+    # address that they reach.
+    stages_listen: str | None = None
     # The most each of the engine's processes holds in weights and KV, in GiB (memory_budget.py):
     # the model is cut into as many pipeline stages (pipeline_stages at least) as it takes,
     # each loading only its own weights, its KV pool sized to what the budget leaves.
@@ -201,6 +205,11 @@ class EngineConfig:
         """Refuse what pipeline stages do not run yet, naming it."""
         if self.pipeline_stages < 1:
             raise InvalidRequestError("pipeline_stages must be at least 1")
+        if self.stages_listen is not None and self.pipeline_stages == 1 and (
+                self.max_memory_gb is None):
+            raise InvalidRequestError(
+                "stages_listen (--stages-listen) waits for pipeline stages from other hosts: "
+                "give pipeline_stages (--pipeline-stages) of 2 or more")
         if self.pipeline_stages == 1:
             return
         unsupported = [what for what, used in (
