@@ -163,13 +163,25 @@ class PipelineRunner(ModelRunner):
                 ready = wait([conn, process.sentinel], _STAGE_START_TIMEOUT_S)
                 message = conn.recv() if conn in ready and conn.poll() else None
                 if not message or message[0] != "ready":
-                    why = message[1] if message else f"exit code {process.exitcode}"
-                    raise EngineError(f"pipeline stage {rank} did not start: {why}")
+                    raise EngineError(f"pipeline stage {rank} did not start: "
+                                      f"{self._why_not_ready(process, message, bool(ready))}")
                 self.stage_memory.append(message[2])
             self.groups = link.join(0, self.plan.num_stages, port, store)
         except BaseException:
             self._kill_stages()
             raise
+
+    @staticmethod
+    def _why_not_ready(process: Any, message: Any, woke: bool) -> str:
+        if message:
+            return str(message[1])
+        if not woke:
+            return f"it did not load within {_STAGE_START_TIMEOUT_S:.0f} s"
+        process.join(_STAGE_STOP_TIMEOUT_S)  # ended: reap it for its exit code
+        code = process.exitcode
+        if code is not None and code < 0:
+            return f"it was killed by signal {-code} while loading (out of memory?)"
+        return f"it exited with status {code} while loading (its traceback is in this log)"
 
     @property
     def num_lanes(self) -> int:
