@@ -10,27 +10,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from minimill.engine.core import EngineCore
 from minimill.engine.llm import LLM
 from minimill.engine.params import EngineDied, InvalidRequestError, SamplingParams
 from minimill.models.grammar import GuidedDecoding
-from minimill.models.loader import load_model
 from minimill.models.types import LoadedModel
-from tiny_hf import save_tiny
 
 # Long enough that requests are still running when the test adds more, or kills a stage.
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 SETTINGS = {"dtype": "float32", "num_kv_blocks": 96, "num_threads": 1}
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smol_f32: LoadedModel
-               ) -> LoadedModel:
-    directory = tmp_path_factory.mktemp("tiny-llama")
-    save_tiny("llama", directory, smol_f32, num_hidden_layers=6)
-    return load_model(str(directory), torch.float32)
 
 
 @pytest.fixture(scope="module")

@@ -23,20 +23,11 @@ from minimill.engine import pipeline_link as link
 from minimill.engine import stage_hosts
 from minimill.engine.llm import LLM
 from minimill.engine.params import EngineDied, EngineError, InvalidRequestError, SamplingParams
-from minimill.models.loader import load_model
 from minimill.models.types import LoadedModel
 from tiny_hf import save_tiny
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 SETTINGS = {"dtype": "float32", "num_kv_blocks": 96, "num_threads": 1}
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smol_f32: LoadedModel
-               ) -> LoadedModel:
-    directory = tmp_path_factory.mktemp("tiny-llama-hosts")
-    save_tiny("llama", directory, smol_f32, num_hidden_layers=6)
-    return load_model(str(directory), torch.float32)
 
 
 @pytest.fixture(scope="module")

@@ -261,9 +261,7 @@ def _connect(host: str, port: int) -> Any:
 
 
 def _run_session(connect: str, model: str | None, threads: int | None) -> int:
-    from minimill.engine.model_runner import ModelRunner
-    from minimill.engine.pipeline_stage import StageLoop
-    from minimill.models.loader import load_model
+    from minimill.engine.pipeline_stage import StageLoop, load_stage
 
     host, port = parse_address(connect)
     store = _connect(host, port)
@@ -281,25 +279,21 @@ def _run_session(connect: str, model: str | None, threads: int | None) -> int:
     config = assignment.config
     config.num_threads = threads or os.cpu_count() or 1
     model = model or _model_here(assignment)
+    expected = assignment.model_config
+
+    def same_model(found: ModelConfig) -> None:
+        if found != expected:
+            raise EngineError(f"{model} on {socket.gethostname()} is not the model stage 0 "
+                              f"runs ({expected.architecture}, {expected.num_hidden_layers} "
+                              f"layers, hidden {expected.hidden_size})")
+
     try:
-        loaded = load_model(model, config.torch_dtype, keep=keep, auto_pull=True)
-        if loaded.config != assignment.model_config:
-            raise EngineError(f"{model} on {socket.gethostname()} is not "
-                              f"the model stage 0 runs ({assignment.model_config.architecture},"
-                              f" {assignment.model_config.num_hidden_layers} layers, hidden "
-                              f"{assignment.model_config.hidden_size})")
-        if config.max_memory_gb is not None:
-            loaded.extra["release_weights"] = True
-        weight_bytes = int(loaded.extra.get("loaded_bytes") or sum(
-            t.numel() * t.element_size() for t in loaded.weights.values()))
-        runner = ModelRunner(config, loaded, keep.layers)
-        loaded.weights.clear()
+        runner, memory = load_stage(model, config, keep, same_model, auto_pull=True)
     except Exception as exc:
         log.error("stage %d: %s: %s", rank, type(exc).__name__, exc)
         store.set(_key("ready", rank), link.dumps(("error", f"{type(exc).__name__}: {exc}")))
         return 1
-    kv_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
-    store.set(_key("ready", rank), link.dumps(("ready", os.getpid(), (weight_bytes, kv_bytes),
+    store.set(_key("ready", rank), link.dumps(("ready", os.getpid(), memory,
                                                 socket.gethostname())))
     log.info("stage %d of %d: layers %d-%d of %s", rank, assignment.num_stages - 1,
              keep.layers.start, keep.layers.stop - 1, model)
