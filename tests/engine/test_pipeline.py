@@ -3,13 +3,11 @@ by torch.distributed (gloo), against the single-process engine on the same weigh
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from stage_kill import kill_stage_mid_batch
 
 from minimill.engine.core import EngineCore
 from minimill.engine.llm import LLM
@@ -105,29 +103,9 @@ def two_stages(tiny_llama: LoadedModel) -> Iterator[LLM]:
 def test_a_stage_killed_mid_batch_stops_the_engine_and_every_stage(
         two_stages: LLM, prompts: list[list[int]]) -> None:
     core, runner = two_stages.engine, two_stages.engine.runner
-    for i, prompt in enumerate(prompts):
-        core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=200, temperature=0.0,
-                                                         ignore_eos=True))
-    outcome: list[BaseException] = []
-    killed = threading.Event()
-
-    def drive() -> None:
-        try:
-            while core.has_unfinished:
-                deltas = core.step().deltas
-                if deltas and not killed.is_set():
-                    os.kill(runner.stage_pids[0], signal.SIGKILL)  # with steps in flight
-                    killed.set()
-        except BaseException as exc:
-            outcome.append(exc)
-
-    driver = threading.Thread(target=drive, daemon=True)
-    driver.start()
-    driver.join(120)  # generous: a hang is the failure this guards against
-    assert not driver.is_alive(), "the engine kept waiting for a dead stage"
-    assert killed.is_set() and len(outcome) == 1
-    assert isinstance(outcome[0], EngineDied)
-    assert "stage 1" in str(outcome[0])
+    error = kill_stage_mid_batch(core, prompts, runner.stage_pids[0])
+    assert isinstance(error, EngineDied)
+    assert "stage 1" in str(error)
     assert all(not p.is_alive() for p in runner.processes)
     with pytest.raises(EngineDied):
         core.step()

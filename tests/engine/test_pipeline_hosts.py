@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from stage_kill import kill_stage_mid_batch
 
 from minimill.engine import pipeline_link as link
 from minimill.engine import stage_hosts
@@ -128,28 +129,8 @@ def test_a_remote_stage_killed_mid_batch_ends_the_engine(
     address = f"127.0.0.1:{free_port()}"
     with stage_process(address, "--once") as stage:
         llm = LLM(tiny_llama, pipeline_stages=2, stages_listen=address, **SETTINGS)
-        core, runner = llm.engine, llm.engine.runner
-        for i, prompt in enumerate(prompts):
-            core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=200, temperature=0.0,
-                                                             ignore_eos=True))
-        outcome: list[BaseException] = []
-        killed = threading.Event()
-
-        def drive() -> None:
-            try:
-                while core.has_unfinished:
-                    if core.step().deltas and not killed.is_set():
-                        os.kill(runner.stage_pids[0], signal.SIGKILL)  # steps in flight
-                        killed.set()
-            except BaseException as exc:
-                outcome.append(exc)
-
-        driver = threading.Thread(target=drive, daemon=True)
-        driver.start()
-        driver.join(120)  # generous: a hang is the failure this guards against
-        assert not driver.is_alive(), "the engine kept waiting for a dead remote stage"
-        assert killed.is_set() and len(outcome) == 1
-        assert isinstance(outcome[0], EngineDied) and "stage 1" in str(outcome[0])
+        error = kill_stage_mid_batch(llm.engine, prompts, llm.engine.runner.stage_pids[0])
+        assert isinstance(error, EngineDied) and "stage 1" in str(error)
         llm.close()
         assert stage.wait(60) != 0  # --once: its only session was killed
 
