@@ -234,3 +234,14 @@ def test_stage_0_s_store_listens_on_its_address_only() -> None:
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.2", port), timeout=5).close()
     del store
+
+
+def test_a_stage_that_never_comes_is_named_with_the_command_to_start_it(
+        tiny_llama: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    from minimill.engine import pipeline_runner
+
+    monkeypatch.setattr(pipeline_runner, "_STAGE_START_TIMEOUT_S", 1.0)
+    address = f"127.0.0.1:{free_port()}"
+    with pytest.raises(EngineError, match=f"stage 1 did not join at {address} within 1 s "
+                                          rf"\(start `minimill stage --connect {address}`"):
+        LLM(tiny_llama, pipeline_stages=2, stages_listen=address, **SETTINGS)

@@ -145,23 +145,24 @@ class RemoteStages:
     def wait_ready(self, timeout_s: float) -> list[tuple[int, tuple[int, int]]]:
         """Each stage's (pid, (weight bytes, KV bytes)) once all have joined and loaded;
         EngineError naming the stage that failed, was refused or never came."""
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline, say_at = started + timeout_s, started + PROGRESS_S
         out = []
         for rank in range(1, self.num_stages):
             key = _key("ready", rank)
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
+            # Polled: the store's own wait logs a warning at every timeout.
+            while not self.store.check([key]):
+                now = time.monotonic()
+                if now >= deadline:
                     raise EngineError(
                         f"pipeline stage {rank} did not join at {self.host}:{self.port} within "
                         f"{timeout_s:.0f} s (start `minimill stage --connect "
                         f"{self.host}:{self.port}` on the stage's host)")
-                try:
-                    self.store.wait([key], timedelta(seconds=min(left, PROGRESS_S)))
-                    break
-                except Exception:  # timed out: say so, and wait on
+                if now >= say_at:
                     log.info("pipeline: waiting for stage %d of %d to join at %s:%d", rank,
                              self.num_stages - 1, self.host, self.port)
+                    say_at = now + PROGRESS_S
+                time.sleep(0.1)
             given = self.store.get(_key("proof", rank))
             if not hmac.compare_digest(given, proof(self.secret, self._nonce, rank)):
                 raise EngineError(f"pipeline stage {rank} was refused: its proof of "
@@ -213,6 +214,8 @@ def serve_stages(connect: str, model: str | None = None, threads: int | None = N
     current: list[Any] = []
 
     def stop(signum: int, _frame: object) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)  # once: the exit must not be interrupted
         for process in current:
             process.kill()
         raise SystemExit(128 + signum)
@@ -249,9 +252,12 @@ def _watch_parent(parent: int) -> None:
 
 
 def _connect(host: str, port: int) -> Any:
+    """A client of stage 0's store, once stage 0 listens (asked with a plain connection
+    first: the store's client logs a C++ stack trace at every refused attempt)."""
     said = False
     while True:
         try:
+            socket.create_connection((host, port), timeout=RETRY_S * 5).close()
             return dist.TCPStore(host, port, None, False, timedelta(seconds=RETRY_S * 5))
         except Exception:
             if not said:
