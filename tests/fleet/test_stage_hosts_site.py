@@ -1,7 +1,8 @@
 """A site whose second pipeline stage runs on another host: `minimill worker --pipeline-stages
 2 --stages-listen ADDRESS:PORT` and `minimill stage --connect ADDRESS:PORT` (here both on
 loopback), serving a batch through the control plane; every request ends as an
-uninterrupted single-process greedy run of it does."""
+uninterrupted single-process greedy run of it does. When the worker's host dies, the stage
+waits for the site's next worker, which gets it back and serves again."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 from fleet_checks import batch_records, wait_until
 from resume_reference import assert_results_match_reference, finished_requests
-from serve_process import Serve, Worker, chat_line, free_port
+from serve_process import MODEL, Serve, Worker, chat_line, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -50,10 +51,21 @@ def test_a_site_with_a_stage_on_another_host_serves_a_batch(fleet_home: Path,
         assert done.status == "completed"
         records = batch_records(client, done)
         assert all(r["response"]["status_code"] == 200 for r in records)
-        worker.stop()
-        # The stage's host waits for the site's next first stage.
+        # The worker's host dies (SIGKILL to its whole process group): the stage's session
+        # ends and its host waits for the site's next first stage, which gets it back.
+        worker.kill9()
+        wait_until(lambda: "the pipeline ended" in (tmp_path / "stage.log").read_text(),
+                   60, "the stage to wait for the next stage 0")
         assert stage.poll() is None
-        assert "layers" in (tmp_path / "stage.log").read_text()
+        worker = Worker(fleet_home, f"http://127.0.0.1:{serve.port}", "split", token,
+                        extra_args=("--pipeline-stages", "2", "--stages-listen", address))
+        worker.start_and_wait()
+        assert "pipeline: stage 1 joined from" in worker.log_text()
+        answer = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Name a river."}],
+            max_tokens=4, temperature=0)
+        assert answer.usage is not None and answer.usage.completion_tokens == 4
+        worker.stop()
         compared = assert_results_match_reference(finished_requests(serve.db_url(),
                                                                     batch_id=batch.id))
         assert len(compared.reference) == NUM_LINES
