@@ -180,6 +180,9 @@ def test_listening_off_loopback_needs_a_secret(
         tiny_llama: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(stage_hosts.SECRET_ENV, raising=False)
     with pytest.raises(InvalidRequestError, match=stage_hosts.SECRET_ENV):
+        LLM(tiny_llama, pipeline_stages=2, stages_listen=f"192.0.2.1:{free_port()}",
+            **SETTINGS)
+    with pytest.raises(InvalidRequestError, match="not a wildcard"):
         LLM(tiny_llama, pipeline_stages=2, stages_listen=f"0.0.0.0:{free_port()}",
             **SETTINGS)
     with pytest.raises(InvalidRequestError, match="pipeline_stages"):

@@ -128,6 +128,11 @@ class RemoteStages:
 
     def __init__(self, listen: str, assignment: Assignment) -> None:
         self.host, port = parse_address(listen)
+        if self.host in ("0.0.0.0", "::"):
+            # The stages connect to the address stage 0 gives them: a wildcard is none.
+            raise InvalidRequestError(
+                f"stages_listen (--stages-listen) {listen}: give this host's address that its "
+                "stages reach it at, not a wildcard")
         self.secret = stage_secret()
         if self.secret is None and not is_loopback(self.host):
             raise InvalidRequestError(
