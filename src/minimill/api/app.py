@@ -29,6 +29,7 @@ from starlette.routing import Route
 from minimill import __version__
 from minimill.api import errors, metrics
 from minimill.api.box_wakeup import Wakeup
+from minimill.api.lean_fleet import LeanFleetPath
 from minimill.api.lease_wakeup import lease_wakeup_of, relook
 from minimill.api.limits import BodyLimitMiddleware
 from minimill.api.progress import ProgressWatcher
@@ -174,6 +175,8 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     app.state.peer_view = PeerView(settings.peer_view_max_age_s)
     app.state.ingest_wake = ingest_wake
     errors.install(app)
+    if settings.lean_fleet_path:
+        app.add_middleware(LeanFleetPath)  # innermost: every middleware below wraps it
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes,
                        max_file_bytes=settings.max_file_bytes,
                        max_fleet_body_bytes=settings.max_fleet_body_bytes)
