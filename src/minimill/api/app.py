@@ -29,6 +29,7 @@ from starlette.routing import Route
 from minimill import __version__
 from minimill.api import errors, metrics
 from minimill.api.box_wakeup import Wakeup
+from minimill.api.lean_fleet import LeanFleetPath
 from minimill.api.lease_wakeup import lease_wakeup_of, relook
 from minimill.api.limits import BodyLimitMiddleware
 from minimill.api.progress import ProgressWatcher
@@ -163,7 +164,11 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
             if owned:
                 the_store.close()
 
+    # FastAPI's own OpenTelemetry is off: minimill's metrics are Prometheus (metrics.py), and
+    # the check for configured OpenTelemetry providers, three environment lookups at every
+    # request, was 2% of the control plane's CPU under `bench control-plane`.
     app = FastAPI(title="minimill", version=__version__, lifespan=lifespan,
+                  telemetry={"tracing": False, "metrics": False, "logs": False},
                   description="OpenAI-compatible token factory: chat, completions, embeddings, "
                               "responses, files, batches, webhooks, boxes, agents; plus the fleet "
                               "protocol for worker sites.")
@@ -174,6 +179,8 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     app.state.peer_view = PeerView(settings.peer_view_max_age_s)
     app.state.ingest_wake = ingest_wake
     errors.install(app)
+    if settings.lean_fleet_path:
+        app.add_middleware(LeanFleetPath)  # innermost: every middleware below wraps it
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes,
                        max_file_bytes=settings.max_file_bytes,
                        max_fleet_body_bytes=settings.max_fleet_body_bytes)

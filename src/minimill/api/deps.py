@@ -17,13 +17,15 @@ in tests/api/test_api_roles.py checks every route with every kind of credential)
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, Request
+import anyio
+from fastapi import Depends, FastAPI, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from minimill.api import harness_auth
@@ -36,6 +38,7 @@ from minimill.control.config import ControlConfig
 from minimill.control.errors import AuthenticationError, PermissionDeniedError
 from minimill.control.keys import authenticate, authenticate_operator, is_revoked
 from minimill.control.records import Operator, Site, SiteScope, Tenant
+from minimill.control.site_view import PeerView
 from minimill.control.sites import TOKEN_PREFIX as SITE_TOKEN_PREFIX
 from minimill.control.sites import authenticate_site
 from minimill.control.store import Store
@@ -152,17 +155,38 @@ def _site_serving(scope: SiteScope) -> Callable[[Store, HTTPAuthorizationCredent
     return check
 
 
+# Lease transactions running at once in one process. On SQLite they queue for its one write
+# lock anyway; unbounded, a thousand sites' lease calls held every thread of the pool waiting
+# for it, and the heartbeats and completions that free their slots found none.
+LEASE_THREADS = 8
+
+
 @dataclass(frozen=True, slots=True)
 class TokenFleetCall:
-    """All that a token lease route (lease, heartbeat, complete, release) takes, solved as one
-    dependency: FastAPI's solving of a dependency per part, each keyed, cached and awaited,
-    cost these calls more CPU than their thread's store work."""
+    """All that a token lease call (lease, heartbeat, complete, release) takes, read from
+    app.state at once: FastAPI's solving of a dependency per part, each keyed, cached and
+    awaited, cost these calls more CPU than their thread's store work."""
 
-    site: SiteCall  # checked by the route, on its store work's thread
+    site: SiteCall  # checked by the call's work (token_calls.py), on its store work's thread
     store: Store
     config: ControlConfig
     watcher: ProgressWatcher
     lease_wakeup: Wakeup
+    lease_threads: anyio.CapacityLimiter  # bounds this process's lease transactions
+    peer_view: PeerView
+    ingest_wake: asyncio.Event  # set when a completion ended a batch: finalize it now
+
+
+def token_fleet_call(app: FastAPI, token: str) -> TokenFleetCall:
+    """A token lease call of `token` (a site token by its shape, not yet checked) to `app`;
+    the FastAPI routes' dependency and the lean path (lean_fleet.py) both build it here."""
+    state = app.state
+    limiter: anyio.CapacityLimiter | None = getattr(state, "lease_threads", None)
+    if limiter is None:  # made on first use, in the loop that serves the app
+        limiter = state.lease_threads = anyio.CapacityLimiter(LEASE_THREADS)
+    return TokenFleetCall(SiteCall(token, SiteScope.TOKENS), state.store, state.config,
+                          state.watcher, lease_wakeup_of(app), limiter, state.peer_view,
+                          state.ingest_wake)
 
 
 async def get_token_fleet_call(request: Request, credentials: Credentials) -> TokenFleetCall:
@@ -171,13 +195,11 @@ async def get_token_fleet_call(request: Request, credentials: Credentials) -> To
     # before its body is read, as a dependency that checked the store refused it.
     if not token.startswith(SITE_TOKEN_PREFIX):
         raise AuthenticationError("Incorrect site token provided.", code="invalid_site_token")
-    state = request.app.state
-    site_call = SiteCall(token, SiteScope.TOKENS)
+    call = token_fleet_call(request.app, token)
     # A body FastAPI refuses never reaches the route: its 400 checks the token first
     # (errors.py), so that a site learns nothing of a part it does not serve.
-    request.state.deferred_auth = functools.partial(site_call.site, state.store)
-    return TokenFleetCall(site_call, state.store, state.config, state.watcher,
-                          lease_wakeup_of(request.app))
+    request.state.deferred_auth = functools.partial(call.site.site, call.store)
+    return call
 
 
 TenantDep = Annotated[Tenant, Depends(get_tenant)]

@@ -46,6 +46,11 @@ def error_response(status: int, message: str, *, type_: str | None = None,
 
 async def _control_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ControlError)
+    return control_error_response(exc)
+
+
+def control_error_response(exc: ControlError) -> JSONResponse:
+    """A domain error's answer, whichever path raised it (a route, or lean_fleet.py)."""
     headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
     if isinstance(getattr(exc, "headers", None), dict):  # a 429's x-ratelimit-*, retry-after
         headers = {**(headers or {}), **exc.headers}  # type: ignore[attr-defined]

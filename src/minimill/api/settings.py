@@ -46,6 +46,9 @@ class Settings(BaseSettings):
     # to ask then takes work the two would share; fleets of hundreds of sites set it (bench
     # control-plane runs with 0.5).
     peer_view_max_age_s: float = Field(default=0.0, ge=0)
+    # Answer the token sites' lease, heartbeat, complete and release calls on the lean path
+    # in front of FastAPI (api/lean_fleet.py; the same answers for a fraction of the CPU).
+    lean_fleet_path: bool = True
     # How often the janitor reaps leases and finalizes batches.
     janitor_interval_s: float = Field(default=0.5, gt=0)
     run_janitor: bool = True

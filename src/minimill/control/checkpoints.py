@@ -302,12 +302,16 @@ def assemble(chunks: Iterable[dict[str, Any]]) -> Checkpoint:
         for i in sorted(texts)])
 
 
+# Built once, as the streams' row read (requests.read_stream) that calls it at every poll.
+_SINCE = (select(checkpoint_chunks.c.seq, checkpoint_chunks.c.data)
+          .where(checkpoint_chunks.c.request_id == bindparam("request_id"),
+                 checkpoint_chunks.c.seq > bindparam("after_seq"))
+          .order_by(checkpoint_chunks.c.seq))
+
+
 def since(conn: Connection, request_id: str, after_seq: int) -> list[tuple[int, dict[str, Any]]]:
     """(seq, chunk) of the request's chunks after `after_seq`, in order."""
-    rows = conn.execute(select(checkpoint_chunks.c.seq, checkpoint_chunks.c.data)
-                        .where(checkpoint_chunks.c.request_id == request_id,
-                               checkpoint_chunks.c.seq > after_seq)
-                        .order_by(checkpoint_chunks.c.seq))
+    rows = conn.execute(_SINCE, {"request_id": request_id, "after_seq": after_seq})
     return [(int(r.seq), r.data) for r in rows]
 
 

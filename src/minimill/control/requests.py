@@ -6,7 +6,7 @@ import random
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import Connection, insert, select, update
+from sqlalchemy import Connection, bindparam, insert, select, update
 
 from minimill.control import checkpoints, rate_limits
 from minimill.control.body_rules import PreparedBody
@@ -132,13 +132,19 @@ def checkpoint_of(store: Store, tenant_id: str, request_id: str) -> Checkpoint |
         return checkpoints.load(conn, [request_id]).get(request_id)
 
 
+# Built once: a stream reads its row at every poll of every realtime stream, and building
+# this SELECT of every column took half of the read's CPU.
+_WATCHED_ROW = select(*_WATCHED).where(requests.c.id == bindparam("request_id"),
+                                       requests.c.tenant_id == bindparam("tenant_id"))
+
+
 def read_stream(store: Store, tenant_id: str, request_id: str,
                 after_seq: int) -> tuple[RequestRecord, list[tuple[int, dict[str, Any]]]]:
     """The row (without its body) and the checkpoint chunks after `after_seq`, in one
     snapshot: a stream reads only what is new since its last read."""
     with store.read() as conn:
-        row = conn.execute(select(*_WATCHED).where(requests.c.id == request_id,
-                                                   requests.c.tenant_id == tenant_id)).first()
+        row = conn.execute(_WATCHED_ROW, {"request_id": request_id,
+                                          "tenant_id": tenant_id}).first()
         if row is None:
             raise NotFoundError(f"No such request: {request_id}")
         chunks = [] if row.progress is None else checkpoints.since(conn, request_id, after_seq)
