@@ -67,7 +67,12 @@ def make_tiers(config: EngineConfig, loaded: LoadedModel, block_shape: tuple[int
 
 
 def make_runner(config: EngineConfig, loaded: LoadedModel) -> ModelRunner:
-    """The whole model here, or stage 0 of a pipeline (pipeline_runner.py)."""
+    """The whole model here, stage 0 of a pipeline (pipeline_runner.py) or rank 0 of
+    expert parallelism (expert_parallel.py)."""
+    if config.expert_parallel > 1:
+        from minimill.engine.expert_parallel import ExpertParallelRunner
+
+        return ExpertParallelRunner(config, loaded)
     if config.pipeline_stages > 1:
         from minimill.engine.pipeline_runner import PipelineRunner
 
@@ -208,6 +213,8 @@ class EngineCore:
             masks.fill()
         try:
             model_output = self.runner.execute(scheduled)
+        except EngineDied:
+            raise  # nothing more can step: the front end stops the engine
         except Exception as exc:  # the batch failed: fail its requests, keep the engine alive
             for entry in scheduled.scheduled:
                 self._fail(entry.seq.request_id, exc, result)

@@ -1,0 +1,310 @@
+"""Expert parallelism inside one site: a mixture of experts' routed experts spread over N
+processes (ranks), rank 0 the engine's process, ranks 1..N-1 spawned as pipeline stages
+are and joined to it by torch.distributed (gloo) over a TCP store (pipeline_link.py).
+
+Each rank holds every weight but the routed experts (attention, norms, routers, shared
+experts, embedding and head) and its own contiguous range of each MoE layer's experts
+(expert_share.ExpertShare), and reads only those from the checkpoint: the experts, most of
+such a model, are what need not fit one process.
+
+Attention is replicated, not data-parallel: every rank runs every step's tokens through
+every layer. Rank 0's scheduler decides the step and sends its description to the other
+ranks; in each MoE layer every rank computes the (token, choice) pairs of its experts and
+one all_reduce gives every rank all of them (expert_share.ExpertExchange); rank 0 alone
+projects the vocabulary and samples. What that costs: every rank keeps a KV pool as large
+as rank 0's (the same blocks, the same tokens in them: N copies of the KV) and computes
+attention and the dense parts N times over; the experts' work is split, and one all_reduce
+of [tokens * top_k, hidden] per MoE layer crosses between the ranks. Prefix reuse works
+unchanged, since every rank holds every block's KV.
+
+A rank that ends (killed, crashed) ends the engine: the watcher kills the other ranks, the
+step in progress fails with PipelineStageError (an EngineDied) and every later step is
+refused, as for a dead pipeline stage. A step that fails on any rank does too: the ranks'
+collectives are then out of step with each other, and nothing can step again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+
+from minimill.engine import pipeline_link as link
+from minimill.engine.config import EngineConfig
+from minimill.engine.expert_share import ExpertExchange, ExpertShare, experts_read
+from minimill.engine.model_runner import ModelRunner, step_inputs
+from minimill.engine.params import EngineError
+from minimill.engine.pipeline_runner import PipelineStageError
+from minimill.engine.pipeline_stage import positions_of
+from minimill.engine.scheduler import ModelOutput, SchedulerOutput
+from minimill.models.types import LoadedModel
+
+log = logging.getLogger(__name__)
+
+_RANK_START_TIMEOUT_S = 600.0
+_RANK_STOP_TIMEOUT_S = 30.0
+# After a step failed: how long to wait for a rank's exit to name it as the cause (a killed
+# process's end is seen at once; this bounds the wait where no rank ended).
+_DEATH_NAMING_S = 10.0
+
+
+@dataclass(slots=True)
+class ExpertStep:
+    """One step, as the ranks after the first run it (in the step's order)."""
+
+    input_ids: list[int]
+    query_lens: list[int]  # new tokens per sequence
+    seq_lens: list[int]  # tokens of KV per sequence after the step
+    tables: list[list[int]]  # block tables
+
+
+@dataclass(slots=True)
+class RankReport:
+    """What a rank holds once loaded."""
+
+    pid: int
+    weight_bytes: int  # of the tensors it read
+    kv_bytes: int  # of its KV pool
+    experts: list[int]  # the routed experts' ids among the tensors it read
+
+
+def rank_cpus(rank: int, num_threads: int, pin: bool) -> set[int] | None:
+    """`num_threads` cores of their own for each rank where there are enough."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    mine = cpus[rank * num_threads:(rank + 1) * num_threads]
+    return set(mine) if pin and len(mine) == num_threads else None
+
+
+class ExpertParallelRunner(ModelRunner):
+    """Rank 0's model runner: the whole step here with its share of the experts, the other
+    shares in the rank processes."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        source = loaded.source_path
+        if not source or source.startswith("random:"):
+            raise EngineError("expert-parallel ranks load the model by name or path; this "
+                              "model was built in memory")
+        mc = loaded.config
+        self.num_ranks = config.expert_parallel
+        self.shares = [ExpertShare(r, self.num_ranks, mc.num_experts)
+                       for r in range(self.num_ranks)]
+        # Rank 0's kernels pin their threads to the first cores (model_runner.py); each other
+        # rank takes the cores after them (rank_cpus).
+        self.exchange = ExpertExchange(self.shares[0])
+        names = [n for n in loaded.weights if self.shares[0](n)]
+        report = RankReport(os.getpid(), int(loaded.extra.get("loaded_bytes") or sum(
+            loaded.weights[n].numel() * loaded.weights[n].element_size() for n in names)),
+            0, experts_read(names))
+        super().__init__(config, loaded, exchange=self.exchange)
+        report.kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        self.ranks: list[RankReport] = [report]  # rank 0 first
+        self._dead: str | None = None
+        self._closing = False
+        self._lock = threading.Lock()
+        self._start_ranks(config, source)
+        log.info("expert parallel: %d ranks, experts %s", self.num_ranks,
+                 [(s.local.start, s.local.stop) for s in self.shares])
+
+    def _start_ranks(self, config: EngineConfig, source: str) -> None:
+        store, port = link.open_store(self.num_ranks)
+        context = multiprocessing.get_context("spawn")
+        self.processes: list[Any] = []
+        self._conns: list[Connection] = []
+        try:
+            for rank in range(1, self.num_ranks):
+                ours, theirs = context.Pipe()
+                process = context.Process(
+                    target=rank_main, name=f"minimill-experts-{rank}", daemon=True,
+                    args=(theirs, self.shares[rank], port, source, config))
+                process.start()
+                theirs.close()
+                self.processes.append(process)
+                self._conns.append(ours)
+            for rank, (process, conn) in enumerate(zip(self.processes, self._conns,
+                                                       strict=True), 1):
+                ready = wait([conn, process.sentinel], _RANK_START_TIMEOUT_S)
+                message = conn.recv() if conn in ready and conn.poll() else None
+                if not message or message[0] != "ready":
+                    why = message[1] if message else f"exit code {process.exitcode}"
+                    raise EngineError(f"expert-parallel rank {rank} did not start: {why}")
+                self.ranks.append(message[1])
+            # `forward` carries steps from rank 0 to each rank, `back` the experts' sums.
+            self.groups = link.join(0, self.num_ranks, port, store)
+        except BaseException:
+            self._kill_ranks()
+            raise
+        self.exchange.group = self.groups.back
+        self._senders = [link.Sender(self.groups.forward, rank)
+                         for rank in range(1, self.num_ranks)]
+        self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
+        self._watcher = threading.Thread(target=self._watch, name="minimill-experts-watch",
+                                         daemon=True)
+        self._watcher.start()
+
+    @property
+    def rank_pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def execute(self, output: SchedulerOutput) -> ModelOutput:
+        """Send the step to every rank, then run it here with them."""
+        if self._dead is not None:
+            raise PipelineStageError(self._dead)
+        entries = output.scheduled
+        if self.step_log is not None:
+            self.step_log.append(self._shape(entries))
+        inputs = step_inputs(entries)
+        step = ExpertStep(inputs.input_ids, inputs.query_lens, inputs.seq_lens,
+                          [list(t) for t in inputs.tables])
+        try:
+            for sender in self._senders:
+                sender.send(link.STEP, step)
+            return self._run(entries)
+        except Exception as exc:
+            self._die(self._cause(exc))
+            assert self._dead is not None
+            raise PipelineStageError(self._dead) from exc
+
+    def _cause(self, exc: Exception) -> str:
+        """Why a step failed: a rank that ended, else the error itself."""
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, 1)}
+        ready = wait(list(sentinels), _DEATH_NAMING_S)
+        if ready:
+            rank = sentinels[ready[0]]
+            process = self.processes[rank - 1]
+            process.join(_RANK_STOP_TIMEOUT_S)
+            return f"expert-parallel rank {rank} ended (exit code {process.exitcode})"
+        return f"an expert-parallel step failed: {type(exc).__name__}: {exc}"
+
+    def _watch(self) -> None:
+        """A rank process that ends unasked ends the engine."""
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, 1)}
+        ready = wait([*sentinels, self._wake_r])
+        if self._closing:
+            return
+        rank = next((sentinels[s] for s in ready if s in sentinels), None)
+        if rank is not None:
+            process = self.processes[rank - 1]
+            process.join(_RANK_STOP_TIMEOUT_S)
+            self._die(f"expert-parallel rank {rank} ended (exit code {process.exitcode})")
+
+    def _die(self, reason: str) -> None:
+        with self._lock:
+            if self._dead is not None or self._closing:
+                return
+            self._dead = reason
+        log.error("%s: stopping the expert-parallel ranks", reason)
+        # The others' sockets close with them, so a collective rank 0 waits in fails.
+        self._kill_ranks()
+
+    def _kill_ranks(self) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+        for process in self.processes:
+            process.join(_RANK_STOP_TIMEOUT_S)
+
+    def close(self) -> None:
+        """Stop every rank process (idempotent)."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            dead = self._dead is not None
+        if not dead:
+            with contextlib.suppress(Exception):
+                for sender in self._senders:
+                    sender.send(link.STOP)
+                for sender in self._senders:
+                    sender.finish()
+            for process in self.processes:
+                process.join(_RANK_STOP_TIMEOUT_S)
+            # Release the groups now, not in the interpreter's teardown (where gloo's
+            # threads abort the process).
+            self._senders.clear()
+            self.exchange.group = None
+            self.groups.forward = self.groups.back = self.groups.store = None
+        self._wake_w.send(None)
+        self._kill_ranks()
+        for conn in self._conns:
+            conn.close()
+
+
+def rank_main(conn: Connection, share: ExpertShare, port: int, source: str,
+              config: EngineConfig) -> None:
+    """A rank process's life: load its weights (its experts only), say ready on `conn`
+    with a RankReport, join the groups, run steps until told to stop. It ends with rank 0's
+    process (`conn` closes)."""
+    _watch_parent(conn)
+    # Rank 0 decides when this rank stops; a signal to the whole group must not end it first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=os.environ.get("MINIMILL_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s experts rank {share.rank} %(levelname)s "
+                               "%(message)s", stream=sys.stderr)
+    cpus = rank_cpus(share.rank, config.num_threads or 1, config.pin_threads)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)  # the kernels' threads pin inside these
+    try:
+        from minimill.models.loader import load_model
+
+        loaded = load_model(source, config.torch_dtype, keep=share)
+        names = list(loaded.weights)
+        weight_bytes = int(loaded.extra.get("loaded_bytes") or sum(
+            t.numel() * t.element_size() for t in loaded.weights.values()))
+        exchange = ExpertExchange(share)
+        runner = ModelRunner(config, loaded, exchange=exchange)
+        loaded.weights.clear()
+    except Exception as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    kv_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
+    conn.send(("ready", RankReport(os.getpid(), weight_bytes, kv_bytes, experts_read(names))))
+    groups = link.join(share.rank, share.num_ranks, port)
+    exchange.group = groups.back
+    try:
+        _run_steps(runner, groups)
+    except Exception:
+        # Its collectives are out of step with the others': nothing can go on.
+        log.exception("expert-parallel rank %d: a step failed", share.rank)
+        os._exit(1)
+    exchange.group = None
+    groups.forward = groups.back = groups.store = None
+
+
+@torch.inference_mode()
+def _run_steps(runner: ModelRunner, groups: link.Groups) -> None:
+    dev, model = runner.device, runner.model
+    while True:
+        kind, step, _ = link.receive(groups.forward, 0)
+        if kind == link.STOP:
+            return
+        assert isinstance(step, ExpertStep)
+        meta = runner.metadata(step.query_lens, step.seq_lens, step.tables,
+                               [[] for _ in step.query_lens])
+        positions = torch.tensor(positions_of(step.query_lens, step.seq_lens),
+                                 dtype=torch.long, device=dev)
+        hidden = model.embed_tokens(torch.tensor(step.input_ids, dtype=torch.long,
+                                                 device=dev))
+        # Only rank 0 projects and samples: the layers are all the step's work here.
+        model.run_layers(hidden, None, positions, meta, runner.kv_cache)
+
+
+def _watch_parent(conn: Connection) -> None:
+    """Exit when rank 0's process is gone (its end of the pipe closes, however it ended),
+    even while this rank waits in a receive or loads."""
+
+    def watch() -> None:
+        with contextlib.suppress(EOFError, OSError):
+            conn.recv()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="minimill-experts-parent", daemon=True).start()

@@ -1,0 +1,167 @@
+"""Expert parallelism inside one site (engine/expert_parallel.py): real rank processes, each
+reading its own experts from a tiny random checkpoint and joined by torch.distributed
+(gloo), against the single-process engine on the same weights, in float32."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from minimill.engine.core import EngineCore
+from minimill.engine.expert_parallel import ExpertParallelRunner
+from minimill.engine.expert_share import ExpertShare
+from minimill.engine.llm import LLM
+from minimill.engine.params import EngineDied, InvalidRequestError, SamplingParams
+from minimill.models.loader import load_model
+from minimill.models.types import LoadedModel
+from tiny_hf import VOCAB, save_tiny
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+SETTINGS = {"dtype": "float32", "num_kv_blocks": 96, "num_threads": 1}
+NUM_EXPERTS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory, smol_f32: LoadedModel) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-qwen3-moe")
+    save_tiny("qwen3_moe", directory, smol_f32, num_hidden_layers=4)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek(tmp_path_factory: pytest.TempPathFactory, smol_f32: LoadedModel) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-deepseek-v3")
+    save_tiny("deepseek_v3", directory, smol_f32)
+    return directory
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    # Past one KV block (16 tokens), within one, a single token.
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (45, 5, 23, 1, 33)]
+
+
+def _reference(directory: Path, prompts: list[list[int]]) -> list[list[int]]:
+    llm = LLM(load_model(str(directory), torch.float32), **SETTINGS)
+    return [out.output_token_ids for out in llm.generate(prompts, GREEDY)]
+
+
+def _run_continuous(core: EngineCore, prompts: list[list[int]]) -> list[list[int]]:
+    """The first two prompts; the rest join once the first have tokens (while they run)."""
+    tokens: dict[str, list[int]] = {}
+    for i in range(2):
+        core.add_request(f"r{i}", prompts[i], GREEDY)
+    added = False
+    while core.has_unfinished or not added:
+        for delta in core.step().deltas:
+            tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+        if not added and sum(map(len, tokens.values())) >= 4:
+            for i in range(2, len(prompts)):
+                core.add_request(f"r{i}", prompts[i], GREEDY)
+            added = True
+    return [tokens[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_greedy_output_is_the_single_engine_s_and_each_rank_read_its_experts_only(
+        tiny_moe: Path, ranks: int) -> None:
+    prompts = _prompts()
+    reference = _reference(tiny_moe, prompts)
+    everything = load_model(str(tiny_moe), torch.float32).weights
+    llm = LLM(str(tiny_moe), expert_parallel=ranks, **SETTINGS)
+    try:
+        runner = llm.engine.runner
+        assert isinstance(runner, ExpertParallelRunner)
+        assert all(p.is_alive() for p in runner.processes)
+        assert len(runner.ranks) == ranks and len(set(runner.rank_pids)) == ranks - 1
+        held = []
+        for rank, report in enumerate(runner.ranks):
+            share = ExpertShare(rank, ranks, NUM_EXPERTS)
+            # Its own contiguous range of experts, read from the checkpoint, and nothing
+            # of the others' (rank 0, the engine's process, included).
+            assert report.experts == list(share.local)
+            assert report.weight_bytes == sum(t.numel() * t.element_size()
+                                              for name, t in everything.items() if share(name))
+            held.extend(report.experts)
+        assert sorted(held) == list(range(NUM_EXPERTS))
+        assert runner.ranks[0].kv_bytes == runner.ranks[-1].kv_bytes > 0
+        # One batch of every prompt; requests joining a running batch; one sequence alone
+        # (fewer than the ranks).
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.output_token_ids for o in outs] == reference
+        assert _run_continuous(llm.engine, prompts) == reference
+        assert llm.generate([prompts[0]], GREEDY)[0].output_token_ids == reference[0]
+    finally:
+        llm.close()
+    assert all(p.exitcode == 0 for p in runner.processes)
+
+
+def test_deepseek_v3_over_two_ranks_is_the_single_engine_s(tiny_deepseek: Path) -> None:
+    """Shared experts, grouped routing, a dense first layer, MLA's latent cache."""
+    prompts = _prompts()
+    reference = _reference(tiny_deepseek, prompts)
+    llm = LLM(str(tiny_deepseek), expert_parallel=2, **SETTINGS)
+    try:
+        assert [o.output_token_ids for o in llm.generate(prompts, GREEDY)] == reference
+    finally:
+        llm.close()
+
+
+@pytest.fixture
+def two_ranks(tiny_moe: Path) -> Iterator[LLM]:
+    llm = LLM(str(tiny_moe), expert_parallel=2, **SETTINGS)
+    yield llm
+    llm.close()
+
+
+def test_a_rank_killed_mid_generation_ends_the_engine_and_every_rank(two_ranks: LLM) -> None:
+    core = two_ranks.engine
+    runner = core.runner
+    assert isinstance(runner, ExpertParallelRunner)
+    for i, prompt in enumerate(_prompts()):
+        core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=200, temperature=0.0,
+                                                         ignore_eos=True))
+    outcome: list[BaseException] = []
+    killed = threading.Event()
+
+    def drive() -> None:
+        try:
+            while core.has_unfinished:
+                deltas = core.step().deltas
+                if deltas and not killed.is_set():
+                    os.kill(runner.rank_pids[0], signal.SIGKILL)
+                    killed.set()
+        except BaseException as exc:
+            outcome.append(exc)
+
+    driver = threading.Thread(target=drive, daemon=True)
+    driver.start()
+    driver.join(120)  # generous: a hang is the failure this guards against
+    assert not driver.is_alive(), "the engine kept waiting for a dead rank"
+    assert killed.is_set() and len(outcome) == 1
+    assert isinstance(outcome[0], EngineDied)
+    assert "rank 1" in str(outcome[0])
+    assert all(not p.is_alive() for p in runner.processes)
+    with pytest.raises(EngineDied):
+        core.step()
+    two_ranks.close()  # after a death too
+
+
+def test_what_expert_parallelism_does_not_run_is_refused_by_name(
+        tiny_moe: Path, smol_f32: LoadedModel) -> None:
+    with pytest.raises(InvalidRequestError, match=r"expert_parallel.*dense model"):
+        LLM(smol_f32, expert_parallel=2, dtype="float32")
+    with pytest.raises(InvalidRequestError, match=r"exceeds the model's 8 routed experts"):
+        LLM(str(tiny_moe), expert_parallel=9, dtype="float32")
+    with pytest.raises(InvalidRequestError, match=r"expert_parallel.*at least 1"):
+        LLM(str(tiny_moe), expert_parallel=0, dtype="float32")
+    with pytest.raises(InvalidRequestError, match=r"expert_parallel.*pipeline_stages"):
+        LLM(str(tiny_moe), expert_parallel=2, pipeline_stages=2, dtype="float32")
+    with pytest.raises(InvalidRequestError, match=r"expert_parallel.*kv_dtype int4"):
+        LLM(str(tiny_moe), expert_parallel=2, kv_dtype="int4", dtype="float32")
