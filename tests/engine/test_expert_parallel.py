@@ -97,6 +97,8 @@ def test_greedy_output_is_the_single_engine_s_and_each_rank_read_its_experts_onl
         assert [o.output_token_ids for o in outs] == reference
         assert _run_continuous(llm.engine, prompts) == reference
         assert llm.generate([prompts[0]], GREEDY)[0].output_token_ids == reference[0]
+        # Sequences ran on more than one rank (each rank's attention over its own KV).
+        assert sum(1 for n in runner.seq_steps if n) >= 2, runner.seq_steps
     finally:
         llm.close()
     assert all(p.exitcode == 0 for p in runner.processes)

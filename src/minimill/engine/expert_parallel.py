@@ -7,15 +7,18 @@ experts, embedding and head) and its own contiguous range of each MoE layer's ex
 (expert_share.ExpertShare), and reads only those from the checkpoint: the experts, most of
 such a model, are what need not fit one process.
 
-Attention is replicated, not data-parallel: every rank runs every step's tokens through
-every layer. Rank 0's scheduler decides the step and sends its description to the other
-ranks; in each MoE layer every rank computes the (token, choice) pairs of its experts and
-one all_reduce gives every rank all of them (expert_share.ExpertExchange); rank 0 alone
-projects the vocabulary and samples. What that costs: every rank keeps a KV pool as large
-as rank 0's (the same blocks, the same tokens in them: N copies of the KV) and computes
-attention and the dense parts N times over; the experts' work is split, and one all_reduce
-of [tokens * top_k, hidden] per MoE layer crosses between the ranks. Prefix reuse works
-unchanged, since every rank holds every block's KV.
+Attention is data-parallel: rank 0's scheduler decides each step, and its runner deals the
+step's sequences over the ranks, each by its first KV block (`rank_of`), so a sequence stays
+on one rank for its life while it runs, and one that reuses a cached prefix runs where that
+prefix's KV was computed. Each rank embeds its own tokens and runs their attention over its
+own KV pool; in each MoE layer the ranks exchange (token, choice) pairs with their experts'
+ranks by all_to_all (expert_share.ExpertExchange), every rank every layer, with tokens or
+none. Each rank then sends its sampling rows' hidden states to rank 0, which norms,
+projects and samples every sequence's token (guided decoding and embeddings as usual).
+What that costs: every rank keeps a KV pool of as many blocks as rank 0's (block ids as
+rank 0 allocates them; only the rank that runs a sequence writes its blocks), so the KV
+takes N times one pool's memory for one pool's worth of tokens; and the dealing by block
+id balances the ranks only over many sequences.
 
 A rank that ends (killed, crashed) ends the engine: the watcher kills the other ranks, the
 step in progress fails with PipelineStageError (an EngineDied) and every later step is
@@ -37,6 +40,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from minimill.engine import pipeline_link as link
 from minimill.engine.config import EngineConfig
@@ -45,7 +49,7 @@ from minimill.engine.model_runner import ModelRunner, step_inputs
 from minimill.engine.params import EngineError
 from minimill.engine.pipeline_runner import PipelineStageError
 from minimill.engine.pipeline_stage import positions_of
-from minimill.engine.scheduler import ModelOutput, SchedulerOutput
+from minimill.engine.scheduler import ModelOutput, ScheduledSequence, SchedulerOutput
 from minimill.models.types import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -65,6 +69,42 @@ class ExpertStep:
     query_lens: list[int]  # new tokens per sequence
     seq_lens: list[int]  # tokens of KV per sequence after the step
     tables: list[list[int]]  # block tables
+    logits_rows: list[int]  # rows (into its tokens) whose hidden states go to rank 0
+
+
+def step_of(entries: list[ScheduledSequence]) -> ExpertStep:
+    inputs = step_inputs(entries)
+    return ExpertStep(inputs.input_ids, inputs.query_lens, inputs.seq_lens,
+                      [list(t) for t in inputs.tables], inputs.logits_rows)
+
+
+def rank_of(entry: ScheduledSequence, num_ranks: int) -> int:
+    """The rank that runs a sequence: by its first block, which it keeps while it runs
+    (and shares with every sequence that reuses its prefix)."""
+    return entry.seq.block_table[0] % num_ranks
+
+
+@torch.inference_mode()
+def run_share(runner: ModelRunner, exchange: ExpertExchange, step: ExpertStep
+              ) -> torch.Tensor:
+    """One rank's part of a step: its tokens through every layer (the MoE layers exchanging
+    with the other ranks), or only the exchanges where it has none. Returns the hidden
+    states and residual of its logits rows, [2, rows, hidden]."""
+    model, dev, mc = runner.model, runner.device, runner.model_config
+    dtype = runner.config.torch_dtype
+    if not step.input_ids:
+        exchange.idle(runner.kernels, model.layers, mc.hidden_size, mc.num_experts_per_tok,
+                      dtype)
+        return torch.empty(2, 0, mc.hidden_size, dtype=dtype)
+    meta = runner.metadata(step.query_lens, step.seq_lens, step.tables,
+                           [[] for _ in step.query_lens])
+    positions = torch.tensor(positions_of(step.query_lens, step.seq_lens), dtype=torch.long,
+                             device=dev)
+    hidden = model.embed_tokens(torch.tensor(step.input_ids, dtype=torch.long, device=dev))
+    hidden, residual = model.run_layers(hidden, None, positions, meta, runner.kv_cache)
+    assert residual is not None
+    rows = torch.tensor(step.logits_rows, dtype=torch.long, device=dev)
+    return torch.stack([hidden[rows], residual[rows]]).cpu()
 
 
 @dataclass(slots=True)
@@ -107,6 +147,7 @@ class ExpertParallelRunner(ModelRunner):
         super().__init__(config, loaded, exchange=self.exchange)
         report.kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         self.ranks: list[RankReport] = [report]  # rank 0 first
+        self.seq_steps = [0] * self.num_ranks  # sequences each rank ran, over all steps
         self._dead: str | None = None
         self._closing = False
         self._lock = threading.Lock()
@@ -137,12 +178,13 @@ class ExpertParallelRunner(ModelRunner):
                     why = message[1] if message else f"exit code {process.exitcode}"
                     raise EngineError(f"expert-parallel rank {rank} did not start: {why}")
                 self.ranks.append(message[1])
-            # `forward` carries steps from rank 0 to each rank, `back` the experts' sums.
+            # `forward` carries steps from rank 0 to each rank, `back` their sampling rows,
+            # and a group of their own the experts' exchanges.
             self.groups = link.join(0, self.num_ranks, port, store)
+            self.exchange.group = experts_group(0, self.num_ranks, store)
         except BaseException:
             self._kill_ranks()
             raise
-        self.exchange.group = self.groups.back
         self._senders = [link.Sender(self.groups.forward, rank)
                          for rank in range(1, self.num_ranks)]
         self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
@@ -155,23 +197,45 @@ class ExpertParallelRunner(ModelRunner):
         return [p.pid for p in self.processes]
 
     def execute(self, output: SchedulerOutput) -> ModelOutput:
-        """Send the step to every rank, then run it here with them."""
+        """Deal the step's sequences over the ranks, run this rank's share with them, then
+        norm, project and sample every sequence's rows here."""
         if self._dead is not None:
             raise PipelineStageError(self._dead)
         entries = output.scheduled
         if self.step_log is not None:
             self.step_log.append(self._shape(entries))
-        inputs = step_inputs(entries)
-        step = ExpertStep(inputs.input_ids, inputs.query_lens, inputs.seq_lens,
-                          [list(t) for t in inputs.tables])
+        owners = [rank_of(e, self.num_ranks) for e in entries]
+        shares = [[e for e, r in zip(entries, owners, strict=True) if r == rank]
+                  for rank in range(self.num_ranks)]
+        for rank, share in enumerate(shares):
+            self.seq_steps[rank] += len(share)
         try:
-            for sender in self._senders:
-                sender.send(link.STEP, step)
-            return self._run(entries)
+            for sender, share in zip(self._senders, shares[1:], strict=True):
+                sender.send(link.STEP, step_of(share))
+            parts = [run_share(self, self.exchange, step_of(shares[0]))]
+            for rank in range(1, self.num_ranks):
+                _, _, raw = link.receive(self.groups.back, rank)
+                parts.append(torch.empty(2, 0, self.model_config.hidden_size,
+                                         dtype=self.config.torch_dtype) if raw is None
+                             else raw.view(self.config.torch_dtype).view(
+                                 2, -1, self.model_config.hidden_size))
         except Exception as exc:
             self._die(self._cause(exc))
             assert self._dead is not None
             raise PipelineStageError(self._dead) from exc
+        # The sampling rows, from each rank's part back into the step's order.
+        place: list[int] = []
+        offsets = [0] * self.num_ranks
+        starts = [0]
+        for part in parts[:-1]:
+            starts.append(starts[-1] + part.shape[1])
+        for entry, rank in zip(entries, owners, strict=True):
+            if entry.sample:
+                place.append(starts[rank] + offsets[rank])
+                offsets[rank] += 1
+        states = torch.cat(parts, dim=1)[:, place].to(self.device)
+        rows = torch.arange(len(place), device=self.device)
+        return self._finish(entries, states[0], states[1], rows)
 
     def _cause(self, exc: Exception) -> str:
         """Why a step failed: a rank that ended, else the error itself."""
@@ -269,33 +333,32 @@ def rank_main(conn: Connection, share: ExpertShare, port: int, source: str,
     kv_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
     conn.send(("ready", RankReport(os.getpid(), weight_bytes, kv_bytes, experts_read(names))))
     groups = link.join(share.rank, share.num_ranks, port)
-    exchange.group = groups.back
+    exchange.group = experts_group(share.rank, share.num_ranks, groups.store)
     try:
-        _run_steps(runner, groups)
+        _run_steps(runner, exchange, groups)
     except Exception:
-        # Its collectives are out of step with the others': nothing can go on.
+        # Its exchanges are out of step with the others': nothing can go on.
         log.exception("expert-parallel rank %d: a step failed", share.rank)
         os._exit(1)
     exchange.group = None
     groups.forward = groups.back = groups.store = None
 
 
-@torch.inference_mode()
-def _run_steps(runner: ModelRunner, groups: link.Groups) -> None:
-    dev, model = runner.device, runner.model
+def experts_group(rank: int, num_ranks: int, store: Any) -> Any:
+    """The ranks' group for the experts' exchanges, beside pipeline_link's two."""
+    return dist.ProcessGroupGloo(dist.PrefixStore("experts", store), rank, num_ranks,
+                                 link.IDLE_TIMEOUT)
+
+
+def _run_steps(runner: ModelRunner, exchange: ExpertExchange, groups: link.Groups) -> None:
+    back = link.Sender(groups.back, 0)
     while True:
         kind, step, _ = link.receive(groups.forward, 0)
         if kind == link.STOP:
+            back.finish()
             return
         assert isinstance(step, ExpertStep)
-        meta = runner.metadata(step.query_lens, step.seq_lens, step.tables,
-                               [[] for _ in step.query_lens])
-        positions = torch.tensor(positions_of(step.query_lens, step.seq_lens),
-                                 dtype=torch.long, device=dev)
-        hidden = model.embed_tokens(torch.tensor(step.input_ids, dtype=torch.long,
-                                                 device=dev))
-        # Only rank 0 projects and samples: the layers are all the step's work here.
-        model.run_layers(hidden, None, positions, meta, runner.kv_cache)
+        back.send(link.STEP, None, run_share(runner, exchange, step))
 
 
 def _watch_parent(conn: Connection) -> None:

@@ -233,14 +233,22 @@ class ModelRunner:
         dev = self.device
         meta = self.metadata(inputs.query_lens, inputs.seq_lens, inputs.tables,
                              inputs.stage_units, inputs.window_tables)
+        model = self.model
+        hidden, residual = model.run_layers(
+            model.embed_tokens(torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)),
+            None, torch.tensor(inputs.positions, dtype=torch.long, device=dev), meta,
+            self.kv_cache)
+        return self._finish(entries, hidden, residual,
+                            torch.tensor(inputs.logits_rows, dtype=torch.long, device=dev))
+
+    def _finish(self, entries: list[ScheduledSequence], hidden: torch.Tensor,
+                residual: torch.Tensor | None, logits_rows: torch.Tensor) -> ModelOutput:
+        """The step's end from its layers' output: the final norm and the logits of
+        `logits_rows` (one per entry that samples, in the step's order), then pooling
+        (embedding requests) and sampling."""
         ends = [e for e in entries if e.sample]
         pooled = [k for k, e in enumerate(ends) if e.seq.params.embed]
-        logits = self.model.forward(
-            torch.tensor(inputs.input_ids, dtype=torch.long, device=dev),
-            torch.tensor(inputs.positions, dtype=torch.long, device=dev),
-            meta, self.kv_cache,
-            torch.tensor(inputs.logits_rows, dtype=torch.long, device=dev),
-            hidden_only=bool(pooled))
+        logits = self.model.head(hidden, residual, logits_rows, hidden_only=bool(pooled))
         embeddings: dict[str, list[float]] = {}
         if pooled:
             # Last-token pooling: the final normed hidden state of each embedding request's
