@@ -47,6 +47,11 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (45, 5, 23, 1, 33)]
 
 
+def _longer(prompts: list[list[int]]) -> list[int]:
+    """The first prompt and more: it reuses that prompt's cached KV blocks."""
+    return prompts[0] + prompts[2]
+
+
 def _reference(directory: Path, prompts: list[list[int]]) -> list[list[int]]:
     llm = LLM(load_model(str(directory), torch.float32), **SETTINGS)
     return [out.output_token_ids for out in llm.generate(prompts, GREEDY)]
@@ -72,7 +77,7 @@ def _run_continuous(core: EngineCore, prompts: list[list[int]]) -> list[list[int
 def test_greedy_output_is_the_single_engine_s_and_each_rank_read_its_experts_only(
         tiny_moe: Path, ranks: int) -> None:
     prompts = _prompts()
-    reference = _reference(tiny_moe, prompts)
+    reference = _reference(tiny_moe, [*prompts, _longer(prompts)])
     everything = load_model(str(tiny_moe), torch.float32).weights
     llm = LLM(str(tiny_moe), expert_parallel=ranks, **SETTINGS)
     try:
@@ -94,9 +99,12 @@ def test_greedy_output_is_the_single_engine_s_and_each_rank_read_its_experts_onl
         # One batch of every prompt; requests joining a running batch; one sequence alone
         # (fewer than the ranks).
         outs = llm.generate(prompts, GREEDY)
-        assert [o.output_token_ids for o in outs] == reference
-        assert _run_continuous(llm.engine, prompts) == reference
+        assert [o.output_token_ids for o in outs] == reference[:-1]
+        assert _run_continuous(llm.engine, prompts) == reference[:-1]
         assert llm.generate([prompts[0]], GREEDY)[0].output_token_ids == reference[0]
+        # A prompt whose prefix is cached runs on the rank that holds that prefix's KV.
+        longer = llm.generate([_longer(prompts)], GREEDY)[0]
+        assert longer.num_cached_tokens >= 32 and longer.output_token_ids == reference[-1]
         # Sequences ran on more than one rank (each rank's attention over its own KV).
         assert sum(1 for n in runner.seq_steps if n) >= 2, runner.seq_steps
     finally:

@@ -140,10 +140,11 @@ class ExpertParallelRunner(ModelRunner):
         # Rank 0's kernels pin their threads to the first cores (model_runner.py); each other
         # rank takes the cores after them (rank_cpus).
         self.exchange = ExpertExchange(self.shares[0])
-        names = [n for n in loaded.weights if self.shares[0](n)]
+        # What this process read: its share where it loaded the model itself (load_with_config),
+        # everything where it was handed a whole model (only its share is used).
         report = RankReport(os.getpid(), int(loaded.extra.get("loaded_bytes") or sum(
-            loaded.weights[n].numel() * loaded.weights[n].element_size() for n in names)),
-            0, experts_read(names))
+            t.numel() * t.element_size() for t in loaded.weights.values())),
+            0, experts_read(loaded.weights))
         super().__init__(config, loaded, exchange=self.exchange)
         report.kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         self.ranks: list[RankReport] = [report]  # rank 0 first
