@@ -4,6 +4,7 @@ reading its own experts from a tiny random checkpoint and joined by torch.distri
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -14,10 +15,16 @@ import pytest
 import torch
 
 from minimill.engine.core import EngineCore
+from minimill.engine.engine_process import ProcessEngine
 from minimill.engine.expert_parallel import ExpertParallelRunner
 from minimill.engine.expert_share import ExpertShare
 from minimill.engine.llm import LLM
-from minimill.engine.params import EngineDied, InvalidRequestError, SamplingParams
+from minimill.engine.params import (
+    EngineDied,
+    EngineError,
+    InvalidRequestError,
+    SamplingParams,
+)
 from minimill.models.loader import load_model
 from minimill.models.types import LoadedModel
 from tiny_hf import VOCAB, save_tiny
@@ -175,3 +182,44 @@ def test_what_expert_parallelism_does_not_run_is_refused_by_name(
         LLM(str(tiny_moe), expert_parallel=2, pipeline_stages=2, dtype="float32")
     with pytest.raises(InvalidRequestError, match=r"expert_parallel.*kv_dtype int4"):
         LLM(str(tiny_moe), expert_parallel=2, kv_dtype="int4", dtype="float32")
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """Processes `pid` started with spawn (its resource tracker is not one)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    return [c for c in children
+            if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def test_a_killed_rank_ends_the_engine_process_as_a_site_sees_it(tiny_moe: Path) -> None:
+    """The path a site worker takes (fleet/engines.py): the engine process says why it died
+    and exits; the worker then hands its leases back and exits with status 3."""
+    engine = ProcessEngine(str(tiny_moe), expert_parallel=2, **SETTINGS)
+    reasons: list[str] = []
+    died = threading.Event()
+    engine.on_death(lambda reason: (reasons.append(reason), died.set()))
+    child = engine._process.pid
+    assert child is not None
+    ranks = _spawned_children(child)
+    assert len(ranks) == 1
+
+    async def main() -> BaseException | None:
+        long = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+        try:
+            async for _ in engine.generate("doomed", _prompts()[0], long):
+                os.kill(ranks[0], signal.SIGKILL)
+        except EngineError as exc:
+            return exc
+        return None
+
+    try:
+        error = asyncio.run(asyncio.wait_for(main(), 120))
+        assert isinstance(error, EngineError)
+        assert died.wait(60)
+        assert "expert-parallel rank 1 ended (exit code -9)" in reasons[0], reasons
+        engine._process.join(60)
+        assert engine._process.exitcode is not None and engine._process.exitcode != 0
+    finally:
+        engine.close()
