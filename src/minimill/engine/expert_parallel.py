@@ -1,6 +1,7 @@
 """Expert parallelism inside one site: a mixture of experts' routed experts spread over N
-processes (ranks), rank 0 the engine's process, ranks 1..N-1 spawned as pipeline stages
-are and joined to it by torch.distributed (gloo) over a TCP store (pipeline_link.py).
+processes (ranks), rank 0 the engine's process (this runner), ranks 1..N-1 spawned as
+pipeline stages are (expert_rank.py) and joined to it by torch.distributed (gloo) over a TCP
+store (pipeline_link.py).
 
 Each rank holds every weight but the routed experts (attention, norms, routers, shared
 experts, embedding and head) and its own contiguous range of each MoE layer's experts
@@ -32,24 +33,27 @@ import contextlib
 import logging
 import multiprocessing
 import os
-import signal
-import sys
 import threading
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from minimill.engine import pipeline_link as link
 from minimill.engine.config import EngineConfig
+from minimill.engine.expert_rank import (
+    RankReport,
+    experts_group,
+    rank_main,
+    rank_of,
+    run_share,
+    step_of,
+)
 from minimill.engine.expert_share import ExpertExchange, ExpertShare, experts_read
-from minimill.engine.model_runner import ModelRunner, step_inputs
+from minimill.engine.model_runner import ModelRunner
 from minimill.engine.params import EngineError
 from minimill.engine.pipeline_runner import PipelineStageError
-from minimill.engine.pipeline_stage import positions_of
-from minimill.engine.scheduler import ModelOutput, ScheduledSequence, SchedulerOutput
+from minimill.engine.scheduler import ModelOutput, SchedulerOutput
 from minimill.models.types import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -59,69 +63,6 @@ _RANK_STOP_TIMEOUT_S = 30.0
 # After a step failed: how long to wait for a rank's exit to name it as the cause (a killed
 # process's end is seen at once; this bounds the wait where no rank ended).
 _DEATH_NAMING_S = 10.0
-
-
-@dataclass(slots=True)
-class ExpertStep:
-    """One step, as the ranks after the first run it (in the step's order)."""
-
-    input_ids: list[int]
-    query_lens: list[int]  # new tokens per sequence
-    seq_lens: list[int]  # tokens of KV per sequence after the step
-    tables: list[list[int]]  # block tables
-    logits_rows: list[int]  # rows (into its tokens) whose hidden states go to rank 0
-
-
-def step_of(entries: list[ScheduledSequence]) -> ExpertStep:
-    inputs = step_inputs(entries)
-    return ExpertStep(inputs.input_ids, inputs.query_lens, inputs.seq_lens,
-                      [list(t) for t in inputs.tables], inputs.logits_rows)
-
-
-def rank_of(entry: ScheduledSequence, num_ranks: int) -> int:
-    """The rank that runs a sequence: by its first block, which it keeps while it runs
-    (and shares with every sequence that reuses its prefix)."""
-    return entry.seq.block_table[0] % num_ranks
-
-
-@torch.inference_mode()
-def run_share(runner: ModelRunner, exchange: ExpertExchange, step: ExpertStep
-              ) -> torch.Tensor:
-    """One rank's part of a step: its tokens through every layer (the MoE layers exchanging
-    with the other ranks), or only the exchanges where it has none. Returns the hidden
-    states and residual of its logits rows, [2, rows, hidden]."""
-    model, dev, mc = runner.model, runner.device, runner.model_config
-    dtype = runner.config.torch_dtype
-    if not step.input_ids:
-        exchange.idle(runner.kernels, model.layers, mc.hidden_size, mc.num_experts_per_tok,
-                      dtype)
-        return torch.empty(2, 0, mc.hidden_size, dtype=dtype)
-    meta = runner.metadata(step.query_lens, step.seq_lens, step.tables,
-                           [[] for _ in step.query_lens])
-    positions = torch.tensor(positions_of(step.query_lens, step.seq_lens), dtype=torch.long,
-                             device=dev)
-    hidden = model.embed_tokens(torch.tensor(step.input_ids, dtype=torch.long, device=dev))
-    hidden, residual = model.run_layers(hidden, None, positions, meta, runner.kv_cache)
-    assert residual is not None
-    rows = torch.tensor(step.logits_rows, dtype=torch.long, device=dev)
-    return torch.stack([hidden[rows], residual[rows]]).cpu()
-
-
-@dataclass(slots=True)
-class RankReport:
-    """What a rank holds once loaded."""
-
-    pid: int
-    weight_bytes: int  # of the tensors it read
-    kv_bytes: int  # of its KV pool
-    experts: list[int]  # the routed experts' ids among the tensors it read
-
-
-def rank_cpus(rank: int, num_threads: int, pin: bool) -> set[int] | None:
-    """`num_threads` cores of their own for each rank where there are enough."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    mine = cpus[rank * num_threads:(rank + 1) * num_threads]
-    return set(mine) if pin and len(mine) == num_threads else None
 
 
 class ExpertParallelRunner(ModelRunner):
@@ -137,14 +78,14 @@ class ExpertParallelRunner(ModelRunner):
         self.num_ranks = config.expert_parallel
         self.shares = [ExpertShare(r, self.num_ranks, mc.num_experts)
                        for r in range(self.num_ranks)]
-        # Rank 0's kernels pin their threads to the first cores (model_runner.py); each other
-        # rank takes the cores after them (rank_cpus).
         self.exchange = ExpertExchange(self.shares[0])
         # What this process read: its share where it loaded the model itself (load_with_config),
         # everything where it was handed a whole model (only its share is used).
         report = RankReport(os.getpid(), int(loaded.extra.get("loaded_bytes") or sum(
             t.numel() * t.element_size() for t in loaded.weights.values())),
             0, experts_read(loaded.weights))
+        # Its kernels pin their threads to the first cores (model_runner.py); each other rank
+        # takes the cores after them (expert_rank.rank_cpus).
         super().__init__(config, loaded, exchange=self.exchange)
         report.kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         self.ranks: list[RankReport] = [report]  # rank 0 first
@@ -301,74 +242,3 @@ class ExpertParallelRunner(ModelRunner):
         self._kill_ranks()
         for conn in self._conns:
             conn.close()
-
-
-def rank_main(conn: Connection, share: ExpertShare, port: int, source: str,
-              config: EngineConfig) -> None:
-    """A rank process's life: load its weights (its experts only), say ready on `conn`
-    with a RankReport, join the groups, run steps until told to stop. It ends with rank 0's
-    process (`conn` closes)."""
-    _watch_parent(conn)
-    # Rank 0 decides when this rank stops; a signal to the whole group must not end it first.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=os.environ.get("MINIMILL_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s experts rank {share.rank} %(levelname)s "
-                               "%(message)s", stream=sys.stderr)
-    cpus = rank_cpus(share.rank, config.num_threads or 1, config.pin_threads)
-    if cpus is not None:
-        os.sched_setaffinity(0, cpus)  # the kernels' threads pin inside these
-    try:
-        from minimill.models.loader import load_model
-
-        loaded = load_model(source, config.torch_dtype, keep=share)
-        names = list(loaded.weights)
-        weight_bytes = int(loaded.extra.get("loaded_bytes") or sum(
-            t.numel() * t.element_size() for t in loaded.weights.values()))
-        exchange = ExpertExchange(share)
-        runner = ModelRunner(config, loaded, exchange=exchange)
-        loaded.weights.clear()
-    except Exception as exc:
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        return
-    kv_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
-    conn.send(("ready", RankReport(os.getpid(), weight_bytes, kv_bytes, experts_read(names))))
-    groups = link.join(share.rank, share.num_ranks, port)
-    exchange.group = experts_group(share.rank, share.num_ranks, groups.store)
-    try:
-        _run_steps(runner, exchange, groups)
-    except Exception:
-        # Its exchanges are out of step with the others': nothing can go on.
-        log.exception("expert-parallel rank %d: a step failed", share.rank)
-        os._exit(1)
-    exchange.group = None
-    groups.forward = groups.back = groups.store = None
-
-
-def experts_group(rank: int, num_ranks: int, store: Any) -> Any:
-    """The ranks' group for the experts' exchanges, beside pipeline_link's two."""
-    return dist.ProcessGroupGloo(dist.PrefixStore("experts", store), rank, num_ranks,
-                                 link.IDLE_TIMEOUT)
-
-
-def _run_steps(runner: ModelRunner, exchange: ExpertExchange, groups: link.Groups) -> None:
-    back = link.Sender(groups.back, 0)
-    while True:
-        kind, step, _ = link.receive(groups.forward, 0)
-        if kind == link.STOP:
-            back.finish()
-            return
-        assert isinstance(step, ExpertStep)
-        back.send(link.STEP, None, run_share(runner, exchange, step))
-
-
-def _watch_parent(conn: Connection) -> None:
-    """Exit when rank 0's process is gone (its end of the pipe closes, however it ended),
-    even while this rank waits in a receive or loads."""
-
-    def watch() -> None:
-        with contextlib.suppress(EOFError, OSError):
-            conn.recv()
-        os._exit(1)
-
-    threading.Thread(target=watch, name="minimill-experts-parent", daemon=True).start()
