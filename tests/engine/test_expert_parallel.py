@@ -223,3 +223,25 @@ def test_a_killed_rank_ends_the_engine_process_as_a_site_sees_it(tiny_moe: Path)
         assert engine._process.exitcode is not None and engine._process.exitcode != 0
     finally:
         engine.close()
+
+
+def test_random_weights_are_drawn_alike_on_every_rank(tiny_moe: Path) -> None:
+    """Benchmarks' random weights: each rank draws the model from its seed and keeps its
+    share, rank 0 too; the same tokens as one engine over the whole model of that seed."""
+    from minimill.models.shapes import random_model
+
+    shaped = load_model(str(tiny_moe), torch.float32)
+    args = ("tiny (random weights)", shaped.config, torch.float32, shaped.tokenizer, 5)
+    prompts = _prompts()
+    single = LLM(random_model(*args), **SETTINGS)
+    reference = [o.output_token_ids for o in single.generate(prompts, GREEDY)]
+    share = random_model(*args, keep=ExpertShare(0, 2, NUM_EXPERTS))
+    assert share.weights.keys() < random_model(*args).weights.keys()
+    llm = LLM(share, expert_parallel=2, **SETTINGS)
+    try:
+        runner = llm.engine.runner
+        assert isinstance(runner, ExpertParallelRunner)
+        assert [r.experts for r in runner.ranks] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        assert [o.output_token_ids for o in llm.generate(prompts, GREEDY)] == reference
+    finally:
+        llm.close()

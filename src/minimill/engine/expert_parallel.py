@@ -42,6 +42,7 @@ import torch
 from minimill.engine import pipeline_link as link
 from minimill.engine.config import EngineConfig
 from minimill.engine.expert_rank import (
+    RandomWeights,
     RankReport,
     experts_group,
     rank_main,
@@ -70,8 +71,13 @@ class ExpertParallelRunner(ModelRunner):
     shares in the rank processes."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
-        source = loaded.source_path
-        if not source or source.startswith("random:"):
+        path = loaded.source_path
+        source: str | RandomWeights = path
+        if path.startswith("random:") and "random_seed" in loaded.extra:
+            # Random weights (benchmarks): each rank draws the same from the seed.
+            source = RandomWeights(loaded.name, loaded.config, loaded.extra["random_seed"],
+                                   loaded.tokenizer)
+        elif not path or path.startswith("random:"):
             raise EngineError("expert-parallel ranks load the model by name or path; this "
                               "model was built in memory")
         mc = loaded.config
@@ -97,7 +103,7 @@ class ExpertParallelRunner(ModelRunner):
         log.info("expert parallel: %d ranks, experts %s", self.num_ranks,
                  [(s.local.start, s.local.stop) for s in self.shares])
 
-    def _start_ranks(self, config: EngineConfig, source: str) -> None:
+    def _start_ranks(self, config: EngineConfig, source: str | RandomWeights) -> None:
         store, port = link.open_store(self.num_ranks)
         context = multiprocessing.get_context("spawn")
         self.processes: list[Any] = []

@@ -28,6 +28,8 @@ from minimill.engine.expert_share import ExpertExchange, ExpertShare, experts_re
 from minimill.engine.model_runner import ModelRunner, step_inputs
 from minimill.engine.pipeline_stage import positions_of
 from minimill.engine.scheduler import ScheduledSequence
+from minimill.models.tokenizer import Tokenizer
+from minimill.models.types import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +97,18 @@ def rank_cpus(rank: int, num_threads: int, pin: bool) -> set[int] | None:
     return set(mine) if pin and len(mine) == num_threads else None
 
 
-def rank_main(conn: Connection, share: ExpertShare, port: int, source: str,
+@dataclass(frozen=True, slots=True)
+class RandomWeights:
+    """A model of random weights (models/shapes.random_model, benchmarks): each rank draws
+    the same ones from the seed and keeps its share."""
+
+    name: str
+    config: ModelConfig
+    seed: int
+    tokenizer: Tokenizer
+
+
+def rank_main(conn: Connection, share: ExpertShare, port: int, source: str | RandomWeights,
               config: EngineConfig) -> None:
     """A rank process's life: load its weights (its experts only), say ready on `conn`
     with a RankReport, join the groups, run steps until told to stop. It ends with rank 0's
@@ -112,8 +125,13 @@ def rank_main(conn: Connection, share: ExpertShare, port: int, source: str,
         os.sched_setaffinity(0, cpus)  # the kernels' threads pin inside these
     try:
         from minimill.models.loader import load_model
+        from minimill.models.shapes import random_model
 
-        loaded = load_model(source, config.torch_dtype, keep=share)
+        if isinstance(source, RandomWeights):
+            loaded = random_model(source.name, source.config, config.torch_dtype,
+                                  source.tokenizer, source.seed, keep=share)
+        else:
+            loaded = load_model(source, config.torch_dtype, keep=share)
         names = list(loaded.weights)
         weight_bytes = int(loaded.extra.get("loaded_bytes") or sum(
             t.numel() * t.element_size() for t in loaded.weights.values()))
