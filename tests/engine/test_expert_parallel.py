@@ -54,9 +54,11 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (45, 5, 23, 1, 33)]
 
 
-def _longer(prompts: list[list[int]]) -> list[int]:
-    """The first prompt and more: it reuses that prompt's cached KV blocks."""
-    return prompts[0] + prompts[2]
+def _prefix_and_longer() -> tuple[list[int], list[int]]:
+    """A prompt of two KV blocks and more, and that prompt with more after it."""
+    g = torch.Generator().manual_seed(4)
+    prefix = torch.randint(3, VOCAB, (40,), generator=g).tolist()
+    return prefix, prefix + torch.randint(3, VOCAB, (9,), generator=g).tolist()
 
 
 def _reference(directory: Path, prompts: list[list[int]]) -> list[list[int]]:
@@ -84,7 +86,8 @@ def _run_continuous(core: EngineCore, prompts: list[list[int]]) -> list[list[int
 def test_greedy_output_is_the_single_engine_s_and_each_rank_read_its_experts_only(
         tiny_moe: Path, ranks: int) -> None:
     prompts = _prompts()
-    reference = _reference(tiny_moe, [*prompts, _longer(prompts)])
+    prefix, longer = _prefix_and_longer()
+    reference = _reference(tiny_moe, [*prompts, prefix, longer])
     everything = load_model(str(tiny_moe), torch.float32).weights
     llm = LLM(str(tiny_moe), expert_parallel=ranks, **SETTINGS)
     try:
@@ -106,14 +109,19 @@ def test_greedy_output_is_the_single_engine_s_and_each_rank_read_its_experts_onl
         # One batch of every prompt; requests joining a running batch; one sequence alone
         # (fewer than the ranks).
         outs = llm.generate(prompts, GREEDY)
-        assert [o.output_token_ids for o in outs] == reference[:-1]
-        assert _run_continuous(llm.engine, prompts) == reference[:-1]
+        assert [o.output_token_ids for o in outs] == reference[:5]
+        # Five new sequences in one step: dealt over every rank.
+        assert all(runner.seq_steps), runner.seq_steps
+        assert _run_continuous(llm.engine, prompts) == reference[:5]
         assert llm.generate([prompts[0]], GREEDY)[0].output_token_ids == reference[0]
-        # A prompt whose prefix is cached runs on the rank that holds that prefix's KV.
-        longer = llm.generate([_longer(prompts)], GREEDY)[0]
-        assert longer.num_cached_tokens >= 32 and longer.output_token_ids == reference[-1]
-        # Sequences ran on more than one rank (each rank's attention over its own KV).
-        assert sum(1 for n in runner.seq_steps if n) >= 2, runner.seq_steps
+        # A new prompt dealt to rank 1 (after one on rank 0), then one that reuses its
+        # cached prefix: it runs on rank 1, which holds that prefix's KV.
+        outs = llm.generate([prompts[3], prefix], GREEDY)
+        assert outs[1].output_token_ids == reference[5]
+        before = list(runner.seq_steps)
+        out = llm.generate([longer], GREEDY)[0]
+        assert out.num_cached_tokens == 32 and out.output_token_ids == reference[6]
+        assert runner.seq_steps[1] > before[1] and runner.seq_steps[0] == before[0]
     finally:
         llm.close()
     assert all(p.exitcode == 0 for p in runner.processes)

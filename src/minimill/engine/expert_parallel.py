@@ -9,17 +9,18 @@ experts, embedding and head) and its own contiguous range of each MoE layer's ex
 such a model, are what need not fit one process.
 
 Attention is data-parallel: rank 0's scheduler decides each step, and its runner deals the
-step's sequences over the ranks, each by its first KV block (`rank_of`), so a sequence stays
-on one rank for its life while it runs, and one that reuses a cached prefix runs where that
-prefix's KV was computed. Each rank embeds its own tokens and runs their attention over its
-own KV pool; in each MoE layer the ranks exchange (token, choice) pairs with their experts'
-ranks by all_to_all (expert_share.ExpertExchange), every rank every layer, with tokens or
-none. Each rank then sends its sampling rows' hidden states to rank 0, which norms,
-projects and samples every sequence's token (guided decoding and embeddings as usual).
+step's sequences over the ranks (expert_dealer.py): a sequence stays on one rank while it
+runs, one that reuses a cached prefix runs where that prefix's KV was computed, and a new
+one goes to the rank with the fewest of the step's sequences. Each rank embeds its own
+tokens and runs their attention over its own KV pool; in each MoE layer the ranks exchange
+(token, choice) pairs with their experts' ranks by all_to_all (expert_share.ExpertExchange),
+every rank every layer, with tokens or none. Each rank then sends its sampling rows' hidden
+states to rank 0, which norms, projects and samples every sequence's token (guided decoding
+and embeddings as usual).
 What that costs: every rank keeps a KV pool of as many blocks as rank 0's (block ids as
 rank 0 allocates them; only the rank that runs a sequence writes its blocks), so the KV
-takes N times one pool's memory for one pool's worth of tokens; and the dealing by block
-id balances the ranks only over many sequences.
+takes N times one pool's memory for one pool's worth of tokens; and the dealing balances
+the ranks by sequences, not by tokens.
 
 A rank that ends (killed, crashed) ends the engine: the watcher kills the other ranks, the
 step in progress fails with PipelineStageError (an EngineDied) and every later step is
@@ -41,12 +42,12 @@ import torch
 
 from minimill.engine import pipeline_link as link
 from minimill.engine.config import EngineConfig
+from minimill.engine.expert_dealer import SequenceDealer
 from minimill.engine.expert_rank import (
     RandomWeights,
     RankReport,
     experts_group,
     rank_main,
-    rank_of,
     run_share,
     step_of,
 )
@@ -95,6 +96,7 @@ class ExpertParallelRunner(ModelRunner):
         super().__init__(config, loaded, exchange=self.exchange)
         report.kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         self.ranks: list[RankReport] = [report]  # rank 0 first
+        self.dealer = SequenceDealer(self.num_ranks)
         self.seq_steps = [0] * self.num_ranks  # sequences each rank ran, over all steps
         self._dead: str | None = None
         self._closing = False
@@ -152,7 +154,7 @@ class ExpertParallelRunner(ModelRunner):
         entries = output.scheduled
         if self.step_log is not None:
             self.step_log.append(self._shape(entries))
-        owners = [rank_of(e, self.num_ranks) for e in entries]
+        owners = self.dealer.deal(entries)
         shares = [[e for e, r in zip(entries, owners, strict=True) if r == rank]
                   for rank in range(self.num_ranks)]
         for rank, share in enumerate(shares):

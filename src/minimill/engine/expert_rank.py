@@ -51,12 +51,6 @@ def step_of(entries: list[ScheduledSequence]) -> ExpertStep:
                       [list(t) for t in inputs.tables], inputs.logits_rows)
 
 
-def rank_of(entry: ScheduledSequence, num_ranks: int) -> int:
-    """The rank that runs a sequence: by its first block, which it keeps while it runs
-    (and shares with every sequence that reuses its prefix)."""
-    return entry.seq.block_table[0] % num_ranks
-
-
 @torch.inference_mode()
 def run_share(runner: ModelRunner, exchange: ExpertExchange, step: ExpertStep
               ) -> torch.Tensor:
