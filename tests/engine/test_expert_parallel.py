@@ -110,18 +110,22 @@ def test_greedy_output_is_the_single_engine_s_and_each_rank_read_its_experts_onl
         # (fewer than the ranks).
         outs = llm.generate(prompts, GREEDY)
         assert [o.output_token_ids for o in outs] == reference[:5]
-        # Five new sequences in one step: dealt over every rank.
+        # Five sequences admitted together: dealt over every rank.
         assert all(runner.seq_steps), runner.seq_steps
         assert _run_continuous(llm.engine, prompts) == reference[:5]
         assert llm.generate([prompts[0]], GREEDY)[0].output_token_ids == reference[0]
-        # A new prompt dealt to rank 1 (after one on rank 0), then one that reuses its
-        # cached prefix: it runs on rank 1, which holds that prefix's KV.
+        # A prefix computed on rank 1 (the second of two sequences admitted together), then
+        # a prompt that reuses it there; alone, on rank 0, it reuses none of rank 1's blocks.
         outs = llm.generate([prompts[3], prefix], GREEDY)
         assert outs[1].output_token_ids == reference[5]
         before = list(runner.seq_steps)
-        out = llm.generate([longer], GREEDY)[0]
+        out = llm.generate([prompts[3], longer], GREEDY)[1]
         assert out.num_cached_tokens == 32 and out.output_token_ids == reference[6]
-        assert runner.seq_steps[1] > before[1] and runner.seq_steps[0] == before[0]
+        assert runner.seq_steps[1] > before[1]
+        before = list(runner.seq_steps)
+        out = llm.generate([longer], GREEDY)[0]
+        assert out.num_cached_tokens == 0 and out.output_token_ids == reference[6]
+        assert runner.seq_steps[0] > before[0] and runner.seq_steps[1:] == before[1:]
     finally:
         llm.close()
     assert all(p.exitcode == 0 for p in runner.processes)

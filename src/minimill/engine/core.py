@@ -29,6 +29,7 @@ import torch
 
 from minimill.engine.busy_rate import BusyRate
 from minimill.engine.config import EngineConfig
+from minimill.engine.expert_dealer import deal_rank, rank_root
 from minimill.engine.frontend import EngineLimits, check_tokens
 from minimill.engine.guided import Guides, StepMasks
 from minimill.engine.kv_tiers import KvTiers
@@ -146,6 +147,9 @@ class EngineCore:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         seq = Sequence(request_id, prompt, params, seed, self.eos_token_ids, resume)
         seq.guide = guide
+        if self.config.expert_parallel > 1:
+            seq.rank = deal_rank(self.scheduler.requests.values(), self.config.expert_parallel)
+            seq.prefix_root = rank_root(seq.prefix_root, seq.rank)
         handed_out = self.outputs.add_request(seq, resume_text)
         done = (RequestStatus.FINISHED_LENGTH if len(resume) >= params.max_tokens
                 else RequestStatus.FINISHED_STOPPED if guide is not None and guide.finished

@@ -8,10 +8,10 @@ experts, embedding and head) and its own contiguous range of each MoE layer's ex
 (expert_share.ExpertShare), and reads only those from the checkpoint: the experts, most of
 such a model, are what need not fit one process.
 
-Attention is data-parallel: rank 0's scheduler decides each step, and its runner deals the
-step's sequences over the ranks (expert_dealer.py): a sequence stays on one rank while it
-runs, one that reuses a cached prefix runs where that prefix's KV was computed, and a new
-one goes to the rank with the fewest of the step's sequences. Each rank embeds its own
+Attention is data-parallel: each sequence is dealt a rank when the engine admits it
+(expert_dealer.py: the rank running the fewest, its cached prefixes that rank's own) and
+keeps it for its life; rank 0's scheduler decides each step and its runner sends each rank
+its sequences. Each rank embeds its own
 tokens and runs their attention over its own KV pool; in each MoE layer the ranks exchange
 (token, choice) pairs with their experts' ranks by all_to_all (expert_share.ExpertExchange),
 every rank every layer, with tokens or none. Each rank then sends its sampling rows' hidden
@@ -19,8 +19,9 @@ states to rank 0, which norms, projects and samples every sequence's token (guid
 and embeddings as usual).
 What that costs: every rank keeps a KV pool of as many blocks as rank 0's (block ids as
 rank 0 allocates them; only the rank that runs a sequence writes its blocks), so the KV
-takes N times one pool's memory for one pool's worth of tokens; and the dealing balances
-the ranks by sequences, not by tokens.
+takes N times one pool's memory for one pool's worth of tokens; a prefix shared by many
+sequences is computed once per rank; and the dealing balances the ranks by sequences, not
+by tokens.
 
 A rank that ends (killed, crashed) ends the engine: the watcher kills the other ranks, the
 step in progress fails with PipelineStageError (an EngineDied) and every later step is
@@ -42,7 +43,6 @@ import torch
 
 from minimill.engine import pipeline_link as link
 from minimill.engine.config import EngineConfig
-from minimill.engine.expert_dealer import SequenceDealer
 from minimill.engine.expert_rank import (
     RandomWeights,
     RankReport,
@@ -96,7 +96,6 @@ class ExpertParallelRunner(ModelRunner):
         super().__init__(config, loaded, exchange=self.exchange)
         report.kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         self.ranks: list[RankReport] = [report]  # rank 0 first
-        self.dealer = SequenceDealer(self.num_ranks)
         self.seq_steps = [0] * self.num_ranks  # sequences each rank ran, over all steps
         self._dead: str | None = None
         self._closing = False
@@ -154,7 +153,7 @@ class ExpertParallelRunner(ModelRunner):
         entries = output.scheduled
         if self.step_log is not None:
             self.step_log.append(self._shape(entries))
-        owners = self.dealer.deal(entries)
+        owners = [e.seq.rank for e in entries]  # dealt at admission (expert_dealer.py)
         shares = [[e for e, r in zip(entries, owners, strict=True) if r == rank]
                   for rank in range(self.num_ranks)]
         for rank, share in enumerate(shares):
