@@ -146,8 +146,8 @@ class ExpertParallelRunner(ModelRunner):
         return [p.pid for p in self.processes]
 
     def execute(self, output: SchedulerOutput) -> ModelOutput:
-        """Deal the step's sequences over the ranks, run this rank's share with them, then
-        norm, project and sample every sequence's rows here."""
+        """Send each rank its sequences of the step, run this rank's with them, then norm,
+        project and sample every sequence's rows here."""
         if self._dead is not None:
             raise PipelineStageError(self._dead)
         entries = output.scheduled
