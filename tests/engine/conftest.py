@@ -1,5 +1,6 @@
-"""Engine fixtures: the default model in float32 (exact comparisons), an engine over it, and
-transformers' model holding the same weights (the reference)."""
+"""Engine fixtures: the default model in float32 (exact comparisons), an engine over it,
+transformers' model holding the same weights (the reference), and a tiny 6-layer checkpoint
+for the pipeline's tests."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from minimill.engine.llm import LLM
 from minimill.models.loader import load_model
 from minimill.models.types import LoadedModel
+from tiny_hf import save_tiny
 
 
 @pytest.fixture(scope="session")
@@ -37,3 +39,13 @@ def hf_model(smol_f32: LoadedModel) -> Any:
     from minimill.bench.hf_baseline import build_hf_model
 
     return build_hf_model(smol_f32, torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smol_f32: LoadedModel
+               ) -> LoadedModel:
+    """A random 6-layer Llama with SmolLM2's tokenizer, saved as an HF directory (pipeline
+    stages load it by path) and loaded in float32."""
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny("llama", directory, smol_f32, num_hidden_layers=6)
+    return load_model(str(directory), torch.float32)

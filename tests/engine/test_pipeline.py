@@ -3,34 +3,21 @@ by torch.distributed (gloo), against the single-process engine on the same weigh
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
+from stage_kill import kill_stage_mid_batch
 
 from minimill.engine.core import EngineCore
 from minimill.engine.llm import LLM
 from minimill.engine.params import EngineDied, InvalidRequestError, SamplingParams
 from minimill.models.grammar import GuidedDecoding
-from minimill.models.loader import load_model
 from minimill.models.types import LoadedModel
-from tiny_hf import save_tiny
 
 # Long enough that requests are still running when the test adds more, or kills a stage.
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 SETTINGS = {"dtype": "float32", "num_kv_blocks": 96, "num_threads": 1}
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smol_f32: LoadedModel
-               ) -> LoadedModel:
-    directory = tmp_path_factory.mktemp("tiny-llama")
-    save_tiny("llama", directory, smol_f32, num_hidden_layers=6)
-    return load_model(str(directory), torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -116,29 +103,9 @@ def two_stages(tiny_llama: LoadedModel) -> Iterator[LLM]:
 def test_a_stage_killed_mid_batch_stops_the_engine_and_every_stage(
         two_stages: LLM, prompts: list[list[int]]) -> None:
     core, runner = two_stages.engine, two_stages.engine.runner
-    for i, prompt in enumerate(prompts):
-        core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=200, temperature=0.0,
-                                                         ignore_eos=True))
-    outcome: list[BaseException] = []
-    killed = threading.Event()
-
-    def drive() -> None:
-        try:
-            while core.has_unfinished:
-                deltas = core.step().deltas
-                if deltas and not killed.is_set():
-                    os.kill(runner.stage_pids[0], signal.SIGKILL)  # with steps in flight
-                    killed.set()
-        except BaseException as exc:
-            outcome.append(exc)
-
-    driver = threading.Thread(target=drive, daemon=True)
-    driver.start()
-    driver.join(120)  # generous: a hang is the failure this guards against
-    assert not driver.is_alive(), "the engine kept waiting for a dead stage"
-    assert killed.is_set() and len(outcome) == 1
-    assert isinstance(outcome[0], EngineDied)
-    assert "stage 1" in str(outcome[0])
+    error = kill_stage_mid_batch(core, prompts, runner.stage_pids[0])
+    assert isinstance(error, EngineDied)
+    assert "stage 1" in str(error)
     assert all(not p.is_alive() for p in runner.processes)
     with pytest.raises(EngineDied):
         core.step()

@@ -27,7 +27,7 @@ from minimill.cli.options import (
     ModelOption,
     print_table,
 )
-from minimill.cli.processes import serve, worker
+from minimill.cli.processes import serve, stage, worker
 from minimill.cli.sites import sites_app
 from minimill.cli.tenants import tenants_app
 
@@ -59,7 +59,7 @@ class MinimillApp(typer.Typer):
 _VERBOSE = [False]
 # Long-running processes whose output is a log read after the fact: a crash keeps its
 # traceback there.
-LOGGING_COMMANDS = ("serve", "worker")
+LOGGING_COMMANDS = ("serve", "worker", "stage")
 
 
 def _command_word() -> str | None:
@@ -95,6 +95,7 @@ app.add_typer(models_app, name="models")
 # The two commands that run a factory's processes (cli/processes.py).
 app.command()(serve)
 app.command()(worker)
+app.command()(stage)
 
 
 @app.command()

@@ -191,6 +191,11 @@ def worker(
         "in weights and KV, in GiB; a model over it is cut into as many pipeline stages as "
         "it takes (--pipeline-stages at least), each reading only its own layers "
         "(docs/engine.md)."),
+    stages_listen: str | None = typer.Option(
+        None, "--stages-listen", metavar="ADDRESS:PORT", help="Builtin engine: the pipeline's "
+        "stages after the first run on other hosts of the site (`minimill stage --connect "
+        "ADDRESS:PORT` there); wait for them at this host's ADDRESS. Off loopback, set "
+        "MINIMILL_STAGE_SECRET to one secret on every host."),
 ) -> None:
     """Join a fleet: pull work from the control plane under leases and run it."""
     from minimill.boxes.host_setup import BoxOptions
@@ -212,4 +217,36 @@ def worker(
                                     timeout_s=float(box_max_exec_s or DEFAULT_BOX_CAPS.timeout_s),
                                     disk_mb=box_max_disk_mb or DEFAULT_BOX_CAPS.disk_mb)),
                agents=agents, pipeline_stages=pipeline_stages,
-               expert_parallel=expert_parallel, max_memory_gb=max_memory_gb)
+               expert_parallel=expert_parallel, max_memory_gb=max_memory_gb,
+               stages_listen=stages_listen)
+
+
+def stage(
+    connect: str = typer.Option(..., "--connect", metavar="ADDRESS:PORT", help="Where the "
+                                "site's first stage waits for its stages (its worker's "
+                                "--stages-listen)."),
+    model: str | None = typer.Option(None, help="The model on this host, by name or path "
+                                     "(default: as the first stage names it); it must be "
+                                     "the same model."),
+    threads: int | None = typer.Option(None, min=1, help="CPU threads for this stage "
+                                       "(default: every core of this host)."),
+    once: bool = typer.Option(False, "--once", help="Leave when the first pipeline ends, "
+                              "instead of waiting for the next first stage (a restarted "
+                              "worker) at the same address."),
+) -> None:
+    """Run one pipeline stage of a site whose first stage is on another host (`worker
+    --pipeline-stages N --stages-listen ADDRESS:PORT`): it loads only its own layers and
+    runs every microbatch through them. Off loopback, MINIMILL_STAGE_SECRET must be the
+    worker's."""
+    import logging
+    import sys
+
+    from minimill.engine.params import InvalidRequestError
+    from minimill.engine.stage_hosts import serve_stages
+
+    logging.basicConfig(level=os.environ.get("MINIMILL_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s stage %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        raise SystemExit(serve_stages(connect, model, threads, once))
+    except InvalidRequestError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--connect") from None

@@ -150,9 +150,12 @@ def rank_main(conn: Connection, share: ExpertShare, port: int, source: str | Ran
 
 
 def experts_group(rank: int, num_ranks: int, store: Any) -> Any:
-    """The ranks' group for the experts' exchanges, beside pipeline_link's two."""
-    return dist.ProcessGroupGloo(dist.PrefixStore("experts", store), rank, num_ranks,
-                                 link.IDLE_TIMEOUT)
+    """The ranks' group for the experts' exchanges, beside pipeline_link's two (on loopback,
+    as theirs are)."""
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = link.IDLE_TIMEOUT
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return dist.ProcessGroupGloo(dist.PrefixStore("experts", store), rank, num_ranks, options)
 
 
 def _run_steps(runner: ModelRunner, exchange: ExpertExchange, groups: link.Groups) -> None:

@@ -9,6 +9,9 @@ every stage works while the others do. Scheduling, block tables and prefix reuse
 stage 0's scheduler; every stage holds a pool of the same number of blocks for its own
 layers, and a block id means the same tokens on every stage.
 
+With `stages_listen`, the stages after the first are not started here: they join from other
+hosts of the site (stage_hosts.py) and are watched by their beat instead of their process.
+
 Stage 0's layers run on a thread of their own (pinned to its core); a second thread receives
 the last stage's tokens, which come back in the order the microbatches left. A stage process
 that ends (killed, crashed) ends the pipeline: the others are stopped, every microbatch in
@@ -38,6 +41,7 @@ from minimill.engine.model_runner import ModelRunner, step_inputs
 from minimill.engine.params import EngineDied, EngineError
 from minimill.engine.pipeline_stage import StepFailed, StepWork, pin_to, stage_main
 from minimill.engine.scheduler import ModelOutput, ScheduledSequence, SchedulerOutput
+from minimill.engine.stage_hosts import SILENCE_S, Assignment, RemoteStages
 from minimill.engine.stage_plan import StagePlan, head_cost, layer_costs, plan_at, plan_stages
 from minimill.models.types import LoadedModel, ModelConfig
 
@@ -81,7 +85,8 @@ class PipelineRunner(ModelRunner):
             raise EngineError("pipeline stages load the model by name or path; this model "
                               "was built in memory")
         num_stages = self.plan.num_stages
-        self.cpus = stage_cpus(num_stages, config.pin_threads)
+        # Stages on other hosts leave every core here to stage 0.
+        self.cpus = stage_cpus(num_stages, config.pin_threads and not config.stages_listen)
         weight_bytes = int(loaded.extra.get("loaded_bytes") or sum(
             t.numel() * t.element_size() for t in loaded.weights.values()))
         super().__init__(config, loaded, self.plan.layers[0])
@@ -102,10 +107,45 @@ class PipelineRunner(ModelRunner):
 
     def _start_stages(self, config: EngineConfig, source: str, model_config: ModelConfig
                       ) -> None:
+        self.processes: list[Any] = []
+        self._conns: list[Any] = []
+        self.remote: RemoteStages | None = None
+        self._remote_pids: list[int] = []
+        self._stopped = threading.Event()
+        if config.stages_listen:
+            self._join_remote(config, source, model_config)
+        else:
+            self._start_local(config, source, model_config)
+        self._send = link.Sender(self.groups.forward, 1)
+        self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
+        self._threads = [threading.Thread(target=target, name=f"minimill-pipeline-{name}",
+                                          daemon=True)
+                         for target, name in ((self._stage0, "stage0"),
+                                              (self._results, "results"), (self._watch, "watch"))]
+        for thread in self._threads:
+            thread.start()
+
+    def _join_remote(self, config: EngineConfig, source: str, model_config: ModelConfig
+                     ) -> None:
+        """Wait for the stages from other hosts, then join the groups with them."""
+        assert config.stages_listen is not None
+        keeps = tuple(StageWeights.of(r, model_config) for r in self.plan.layers)
+        self.remote = RemoteStages(config.stages_listen,
+                                   Assignment(config.model, source, model_config, config, keeps))
+        try:
+            for pid, memory in self.remote.wait_ready(_STAGE_START_TIMEOUT_S):
+                self._remote_pids.append(pid)
+                self.stage_memory.append(memory)
+            self.groups = link.join(0, self.plan.num_stages, self.remote.port,
+                                    self.remote.store, address=self.remote.address)
+        except BaseException:
+            self.remote.stop()
+            raise
+
+    def _start_local(self, config: EngineConfig, source: str, model_config: ModelConfig
+                     ) -> None:
         store, port = link.open_store(self.plan.num_stages)
         context = multiprocessing.get_context("spawn")
-        self.processes: list[Any] = []
-        self._conns = []
         try:
             for rank in range(1, self.plan.num_stages):
                 ours, theirs = context.Pipe()
@@ -123,21 +163,25 @@ class PipelineRunner(ModelRunner):
                 ready = wait([conn, process.sentinel], _STAGE_START_TIMEOUT_S)
                 message = conn.recv() if conn in ready and conn.poll() else None
                 if not message or message[0] != "ready":
-                    why = message[1] if message else f"exit code {process.exitcode}"
-                    raise EngineError(f"pipeline stage {rank} did not start: {why}")
+                    raise EngineError(f"pipeline stage {rank} did not start: "
+                                      f"{self._why_not_ready(process, message, bool(ready))}")
                 self.stage_memory.append(message[2])
             self.groups = link.join(0, self.plan.num_stages, port, store)
         except BaseException:
             self._kill_stages()
             raise
-        self._send = link.Sender(self.groups.forward, 1)
-        self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
-        self._threads = [threading.Thread(target=target, name=f"minimill-pipeline-{name}",
-                                          daemon=True)
-                         for target, name in ((self._stage0, "stage0"),
-                                              (self._results, "results"), (self._watch, "watch"))]
-        for thread in self._threads:
-            thread.start()
+
+    @staticmethod
+    def _why_not_ready(process: Any, message: Any, woke: bool) -> str:
+        if message:
+            return str(message[1])
+        if not woke:
+            return f"it did not load within {_STAGE_START_TIMEOUT_S:.0f} s"
+        process.join(_STAGE_STOP_TIMEOUT_S)  # ended: reap it for its exit code
+        code = process.exitcode
+        if code is not None and code < 0:
+            return f"it was killed by signal {-code} while loading (out of memory?)"
+        return f"it exited with status {code} while loading (its traceback is in this log)"
 
     @property
     def num_lanes(self) -> int:
@@ -148,7 +192,8 @@ class PipelineRunner(ModelRunner):
 
     @property
     def stage_pids(self) -> list[int]:
-        return [p.pid for p in self.processes]
+        """The stage processes' pids, stage 1 first (a remote stage's on its own host)."""
+        return self._remote_pids or [p.pid for p in self.processes]
 
     def start(self, output: SchedulerOutput, lane: int, lanes: int, report: Report) -> None:
         """Send one microbatch into the pipeline and return at once; report(True,
@@ -280,6 +325,12 @@ class PipelineRunner(ModelRunner):
 
     # The watcher: a stage process that ends unasked ends the pipeline.
     def _watch(self) -> None:
+        if self.remote is not None:
+            hosts = self.remote.hosts
+            self.remote.watch(self._stopped, lambda rank: self._die(
+                f"pipeline stage {rank} on {hosts[rank - 1]} has not been heard from for "
+                f"{SILENCE_S:.0f} s"))
+            return
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, 1)}
         ready = wait([*sentinels, self._wake_r])
         if self._closing:
@@ -306,6 +357,9 @@ class PipelineRunner(ModelRunner):
             report(False, error)
 
     def _kill_stages(self) -> None:
+        self._stopped.set()
+        if self.remote is not None:
+            self.remote.stop()  # the stages on other hosts leave
         for process in self.processes:
             if process.is_alive():
                 process.kill()
@@ -328,7 +382,10 @@ class PipelineRunner(ModelRunner):
                 # Release the groups now, not in the interpreter's teardown (where gloo's
                 # threads abort the process).
                 self._send.pending.clear()
+                self._send.group = None
                 self.groups.forward = self.groups.back = self.groups.store = None
+                if self.remote is not None:
+                    self.remote.store = None
         self._closing = True
         self._wake_w.send(None)
         self._kill_stages()

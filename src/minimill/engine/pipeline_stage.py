@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -27,6 +28,7 @@ from minimill.engine import pipeline_link as link
 from minimill.engine.config import EngineConfig
 from minimill.engine.memory_budget import StageWeights
 from minimill.engine.params import SamplingParams
+from minimill.models.types import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -83,24 +85,35 @@ def stage_main(conn: Connection, rank: int, world_size: int, port: int, source: 
                         stream=sys.stderr)
     pin_to(cpu)
     try:
-        from minimill.engine.model_runner import ModelRunner
-        from minimill.models.loader import load_model
-
-        loaded = load_model(source, config.torch_dtype, keep=keep)
-        if config.max_memory_gb is not None:
-            # The budget counts one copy of each weight: the engine takes them over.
-            loaded.extra["release_weights"] = True
-        weight_bytes = int(loaded.extra.get("loaded_bytes") or sum(
-            t.numel() * t.element_size() for t in loaded.weights.values()))
-        runner = ModelRunner(config, loaded, keep.layers)
-        loaded.weights.clear()
+        runner, memory = load_stage(source, config, keep)
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
-    kv_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
-    conn.send(("ready", os.getpid(), (weight_bytes, kv_bytes)))
+    conn.send(("ready", os.getpid(), memory))
     groups = link.join(rank, world_size, port)
     StageLoop(runner, groups).run()
+
+
+def load_stage(source: str, config: EngineConfig, keep: StageWeights,
+               check: Callable[[ModelConfig], None] | None = None, auto_pull: bool = False
+               ) -> tuple[Any, tuple[int, int]]:
+    """A stage's model runner over only its own weights, and what it holds: (bytes of
+    weights read, bytes of its KV pool). `check` sees the model's configuration before the
+    runner is built (and may refuse it)."""
+    from minimill.engine.model_runner import ModelRunner
+    from minimill.models.loader import load_model
+
+    loaded = load_model(source, config.torch_dtype, keep=keep, auto_pull=auto_pull)
+    if check is not None:
+        check(loaded.config)
+    if config.max_memory_gb is not None:
+        # The budget counts one copy of each weight: the engine takes them over.
+        loaded.extra["release_weights"] = True
+    weight_bytes = int(loaded.extra.get("loaded_bytes") or sum(
+        t.numel() * t.element_size() for t in loaded.weights.values()))
+    runner = ModelRunner(config, loaded, keep.layers)
+    loaded.weights.clear()
+    return runner, (weight_bytes, runner.kv_cache.numel() * runner.kv_cache.element_size())
 
 
 def _watch_parent(conn: Connection) -> None:

@@ -140,7 +140,8 @@ async def _amain(*, server: str, site: str, token: str, engine: str, model: str,
                  capacity: int, price_per_hour: float | None, chip: str | None,
                  clock: StartClock, kv: KvOptions, boxes: BoxOptions,
                  agents: int = 0, pipeline_stages: int = 1, expert_parallel: int = 1,
-                 max_memory_gb: float | None = None) -> None:
+                 max_memory_gb: float | None = None, stages_listen: str | None = None
+                 ) -> None:
     # Boxes first: a host that cannot isolate them says so before a long model load.
     box_host = open_box_host(server, token, site, boxes) if boxes.slots > 0 else None
     runner = open_runner(server, token, agents, boxes.insecure_no_sandbox) if agents else None
@@ -164,6 +165,8 @@ async def _amain(*, server: str, site: str, token: str, engine: str, model: str,
             engine_options["expert_parallel"] = expert_parallel
         if max_memory_gb is not None:
             engine_options["max_memory_gb"] = max_memory_gb
+        if stages_listen is not None:
+            engine_options["stages_listen"] = stages_listen
         try:
             adapter = await open_engine(engine, model=model, dtype=dtype, capacity=capacity,
                                         clock=clock, engine_options=engine_options)
@@ -223,7 +226,7 @@ def run_worker(*, server: str, site: str, token: str, price_per_hour: float | No
                chip: str | None, engine: str, model: str, dtype: str, capacity: int,
                kv: KvOptions | None = None, boxes: BoxOptions | None = None,
                agents: int = 0, pipeline_stages: int = 1, expert_parallel: int = 1,
-               max_memory_gb: float | None = None) -> None:
+               max_memory_gb: float | None = None, stages_listen: str | None = None) -> None:
     """Join the fleet at `server` as `site` and serve until SIGTERM/SIGINT.
 
     The worker declares `price_per_hour` and `chip` with every lease call: they replace what
@@ -251,6 +254,10 @@ def run_worker(*, server: str, site: str, token: str, price_per_hour: float | No
         raise SystemExit("--max-memory-gb needs the builtin engine (--engine builtin)")
     if max_memory_gb is not None and not max_memory_gb > 0:
         raise SystemExit(f"--max-memory-gb must be > 0, not {max_memory_gb}")
+    if stages_listen is not None and (engine != "builtin" or (
+            pipeline_stages < 2 and max_memory_gb is None)):
+        raise SystemExit("--stages-listen needs the builtin engine and --pipeline-stages 2 "
+                         "or more")
     chip = _check_declared(price_per_hour, chip)
     started = time.monotonic()
     try:
@@ -259,7 +266,7 @@ def run_worker(*, server: str, site: str, token: str, price_per_hour: float | No
             capacity=capacity, price_per_hour=price_per_hour, chip=chip, clock=clock,
             kv=kv or KvOptions(), boxes=boxes or BoxOptions(), agents=agents,
             pipeline_stages=pipeline_stages, expert_parallel=expert_parallel,
-            max_memory_gb=max_memory_gb)))
+            max_memory_gb=max_memory_gb, stages_listen=stages_listen)))
     except (EngineStartError, SiteAuthError, BoxHostStartError, RunnerStartError) as exc:
         log.error("%s", exc)
         raise SystemExit(2) from None
