@@ -99,12 +99,14 @@ def test_greedy_output_is_the_single_engine_s_and_each_rank_read_its_experts_onl
         for rank, report in enumerate(runner.ranks):
             share = ExpertShare(rank, ranks, NUM_EXPERTS)
             # Its own contiguous range of experts, read from the checkpoint, and nothing
-            # of the others' (rank 0, the engine's process, included).
+            # of the others' (rank 0, the engine's process, included); the final norm and
+            # the vocabulary projection on rank 0 alone.
             assert report.experts == list(share.local)
             assert report.weight_bytes == sum(t.numel() * t.element_size()
                                               for name, t in everything.items() if share(name))
             held.extend(report.experts)
         assert sorted(held) == list(range(NUM_EXPERTS))
+        assert not ExpertShare(1, ranks, NUM_EXPERTS)("lm_head.weight")
         assert runner.ranks[0].kv_bytes == runner.ranks[-1].kv_bytes > 0
         # One batch of every prompt; requests joining a running batch; one sequence alone
         # (fewer than the ranks).

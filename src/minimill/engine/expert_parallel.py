@@ -4,7 +4,8 @@ pipeline stages are (expert_rank.py) and joined to it by torch.distributed (gloo
 store (pipeline_link.py).
 
 Each rank holds every weight but the routed experts (attention, norms, routers, shared
-experts, embedding and head) and its own contiguous range of each MoE layer's experts
+experts, the embedding; rank 0 alone the final norm and vocabulary projection, since it
+alone samples) and its own contiguous range of each MoE layer's experts
 (expert_share.ExpertShare), and reads only those from the checkpoint: the experts, most of
 such a model, are what need not fit one process.
 

@@ -27,12 +27,15 @@ from minimill.engine.moe import ExpertWeights
 
 # A routed expert's tensor in HF naming (Qwen3-MoE's and DeepSeek-V3's: one per expert).
 EXPERT_NAME = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+_HEAD_NAMES = frozenset({"model.norm.weight", "lm_head.weight"})
 
 
 @dataclass(frozen=True, slots=True)
 class ExpertShare:
     """Rank `rank` of `num_ranks` holds a contiguous range of each MoE layer's routed experts
-    (`local`), every other weight whole. Called with a weight's name: whether this rank
+    (`local`), every other weight whole but the final norm and the vocabulary projection,
+    which rank 0 alone holds (a tied model's projection is the embedding, which every rank
+    holds). Called with a weight's name: whether this rank
     reads it (a loader's `keep`; it crosses to the rank's process)."""
 
     rank: int
@@ -45,7 +48,14 @@ class ExpertShare:
         e, n = self.num_experts, self.num_ranks
         return range(self.rank * e // n, (self.rank + 1) * e // n)
 
+    @property
+    def holds_head(self) -> bool:
+        """Rank 0 alone norms, projects and samples (expert_parallel.py)."""
+        return self.rank == 0
+
     def __call__(self, name: str) -> bool:
+        if name in _HEAD_NAMES:
+            return self.holds_head
         match = EXPERT_NAME.match(name)
         return match is None or int(match.group(1)) in self.local
 

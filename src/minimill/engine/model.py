@@ -73,7 +73,7 @@ class DecoderModel:
                  dtype: torch.dtype, device: torch.device, max_model_len: int,
                  kernels: TorchKernels | None = None, release_weights: bool = False,
                  layers: range | None = None, expert_ids: range | None = None,
-                 combine: ExpertCombine | None = None) -> None:
+                 combine: ExpertCombine | None = None, with_head: bool = True) -> None:
         """`release_weights`: take each weight out of `weights` once used, so that a model
         which barely fits in memory is never held twice (source and fused copies).
 
@@ -82,7 +82,9 @@ class DecoderModel:
         they end it; None: the whole model.
 
         `expert_ids`: an expert-parallel rank's share of each MoE layer's routed experts
-        (expert_share.py), run through `combine`; None: every expert, here."""
+        (expert_share.py), run through `combine`; None: every expert, here. `with_head`: False
+        where another process norms and projects this model's last hidden states (an
+        expert-parallel rank after the first)."""
         self.config = config
         self.combine = combine
         if expert_ids is None:
@@ -90,7 +92,7 @@ class DecoderModel:
         layers = range(config.num_hidden_layers) if layers is None else layers
         self.layer_range = layers
         self.is_first = layers.start == 0
-        self.is_last = layers.stop == config.num_hidden_layers
+        self.is_last = layers.stop == config.num_hidden_layers and with_head
         self.kernels = kernels or TorchKernels()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads

@@ -108,7 +108,8 @@ class ModelRunner:
                                   release_weights=bool(loaded.extra.get("release_weights")),
                                   layers=layers,
                                   expert_ids=None if exchange is None else exchange.share.local,
-                                  combine=exchange)
+                                  combine=exchange,
+                                  with_head=exchange is None or exchange.share.holds_head)
         kv_parts, kv_heads, kv_dim = mc.kv_layout
         # With sliding-window and full layers, a block holds one group of layers
         # (window_pool.py): the model reads each layer at its (group, slot). A pipeline
