@@ -136,10 +136,30 @@ def bench_pipeline(
     limit: int | None = typer.Option(128, help="Use only the first N requests."),
     rounds: int = typer.Option(2, min=1, help="Pipeline/single pairs; the median ratio is "
                                "the headline."),
+    expert_parallel: int | None = typer.Option(
+        None, "--expert-parallel", min=2, help="Measure expert parallelism instead: this "
+        "many ranks of one core each against one engine of as many cores, on --shape with "
+        "random weights (--model and --stages do not apply)."),
+    shape: str = typer.Option("qwen3-moe-2.9b-a0.7b", help="With --expert-parallel: the "
+                              "mixture of experts' shape (bench engine --shape's names)."),
+    layers: int | None = typer.Option(8, min=1, help="With --expert-parallel: the shape's "
+                                      "first layers only (memory and time)."),
 ) -> None:
     """Pipeline stages of one core each against one engine of as many cores, the same
     workload in the same run: output tok/s of each, their ratio, and per stage the time
-    computing, waiting (bubble) and communicating per step."""
+    computing, waiting (bubble) and communicating per step. With --expert-parallel N:
+    N expert-parallel ranks against one engine of N cores."""
+    if expert_parallel is not None:
+        from minimill.bench.expert_bench import ExpertBenchOptions, run_expert_bench
+
+        if stages != 2 or model != ModelOption.default:
+            raise typer.BadParameter("--expert-parallel measures --shape with random "
+                                     "weights over its ranks: --model and --stages do not "
+                                     "apply")
+        _print_report(lambda: run_expert_bench(ExpertBenchOptions(
+            workload=workload, shape=shape, layers=layers, dtype=dtype,
+            ranks=expert_parallel, limit=limit, rounds=rounds)), json_out, 32)
+        return
     from minimill.bench.pipeline_bench import PipelineBenchOptions, run_pipeline_bench
 
     _print_report(lambda: run_pipeline_bench(PipelineBenchOptions(

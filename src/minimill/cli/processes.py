@@ -182,6 +182,10 @@ def worker(
         1, "--pipeline-stages", min=1, help="Builtin engine on CPUs: cut the model's layers "
         "into this many stages, each in a process of its own on its own core, microbatches "
         "in flight through them (docs/engine.md)."),
+    expert_parallel: int = typer.Option(
+        1, "--expert-parallel", min=1, help="Builtin engine on CPUs, mixture-of-experts "
+        "models: spread the routed experts over this many processes, each reading only its "
+        "share of them, joined by an all_reduce per MoE layer (docs/engine.md)."),
     max_memory_gb: float | None = typer.Option(
         None, "--max-memory-gb", help="Builtin engine: the most each of its processes holds "
         "in weights and KV, in GiB; a model over it is cut into as many pipeline stages as "
@@ -212,7 +216,8 @@ def worker(
                                     cpu_s=box_max_cpu_s or DEFAULT_BOX_CAPS.cpu_s,
                                     timeout_s=float(box_max_exec_s or DEFAULT_BOX_CAPS.timeout_s),
                                     disk_mb=box_max_disk_mb or DEFAULT_BOX_CAPS.disk_mb)),
-               agents=agents, pipeline_stages=pipeline_stages, max_memory_gb=max_memory_gb,
+               agents=agents, pipeline_stages=pipeline_stages,
+               expert_parallel=expert_parallel, max_memory_gb=max_memory_gb,
                stages_listen=stages_listen)
 
 

@@ -68,6 +68,9 @@ class EngineConfig:
     # Pipeline parallelism inside one site (pipeline_runner.py): the decoder layers cut into
     # this many stages, stage 0 in the engine's process, each other in a process of its own.
     pipeline_stages: int = 1
+    # Expert parallelism inside one site (expert_parallel.py): a mixture of experts' routed
+    # experts spread over this many processes (ranks), rank 0 the engine's; 1: none.
+    expert_parallel: int = 1
     # "HOST:PORT": the stages after the first are not started here but join from other hosts
     # of the site (`minimill stage --connect HOST:PORT`, stage_hosts.py); HOST is this host's
     # address that they reach.
@@ -131,8 +134,10 @@ class EngineConfig:
         if self.num_threads is None:
             self.num_threads = os.cpu_count() or 1
         self._check_pipeline()
+        self._check_expert_parallel()
         if model_config is None:
             return
+        self._check_experts_of(model_config)
         if self.pipeline_stages > model_config.num_hidden_layers:
             raise InvalidRequestError(
                 f"pipeline_stages {self.pipeline_stages} exceeds the model's "
@@ -221,6 +226,46 @@ class EngineConfig:
         if unsupported:
             raise InvalidRequestError(
                 f"pipeline_stages > 1 does not support {'; '.join(unsupported)} yet")
+
+    def _check_expert_parallel(self) -> None:
+        """Refuse what expert parallelism does not run yet, naming it."""
+        if self.expert_parallel < 1:
+            raise InvalidRequestError(
+                f"expert_parallel (--expert-parallel) must be at least 1, got "
+                f"{self.expert_parallel}")
+        if self.expert_parallel == 1:
+            return
+        unsupported = [what for what, used in (
+            ("pipeline_stages > 1 (--pipeline-stages)", self.pipeline_stages > 1),
+            ("stages_listen (--stages-listen)", self.stages_listen is not None),
+            ("max_memory_gb (--max-memory-gb)", self.max_memory_gb is not None),
+            ("kv_dtype int4", self.kv_dtype == "int4"),
+            ("KV tiers (kv_host_bytes, kv_flash_dir)",
+             bool(self.kv_host_bytes or self.kv_flash_dir)),
+            (f"device {self.device} (ranks run on CPUs, over gloo)", self.device != "cpu"),
+        ) if used]
+        if unsupported:
+            raise InvalidRequestError(
+                f"expert_parallel (--expert-parallel) > 1 does not support "
+                f"{'; '.join(unsupported)} yet")
+
+    def _check_experts_of(self, model_config: ModelConfig) -> None:
+        """Expert parallelism needs routed experts to spread, one tensor each."""
+        n = self.expert_parallel
+        if n == 1:
+            return
+        if model_config.num_experts == 0:
+            raise InvalidRequestError(
+                f"expert_parallel (--expert-parallel) {n} needs a mixture of experts; "
+                f"{model_config.architecture} is a dense model")
+        if n > model_config.num_experts:
+            raise InvalidRequestError(
+                f"expert_parallel (--expert-parallel) {n} exceeds the model's "
+                f"{model_config.num_experts} routed experts")
+        if model_config.expert_style == "gpt_oss":
+            raise InvalidRequestError(
+                "expert_parallel (--expert-parallel) > 1 does not support gpt-oss's experts "
+                "(stored as one tensor for all of a layer's experts) yet")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -29,6 +29,7 @@ import torch
 
 from minimill.engine.busy_rate import BusyRate
 from minimill.engine.config import EngineConfig
+from minimill.engine.expert_dealer import deal_rank, rank_root
 from minimill.engine.frontend import EngineLimits, check_tokens
 from minimill.engine.guided import Guides, StepMasks
 from minimill.engine.kv_tiers import KvTiers
@@ -67,7 +68,12 @@ def make_tiers(config: EngineConfig, loaded: LoadedModel, block_shape: tuple[int
 
 
 def make_runner(config: EngineConfig, loaded: LoadedModel) -> ModelRunner:
-    """The whole model here, or stage 0 of a pipeline (pipeline_runner.py)."""
+    """The whole model here, stage 0 of a pipeline (pipeline_runner.py) or rank 0 of
+    expert parallelism (expert_parallel.py)."""
+    if config.expert_parallel > 1:
+        from minimill.engine.expert_parallel import ExpertParallelRunner
+
+        return ExpertParallelRunner(config, loaded)
     if config.pipeline_stages > 1:
         from minimill.engine.pipeline_runner import PipelineRunner
 
@@ -141,6 +147,9 @@ class EngineCore:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         seq = Sequence(request_id, prompt, params, seed, self.eos_token_ids, resume)
         seq.guide = guide
+        if self.config.expert_parallel > 1:
+            seq.rank = deal_rank(self.scheduler.requests.values(), self.config.expert_parallel)
+            seq.prefix_root = rank_root(seq.prefix_root, seq.rank)
         handed_out = self.outputs.add_request(seq, resume_text)
         done = (RequestStatus.FINISHED_LENGTH if len(resume) >= params.max_tokens
                 else RequestStatus.FINISHED_STOPPED if guide is not None and guide.finished
@@ -208,6 +217,8 @@ class EngineCore:
             masks.fill()
         try:
             model_output = self.runner.execute(scheduled)
+        except EngineDied:
+            raise  # nothing more can step: the front end stops the engine
         except Exception as exc:  # the batch failed: fail its requests, keep the engine alive
             for entry in scheduled.scheduled:
                 self._fail(entry.seq.request_id, exc, result)

@@ -49,6 +49,7 @@ class ProcessEngine(StreamFrontend):
             # starts one per stage; it dies with this process all the same (_child_main).
             name="minimill-engine",
             daemon=(int(config_overrides.get("pipeline_stages", 1)) <= 1
+                    and int(config_overrides.get("expert_parallel", 1)) <= 1
                     and config_overrides.get("max_memory_gb") is None))
         self._process.start()
         child_conn.close()

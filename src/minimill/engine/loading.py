@@ -1,6 +1,7 @@
 """A model loaded with the engine config derived for it, what every front end starts its
 EngineCore with; under a `max_memory_gb` budget (memory_budget.py), cut into the pipeline
-stages that fit it, this process reading only the first stage's weights."""
+stages that fit it, this process reading only the first stage's weights; with expert
+parallelism, only rank 0's share of the experts (expert_share.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 from typing import Any
 
 from minimill.engine.config import EngineConfig
+from minimill.engine.expert_share import ExpertShare
 from minimill.engine.memory_budget import GIB, StageWeights, fit_stages
 from minimill.engine.params import InvalidRequestError
 from minimill.models.loader import load_model
@@ -24,7 +26,8 @@ def load_with_config(model: str | LoadedModel, overrides: dict[str, Any], *,
     if probe.max_memory_gb is not None:
         return _load_within_budget(model, overrides, probe, auto_pull=auto_pull)
     if isinstance(model, str):
-        loaded = load_model(model, probe.torch_dtype, auto_pull=auto_pull)
+        loaded = load_model(model, probe.torch_dtype, auto_pull=auto_pull,
+                            keep=_expert_share(model, overrides, probe, auto_pull))
         overrides = {**overrides, "model": model}
     else:
         loaded = model
@@ -34,6 +37,18 @@ def load_with_config(model: str | LoadedModel, overrides: dict[str, Any], *,
 
 def _nothing(_name: str) -> bool:
     return False
+
+
+def _expert_share(model: str, overrides: dict[str, Any], probe: EngineConfig,
+                  auto_pull: bool) -> ExpertShare | None:
+    """With expert parallelism, rank 0's share of the experts (the model's shapes read
+    first, for its number of experts): this process reads no other rank's experts."""
+    if probe.expert_parallel == 1:
+        return None
+    outline = load_model(model, probe.torch_dtype, auto_pull=auto_pull, keep=_nothing)
+    # What the model cannot run with is refused here, before a slow load.
+    EngineConfig(**overrides, model_config=outline.config)
+    return ExpertShare(0, probe.expert_parallel, outline.config.num_experts)
 
 
 def _load_within_budget(model: str | LoadedModel, overrides: dict[str, Any],

@@ -27,6 +27,7 @@ from minimill.engine.kernels import TorchKernels
 from minimill.engine.kv_int4 import stage_layer_views
 from minimill.engine.mla import MlaWeights, latent_view, load_mla, mla_attention
 from minimill.engine.moe import (
+    ExpertCombine,
     ExpertWeights,
     GroupedRouting,
     experts_forward,
@@ -71,18 +72,27 @@ class DecoderModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype, device: torch.device, max_model_len: int,
                  kernels: TorchKernels | None = None, release_weights: bool = False,
-                 layers: range | None = None) -> None:
+                 layers: range | None = None, expert_ids: range | None = None,
+                 combine: ExpertCombine | None = None, with_head: bool = True) -> None:
         """`release_weights`: take each weight out of `weights` once used, so that a model
         which barely fits in memory is never held twice (source and fused copies).
 
         `layers`: a pipeline stage's share (stage_plan.py): only these decoder layers, the
         embedding if they start the model and the final norm and vocabulary projection if
-        they end it; None: the whole model."""
+        they end it; None: the whole model.
+
+        `expert_ids`: an expert-parallel rank's share of each MoE layer's routed experts
+        (expert_share.py), run through `combine`; None: every expert, here. `with_head`: False
+        where another process norms and projects this model's last hidden states (an
+        expert-parallel rank after the first)."""
         self.config = config
+        self.combine = combine
+        if expert_ids is None:
+            expert_ids = range(config.num_experts)
         layers = range(config.num_hidden_layers) if layers is None else layers
         self.layer_range = layers
         self.is_first = layers.start == 0
-        self.is_last = layers.stop == config.num_hidden_layers
+        self.is_last = layers.stop == config.num_hidden_layers and with_head
         self.kernels = kernels or TorchKernels()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -146,15 +156,14 @@ class DecoderModel:
             if config.is_moe(i) and config.expert_style == "gpt_oss":
                 layer.experts = load_gpt_oss_experts(m, w, pack, pack_expert)
             elif config.is_moe(i) and config.expert_style == "deepseek_v3":
-                layer.experts = load_deepseek_experts(m, config.num_experts, w, pack,
-                                                       pack_expert)
+                layer.experts = load_deepseek_experts(m, expert_ids, w, pack, pack_expert)
                 if config.n_shared_experts:
                     shared = m + "shared_experts."
                     layer.gate_up = pack(torch.cat([w(shared + "gate_proj.weight"),
                                                     w(shared + "up_proj.weight")]))
                     layer.down = pack(w(shared + "down_proj.weight"))
             elif config.is_moe(i):
-                layer.experts = load_experts(m, config.num_experts, w, pack, pack_expert)
+                layer.experts = load_experts(m, expert_ids, w, pack, pack_expert)
             else:
                 layer.gate_up = pack(torch.cat([w(m + "gate_proj.weight"),
                                                 w(m + "up_proj.weight")]))
@@ -202,7 +211,7 @@ class DecoderModel:
             swiglu = ((c.swiglu_alpha, c.swiglu_limit) if c.expert_style == "gpt_oss"
                       else None)
             routed = experts_forward(ops, x, layer.experts, c.num_experts_per_tok,
-                                     c.norm_topk_prob, swiglu, self.grouped)
+                                     c.norm_topk_prob, swiglu, self.grouped, self.combine)
             if layer.gate_up is None:
                 return routed
         assert layer.gate_up is not None and layer.down is not None

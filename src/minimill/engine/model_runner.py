@@ -19,6 +19,7 @@ import torch
 from minimill.engine.attention import AttentionMetadata, allocate_kv_cache, build_metadata
 from minimill.engine.config import EngineConfig
 from minimill.engine.core_split import CoreWorkers, core_workers, plan_groups
+from minimill.engine.expert_share import ExpertExchange
 from minimill.engine.kernels import select_kernels
 from minimill.engine.kv_int4 import int4_step, stage_view
 from minimill.engine.memory import keep_freed_memory
@@ -80,9 +81,11 @@ class ModelRunner:
     pipelined = False  # PipelineRunner (pipeline_runner.py): stages in other processes
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel,
-                 layers: range | None = None) -> None:
+                 layers: range | None = None, exchange: ExpertExchange | None = None
+                 ) -> None:
         """`layers`: a pipeline stage's share of the decoder (stage_plan.py); its weights and
-        KV are all this runner holds. None: the whole model."""
+        KV are all this runner holds. None: the whole model. `exchange`: an expert-parallel
+        rank's (expert_share.py): its share of the routed experts, the rest over the ranks."""
         assert config.num_kv_blocks is not None and config.max_model_len is not None
         self.config = config
         self.device = torch.device(config.device)
@@ -103,7 +106,10 @@ class ModelRunner:
         self.model = DecoderModel(mc, loaded.weights, config.torch_dtype, self.device,
                                   config.max_model_len, self.kernels,
                                   release_weights=bool(loaded.extra.get("release_weights")),
-                                  layers=layers)
+                                  layers=layers,
+                                  expert_ids=None if exchange is None else exchange.share.local,
+                                  combine=exchange,
+                                  with_head=exchange is None or exchange.share.holds_head)
         kv_parts, kv_heads, kv_dim = mc.kv_layout
         # With sliding-window and full layers, a block holds one group of layers
         # (window_pool.py): the model reads each layer at its (group, slot). A pipeline
@@ -122,8 +128,10 @@ class ModelRunner:
             self.kv_stage = stage_view(self.kv_cache, mc.head_dim)
         # Set to a list to record every step's shape (benchmarks); None costs nothing.
         self.step_log: list[StepShape] | None = None
-        # CPU: big steps run as groups of sequences, one per core (core_split.py).
-        self.workers = self._core_workers() if layers is None else None
+        # CPU: big steps run as groups of sequences, one per core (core_split.py); not where
+        # every step is a collective over processes (its groups would run them out of order).
+        self.workers = (self._core_workers() if layers is None and exchange is None
+                        else None)
         self.split_steps = 0  # steps run that way (tests, logs)
         self.lane_steps = 0  # steps run by one lane on its core (start())
 
@@ -226,14 +234,22 @@ class ModelRunner:
         dev = self.device
         meta = self.metadata(inputs.query_lens, inputs.seq_lens, inputs.tables,
                              inputs.stage_units, inputs.window_tables)
+        model = self.model
+        hidden, residual = model.run_layers(
+            model.embed_tokens(torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)),
+            None, torch.tensor(inputs.positions, dtype=torch.long, device=dev), meta,
+            self.kv_cache)
+        return self._finish(entries, hidden, residual,
+                            torch.tensor(inputs.logits_rows, dtype=torch.long, device=dev))
+
+    def _finish(self, entries: list[ScheduledSequence], hidden: torch.Tensor,
+                residual: torch.Tensor | None, logits_rows: torch.Tensor) -> ModelOutput:
+        """The step's end from its layers' output: the final norm and the logits of
+        `logits_rows` (one per entry that samples, in the step's order), then pooling
+        (embedding requests) and sampling."""
         ends = [e for e in entries if e.sample]
         pooled = [k for k, e in enumerate(ends) if e.seq.params.embed]
-        logits = self.model.forward(
-            torch.tensor(inputs.input_ids, dtype=torch.long, device=dev),
-            torch.tensor(inputs.positions, dtype=torch.long, device=dev),
-            meta, self.kv_cache,
-            torch.tensor(inputs.logits_rows, dtype=torch.long, device=dev),
-            hidden_only=bool(pooled))
+        logits = self.model.head(hidden, residual, logits_rows, hidden_only=bool(pooled))
         embeddings: dict[str, list[float]] = {}
         if pooled:
             # Last-token pooling: the final normed hidden state of each embedding request's

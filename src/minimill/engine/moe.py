@@ -38,6 +38,18 @@ class ExpertWeights:
     down_bias: list[torch.Tensor] | None = None
     # DeepSeek-V3: float32 [num_experts], added to the sigmoid scores to choose experts.
     score_bias: torch.Tensor | None = None
+    # The id of gate_up[0]: an expert-parallel rank holds a range of the experts
+    # (expert_share.py); 0 where every expert is here.
+    first_expert: int = 0
+
+
+class ExpertCombine(Protocol):
+    """What runs the routed experts in place of `kernels.experts` where they are spread over
+    processes (expert_share.ExpertExchange): same arguments, same result."""
+
+    def __call__(self, ops: TorchKernels, x: torch.Tensor, expert_ids: torch.Tensor,
+                 routing: torch.Tensor, weights: ExpertWeights,
+                 swiglu: tuple[float, float] | None) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,20 +66,22 @@ Pack = Callable[[torch.Tensor], torch.Tensor]
 PackExpert = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def load_experts(prefix: str, num_experts: int, w: Callable[[str], torch.Tensor],
+def load_experts(prefix: str, expert_ids: range, w: Callable[[str], torch.Tensor],
                  pack: Pack, pack_expert: PackExpert) -> ExpertWeights:
-    """Qwen3-MoE's experts under `prefix` ("model.layers.N.mlp.") in HF naming, fused and
-    packed: the router by `pack` (kernels.prepare_weight), the experts' matrices by
-    `pack_expert` (kernels.prepare_expert_weights)."""
-    gate_up, down = _expert_matrices(prefix, num_experts, w, pack_expert)
-    return ExpertWeights(router=pack(w(prefix + "gate.weight")), gate_up=gate_up, down=down)
+    """Qwen3-MoE's experts `expert_ids` (all of them, or an expert-parallel rank's share)
+    under `prefix` ("model.layers.N.mlp.") in HF naming, fused and packed: the router by
+    `pack` (kernels.prepare_weight), the experts' matrices by `pack_expert`
+    (kernels.prepare_expert_weights)."""
+    gate_up, down = _expert_matrices(prefix, expert_ids, w, pack_expert)
+    return ExpertWeights(router=pack(w(prefix + "gate.weight")), gate_up=gate_up, down=down,
+                         first_expert=expert_ids.start)
 
 
-def _expert_matrices(prefix: str, num_experts: int, w: Callable[[str], torch.Tensor],
+def _expert_matrices(prefix: str, expert_ids: range, w: Callable[[str], torch.Tensor],
                      pack: PackExpert) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Each expert's fused gate/up and its down projection, packed (Qwen3-MoE's naming)."""
     gate_up, down = [], []
-    for e in range(num_experts):
+    for e in expert_ids:
         p = f"{prefix}experts.{e}."
         packed = pack(torch.cat([w(p + "gate_proj.weight"), w(p + "up_proj.weight")]),
                       w(p + "down_proj.weight"))
@@ -82,16 +96,17 @@ class WeightReader(Protocol):
     def __call__(self, name: str, as_dtype: torch.dtype = ...) -> torch.Tensor: ...
 
 
-def load_deepseek_experts(prefix: str, num_experts: int, w: WeightReader, pack: Pack,
+def load_deepseek_experts(prefix: str, expert_ids: range, w: WeightReader, pack: Pack,
                           pack_expert: PackExpert) -> ExpertWeights:
     """DeepSeek-V3's routed experts (Qwen3-MoE's naming) and its router's correction bias,
     both router tensors in float32 whatever the model dtype, as HF keeps them (the loader
     reads them so, hf_loader._FLOAT32_WEIGHTS)."""
-    gate_up, down = _expert_matrices(prefix, num_experts, w, pack_expert)
+    gate_up, down = _expert_matrices(prefix, expert_ids, w, pack_expert)
     return ExpertWeights(
         router=pack(w(prefix + "gate.weight", torch.float32)), gate_up=gate_up,
         down=down,
-        score_bias=w(prefix + "gate.e_score_correction_bias", torch.float32).contiguous())
+        score_bias=w(prefix + "gate.e_score_correction_bias", torch.float32).contiguous(),
+        first_expert=expert_ids.start)
 
 
 def load_gpt_oss_experts(prefix: str, w: Callable[[str], torch.Tensor], pack: Pack,
@@ -160,10 +175,12 @@ def route_grouped(x: torch.Tensor, router: torch.Tensor, score_bias: torch.Tenso
 
 def experts_forward(ops: TorchKernels, x: torch.Tensor, weights: ExpertWeights, top_k: int,
                     normalize: bool, swiglu: tuple[float, float] | None = None,
-                    grouped: GroupedRouting | None = None) -> torch.Tensor:
+                    grouped: GroupedRouting | None = None,
+                    combine: ExpertCombine | None = None) -> torch.Tensor:
     """x: [tokens, hidden] -> the weighted sum of each token's top-k experts' outputs.
     `swiglu`: gpt-oss's (alpha, limit); else the experts' gate is SiLU. `grouped`: route
-    as DeepSeek-V3 does (the weights have a score_bias)."""
+    as DeepSeek-V3 does (the weights have a score_bias). `combine`: where the experts are
+    spread over processes, what runs them (expert_share.py); None: every expert is here."""
     if grouped is not None:
         assert weights.score_bias is not None
         experts, routing = route_grouped(x, weights.router, weights.score_bias, top_k,
@@ -173,5 +190,7 @@ def experts_forward(ops: TorchKernels, x: torch.Tensor, weights: ExpertWeights, 
                                             ops.linear)
     else:
         experts, routing = route(x, weights.router, top_k, normalize, ops.linear)
+    if combine is not None:
+        return combine(ops, x, experts, routing, weights, swiglu)
     return ops.experts(x, experts, routing, weights.gate_up, weights.down,
                        weights.gate_up_bias, weights.down_bias, swiglu)

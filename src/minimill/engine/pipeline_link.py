@@ -46,7 +46,8 @@ MAX_BODY_BYTES = 256 << 20
 MAX_RAW_BYTES = 16 << 30
 
 # Everything a message's object may be built from (module, name): the step's description and
-# answer, the stage's assignment, and plain containers. Nothing that runs code when called.
+# answer (a pipeline stage's, an expert-parallel rank's), the stage's assignment, and plain
+# containers. Nothing that runs code when called.
 _WIRE_CLASSES = frozenset({
     ("builtins", "range"), ("builtins", "set"), ("builtins", "frozenset"),
     ("minimill.engine.pipeline_stage", "StepWork"),
@@ -59,6 +60,7 @@ _WIRE_CLASSES = frozenset({
     ("minimill.engine.memory_budget", "StageWeights"),
     ("minimill.models.types", "ModelConfig"),
     ("minimill.engine.stage_hosts", "Assignment"),
+    ("minimill.engine.expert_rank", "ExpertStep"),
 })
 
 

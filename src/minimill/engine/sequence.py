@@ -53,8 +53,8 @@ class Sequence:
     __slots__ = (
         "block_table", "embedding", "eos_token_ids", "guide", "lane", "logprobs",
         "num_cached_prompt_tokens", "num_cached_tokens", "num_computed_tokens",
-        "num_prompt_tokens", "output_counts", "params", "prefix_root", "request_id", "seed",
-        "stage_units", "status", "token_ids", "window_table",
+        "num_prompt_tokens", "output_counts", "params", "prefix_root", "rank", "request_id",
+        "seed", "stage_units", "status", "token_ids", "window_table",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -77,6 +77,8 @@ class Sequence:
         self.window_table: list[tuple[int, ...] | None] = []
         # The engine lane (one per core, core.py) that runs it while lanes are in use; -1: none.
         self.lane = -1
+        # The expert-parallel rank that runs it and holds its KV (expert_dealer.py); 0 else.
+        self.rank = 0
         self.params = params
         # What its first KV block's hash chains from (block_manager.chain_hash).
         self.prefix_root = prefix_root(params.cache_salt)

@@ -9,6 +9,7 @@ default model's tokenizer (its ids fit every vocabulary here).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -217,11 +218,13 @@ def _mla_shapes(config: ModelConfig, a: str) -> dict[str, tuple[int, ...]]:
 
 
 def random_model(name: str, config: ModelConfig, dtype: torch.dtype, tokenizer: Tokenizer,
-                 seed: int = 0) -> LoadedModel:
+                 seed: int = 0, keep: Callable[[str], bool] | None = None) -> LoadedModel:
     """A LoadedModel of this shape with random weights (norms at 1, others ~N(0, 0.02)).
 
     The engine takes the weights over as it builds (`release_weights`), so a model that
-    barely fits in memory is never held twice.
+    barely fits in memory is never held twice. `keep`: only the weights it names (an
+    expert-parallel rank's share); every weight is drawn all the same, so that those kept
+    are the same as in the whole model of this seed.
     """
     generator = torch.Generator().manual_seed(seed)
     weights: dict[str, torch.Tensor] = {}
@@ -231,12 +234,18 @@ def random_model(name: str, config: ModelConfig, dtype: torch.dtype, tokenizer: 
             weights[weight_name] = torch.full(shape, 0.0 if config.gemma_norms else 1.0,
                                               dtype=dtype)
         else:
-            tensor = torch.empty(shape, dtype=dtype)
+            kept = keep is None or keep(weight_name)
+            tensor = torch.empty(shape if kept else (0,), dtype=dtype)
             # In row blocks: a float32 temporary of a whole 128k x 4k matrix would be 2 GB.
             for start in range(0, shape[0], 4096):
-                block = tensor[start:start + 4096]
-                block.copy_(torch.randn(block.shape, generator=generator) * 0.02)
-            weights[weight_name] = tensor
+                rows = torch.randn((min(4096, shape[0] - start), *shape[1:]),
+                                   generator=generator)
+                if kept:  # (a weight not kept is drawn all the same: the next ones follow)
+                    tensor[start:start + 4096].copy_(rows * 0.02)
+            if kept:
+                weights[weight_name] = tensor
+    if keep is not None:
+        weights = {n: t for n, t in weights.items() if keep(n)}
     return LoadedModel(name=name, config=config, weights=weights, tokenizer=tokenizer,
                        chat_template=tokenizer.chat_template, source_path=f"random:{name}",
-                       extra={"release_weights": True})
+                       extra={"release_weights": True, "random_seed": seed})

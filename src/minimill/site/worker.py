@@ -139,7 +139,7 @@ async def _run_box_host(host: BoxHost | None) -> None:
 async def _amain(*, server: str, site: str, token: str, engine: str, model: str, dtype: str,
                  capacity: int, price_per_hour: float | None, chip: str | None,
                  clock: StartClock, kv: KvOptions, boxes: BoxOptions,
-                 agents: int = 0, pipeline_stages: int = 1,
+                 agents: int = 0, pipeline_stages: int = 1, expert_parallel: int = 1,
                  max_memory_gb: float | None = None, stages_listen: str | None = None
                  ) -> None:
     # Boxes first: a host that cannot isolate them says so before a long model load.
@@ -161,6 +161,8 @@ async def _amain(*, server: str, site: str, token: str, engine: str, model: str,
         engine_options = kv.engine_overrides()
         if pipeline_stages > 1:
             engine_options["pipeline_stages"] = pipeline_stages
+        if expert_parallel > 1:
+            engine_options["expert_parallel"] = expert_parallel
         if max_memory_gb is not None:
             engine_options["max_memory_gb"] = max_memory_gb
         if stages_listen is not None:
@@ -223,7 +225,7 @@ def _check_declared(price_per_hour: float | None, chip: str | None) -> str | Non
 def run_worker(*, server: str, site: str, token: str, price_per_hour: float | None,
                chip: str | None, engine: str, model: str, dtype: str, capacity: int,
                kv: KvOptions | None = None, boxes: BoxOptions | None = None,
-               agents: int = 0, pipeline_stages: int = 1,
+               agents: int = 0, pipeline_stages: int = 1, expert_parallel: int = 1,
                max_memory_gb: float | None = None, stages_listen: str | None = None) -> None:
     """Join the fleet at `server` as `site` and serve until SIGTERM/SIGINT.
 
@@ -246,6 +248,8 @@ def run_worker(*, server: str, site: str, token: str, price_per_hour: float | No
         raise SystemExit("--capacity must be at least 1")
     if pipeline_stages > 1 and engine != "builtin":
         raise SystemExit("--pipeline-stages needs the builtin engine (--engine builtin)")
+    if expert_parallel > 1 and engine != "builtin":
+        raise SystemExit("--expert-parallel needs the builtin engine (--engine builtin)")
     if max_memory_gb is not None and engine != "builtin":
         raise SystemExit("--max-memory-gb needs the builtin engine (--engine builtin)")
     if max_memory_gb is not None and not max_memory_gb > 0:
@@ -261,8 +265,8 @@ def run_worker(*, server: str, site: str, token: str, price_per_hour: float | No
             server=server, site=site, token=token, engine=engine, model=model, dtype=dtype,
             capacity=capacity, price_per_hour=price_per_hour, chip=chip, clock=clock,
             kv=kv or KvOptions(), boxes=boxes or BoxOptions(), agents=agents,
-            pipeline_stages=pipeline_stages, max_memory_gb=max_memory_gb,
-            stages_listen=stages_listen)))
+            pipeline_stages=pipeline_stages, expert_parallel=expert_parallel,
+            max_memory_gb=max_memory_gb, stages_listen=stages_listen)))
     except (EngineStartError, SiteAuthError, BoxHostStartError, RunnerStartError) as exc:
         log.error("%s", exc)
         raise SystemExit(2) from None
