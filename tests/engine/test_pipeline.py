@@ -3,6 +3,7 @@ by torch.distributed (gloo), against the single-process engine on the same weigh
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -123,6 +124,23 @@ def test_what_stages_do_not_run_yet_is_refused_by_name(
         LLM(tiny_llama, pipeline_stages=7, dtype="float32")
     with pytest.raises(InvalidRequestError, match="embeddings"):
         two_stages.embed(["hello"])
-    with pytest.raises(InvalidRequestError, match="guided decoding"):
-        two_stages.generate(["hello"], SamplingParams(
-            max_tokens=4, guided=GuidedDecoding(json_schema='{"type": "object"}')))
+
+
+
+def test_guided_output_over_stages_is_the_single_engine_s(
+        tiny_llama: LoadedModel, two_stages: LLM) -> None:
+    # The grammar's bitmasks are filled by stage 0 and applied where the last stage samples.
+    schema = ('{"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, '
+              '"rank": {"type": "integer"}}, "required": ["city", "rank"], '
+              '"additionalProperties": false}')
+    params = SamplingParams(max_tokens=40, temperature=0.0,
+                            guided=GuidedDecoding(json_schema=schema))
+    free = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = ["A city as JSON:", "Another one:", "Tell me more"]
+    mixed = [params, params, free]
+    single = LLM(tiny_llama, **SETTINGS)
+    expected = [o.output_token_ids for o in single.generate(prompts, mixed)]
+    outs = two_stages.generate(prompts, mixed)
+    assert [o.output_token_ids for o in outs] == expected
+    for out in outs[:2]:
+        assert set(json.loads(out.text)) == {"city", "rank"}

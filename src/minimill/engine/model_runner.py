@@ -267,11 +267,11 @@ class ModelRunner:
         tokens, logprobs = sample(logits, [s.params for s in sampling],
                                   [s.seed for s in sampling],
                                   [s.num_output_tokens for s in sampling], self.kernels,
-                                  [s.output_counts for s in sampling], _masks(sampled))
+                                  [s.output_counts for s in sampling], sample_masks(sampled))
         return ModelOutput(tokens, logprobs, embeddings)
 
 
-def _masks(sampled: list[ScheduledSequence]) -> list[torch.Tensor | None] | None:
+def sample_masks(sampled: list[ScheduledSequence]) -> list[torch.Tensor | None] | None:
     """Each sample's allowed-token bitmask (None: unconstrained), once the engine filled them
     (it does while the forward pass runs: engine/guided.py)."""
     if all(e.masks is None for e in sampled):

@@ -37,7 +37,7 @@ import torch
 from minimill.engine import pipeline_link as link
 from minimill.engine.config import EngineConfig
 from minimill.engine.memory_budget import StageWeights
-from minimill.engine.model_runner import ModelRunner, step_inputs
+from minimill.engine.model_runner import ModelRunner, sample_masks, step_inputs
 from minimill.engine.params import EngineDied, EngineError
 from minimill.engine.pipeline_stage import StepFailed, StepWork, pin_to, stage_main
 from minimill.engine.scheduler import ModelOutput, ScheduledSequence, SchedulerOutput
@@ -293,11 +293,17 @@ class PipelineRunner(ModelRunner):
             hidden, None, torch.tensor(inputs.positions, dtype=torch.long, device=dev), meta,
             self.kv_cache)
         assert residual is not None
-        sampled = [e.seq for e in entries if e.sample]
+        sampling = [e for e in entries if e.sample]
+        sampled = [e.seq for e in sampling]
+        # Guided samples' bitmasks (filled on the engine's thread while these layers ran) go
+        # to the last stage as bytes, which samples under them.
+        masks = sample_masks(sampling)
         work = StepWork(inputs.query_lens, inputs.seq_lens, [list(t) for t in inputs.tables],
                         inputs.logits_rows, [s.params for s in sampled],
                         [s.seed for s in sampled], [s.num_output_tokens for s in sampled],
-                        [s.output_counts for s in sampled])
+                        [s.output_counts for s in sampled],
+                        None if masks is None else [None if m is None else m.numpy().tobytes()
+                                                    for m in masks])
         return work, torch.stack([hidden, residual]).cpu()
 
     # The results' thread: the last stage's answers, in the order the microbatches left.

@@ -46,6 +46,9 @@ class StepWork:
     seeds: list[int]
     output_indices: list[int]  # the output position each row samples
     output_counts: list[dict[int, int] | None]  # tokens so far (penalties only)
+    # Guided rows' allowed-token bitmasks (int32 words as bytes; None: unconstrained), or
+    # None when no row is guided.
+    masks: list[bytes | None] | None = None
 
 
 @dataclass(slots=True)
@@ -193,6 +196,19 @@ class StageLoop:
                             torch.tensor(work.logits_rows, dtype=torch.long, device=dev))
         if not work.params:
             return ModelOutput([], []), None
+        masks = None if work.masks is None else [
+            None if m is None else _mask_words(m, logits.shape[-1]) for m in work.masks]
         tokens, logprobs = sample(logits, work.params, work.seeds, work.output_indices,
-                                  runner.kernels, work.output_counts)
+                                  runner.kernels, work.output_counts, masks)
         return ModelOutput(tokens, logprobs), None
+
+
+def _mask_words(raw: bytes, vocab_size: int) -> torch.Tensor:
+    """A guided row's bitmask from the wire, refused unless it covers the vocabulary exactly
+    (the sampler reads every word)."""
+    from minimill.engine.guided import mask_words
+
+    if len(raw) != 4 * mask_words(vocab_size):
+        raise ValueError(f"a guided row's bitmask of {len(raw)} bytes, not "
+                         f"{4 * mask_words(vocab_size)}")
+    return torch.frombuffer(bytearray(raw), dtype=torch.int32)
