@@ -122,8 +122,6 @@ def test_what_stages_do_not_run_yet_is_refused_by_name(
             kv_flash_bytes=1 << 20)
     with pytest.raises(InvalidRequestError, match="exceeds the model's 6 decoder layers"):
         LLM(tiny_llama, pipeline_stages=7, dtype="float32")
-    with pytest.raises(InvalidRequestError, match="embeddings"):
-        two_stages.embed(["hello"])
 
 
 
@@ -144,3 +142,17 @@ def test_guided_output_over_stages_is_the_single_engine_s(
     assert [o.output_token_ids for o in outs] == expected
     for out in outs[:2]:
         assert set(json.loads(out.text)) == {"city", "rank"}
+
+
+def test_embeddings_over_stages_are_the_single_engine_s(
+        tiny_llama: LoadedModel, two_stages: LLM) -> None:
+    # Pooled on the last stage, beside requests that sample in the same steps.
+    texts = ["tidal energy", "a much longer sentence about the rivers of a country", "x"]
+    single = LLM(tiny_llama, **SETTINGS)
+    expected = single.embed(texts)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    sampled = single.generate(texts, greedy)
+    mixed = two_stages.generate(texts * 2, [SamplingParams(embed=True)] * 3 + [greedy] * 3)
+    assert [o.embedding for o in mixed[:3]] == expected
+    assert [o.output_token_ids for o in mixed[3:]] == [o.output_token_ids for o in sampled]
+    assert two_stages.embed(texts) == expected

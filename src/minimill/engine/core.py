@@ -137,9 +137,6 @@ class EngineCore:
         prompt, resume = list(prompt_token_ids), list(resume_token_ids)
         if request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
-        if self.runner.pipelined and params.embed:
-            raise InvalidRequestError("an engine with pipeline stages does not run embeddings "
-                                      "yet")
         self.check_request(prompt, resume)
         guide = self.guides.start(params.guided, resume) if params.guided is not None else None
         seed = params.seed if params.seed is not None else secrets.randbits(63)

@@ -303,7 +303,8 @@ class PipelineRunner(ModelRunner):
                         [s.seed for s in sampled], [s.num_output_tokens for s in sampled],
                         [s.output_counts for s in sampled],
                         None if masks is None else [None if m is None else m.numpy().tobytes()
-                                                    for m in masks])
+                                                    for m in masks],
+                        {k: seq.request_id for k, seq in enumerate(sampled) if seq.params.embed})
         return work, torch.stack([hidden, residual]).cpu()
 
     # The results' thread: the last stage's answers, in the order the microbatches left.

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -49,6 +49,9 @@ class StepWork:
     # Guided rows' allowed-token bitmasks (int32 words as bytes; None: unconstrained), or
     # None when no row is guided.
     masks: list[bytes | None] | None = None
+    # Embedding requests at their last prompt token: sampling row -> request id (their rows
+    # are pooled, not sampled).
+    embed_ids: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -192,15 +195,33 @@ class StageLoop:
         if not self.is_last:
             assert residual is not None
             return work, torch.stack([hidden, residual]).cpu()
+        pooled = sorted(work.embed_ids)
+        if not set(pooled) <= set(range(len(work.params))):
+            raise ValueError(f"embedding rows {pooled} out of the step's "
+                             f"{len(work.params)} sampling rows")
         logits = model.head(hidden, residual,
-                            torch.tensor(work.logits_rows, dtype=torch.long, device=dev))
-        if not work.params:
-            return ModelOutput([], []), None
+                            torch.tensor(work.logits_rows, dtype=torch.long, device=dev),
+                            hidden_only=bool(pooled))
+        embeddings: dict[str, list[float]] = {}
+        rows = list(range(len(work.params)))
+        if pooled:
+            # As one process pools them (model_runner.py): the final normed hidden state of
+            # the last prompt token, L2-normalised; the other rows are projected after.
+            vectors = torch.nn.functional.normalize(logits[pooled].float(), dim=-1)
+            embeddings = {work.embed_ids[k]: v
+                          for k, v in zip(pooled, vectors.cpu().tolist(), strict=True)}
+            rows = [k for k in rows if k not in work.embed_ids]
+            logits = model.project(logits[rows]) if rows else logits[:0]
+        if not rows:
+            return ModelOutput([], [], embeddings), None
         masks = None if work.masks is None else [
-            None if m is None else _mask_words(m, logits.shape[-1]) for m in work.masks]
-        tokens, logprobs = sample(logits, work.params, work.seeds, work.output_indices,
-                                  runner.kernels, work.output_counts, masks)
-        return ModelOutput(tokens, logprobs), None
+            None if (words := work.masks[k]) is None else _mask_words(words, logits.shape[-1])
+            for k in rows]
+        tokens, logprobs = sample(logits, [work.params[k] for k in rows],
+                                  [work.seeds[k] for k in rows],
+                                  [work.output_indices[k] for k in rows], runner.kernels,
+                                  [work.output_counts[k] for k in rows], masks)
+        return ModelOutput(tokens, logprobs, embeddings), None
 
 
 def _mask_words(raw: bytes, vocab_size: int) -> torch.Tensor:
