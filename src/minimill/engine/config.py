@@ -218,7 +218,6 @@ class EngineConfig:
         if self.pipeline_stages == 1:
             return
         unsupported = [what for what, used in (
-            ("kv_dtype int4", self.kv_dtype == "int4"),
             ("KV tiers (kv_host_bytes, kv_flash_dir)",
              bool(self.kv_host_bytes or self.kv_flash_dir)),
             (f"device {self.device} (stages run on CPUs, over gloo)", self.device != "cpu"),

@@ -304,7 +304,9 @@ class PipelineRunner(ModelRunner):
                         [s.output_counts for s in sampled],
                         None if masks is None else [None if m is None else m.numpy().tobytes()
                                                     for m in masks],
-                        {k: seq.request_id for k, seq in enumerate(sampled) if seq.params.embed})
+                        {k: seq.request_id for k, seq in enumerate(sampled) if seq.params.embed},
+                        [list(u) for u in inputs.stage_units] if self.kv_stage is not None
+                        else [])
         return work, torch.stack([hidden, residual]).cpu()
 
     # The results' thread: the last stage's answers, in the order the microbatches left.

@@ -52,6 +52,9 @@ class StepWork:
     # Embedding requests at their last prompt token: sampling row -> request id (their rows
     # are pooled, not sampled).
     embed_ids: dict[int, str] = field(default_factory=dict)
+    # int4 KV: each sequence's staging units (kv_int4.py), as stage 0's block manager holds
+    # them; every stage's staging pool has the same units for its own layers.
+    stage_units: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -187,7 +190,7 @@ class StageLoop:
         hidden, residual = states[0], states[1]
         dev = runner.device
         meta = runner.metadata(work.query_lens, work.seq_lens, work.tables,
-                               [[] for _ in work.query_lens])
+                               work.stage_units or [[] for _ in work.query_lens])
         positions = torch.tensor(positions_of(work.query_lens, work.seq_lens),
                                  dtype=torch.long, device=dev)
         hidden, residual = model.run_layers(hidden.to(dev), residual.to(dev), positions, meta,
