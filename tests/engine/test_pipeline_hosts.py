@@ -24,6 +24,7 @@ from minimill.engine import pipeline_link as link
 from minimill.engine import stage_hosts
 from minimill.engine.llm import LLM
 from minimill.engine.params import EngineDied, EngineError, InvalidRequestError, SamplingParams
+from minimill.models.loader import load_model
 from minimill.models.types import LoadedModel
 from tiny_hf import save_tiny
 
@@ -248,3 +249,35 @@ def test_a_stage_that_never_comes_is_named_with_the_command_to_start_it(
     with pytest.raises(EngineError, match=f"stage 1 did not join at {address} within 1 s "
                                           rf"\(start `minimill stage --connect {address}`"):
         LLM(tiny_llama, pipeline_stages=2, stages_listen=address, **SETTINGS)
+
+
+# Expert-parallel ranks join from other hosts the same way.
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory, smol_f32: LoadedModel) -> LoadedModel:
+    directory = tmp_path_factory.mktemp("tiny-qwen3-moe-hosts")
+    save_tiny("qwen3_moe", directory, smol_f32, num_hidden_layers=4)
+    return load_model(str(directory), torch.float32)
+
+
+def test_an_expert_parallel_rank_from_another_host_computes_its_experts(
+        tiny_moe: LoadedModel, prompts: list[list[int]]) -> None:
+    single = LLM(tiny_moe, **SETTINGS)
+    expected = [o.output_token_ids for o in single.generate(prompts, GREEDY)]
+    address = f"127.0.0.1:{free_port()}"
+    with stage_process(address, "--once") as stage:
+        llm = LLM(tiny_moe, expert_parallel=2, stages_listen=address, **SETTINGS)
+        try:
+            runner = llm.engine.runner
+            assert runner.processes == [] and runner.remote is not None
+            num_experts = tiny_moe.config.num_experts
+            # The remote rank read its own half of the routed experts, and only that.
+            assert runner.ranks[1].experts == list(range(num_experts // 2, num_experts))
+            outs = llm.generate(prompts, GREEDY)
+            assert [o.output_token_ids for o in outs] == expected
+            assert runner.seq_steps[1] > 0  # the remote rank ran sequences of its own
+            error = kill_stage_mid_batch(llm.engine, prompts, runner.rank_pids[0])
+            assert isinstance(error, EngineDied) and "expert-parallel rank" in str(error)
+        finally:
+            llm.close()
+        assert stage.wait(60) != 0

@@ -185,7 +185,8 @@ def worker(
     expert_parallel: int = typer.Option(
         1, "--expert-parallel", min=1, help="Builtin engine on CPUs, mixture-of-experts "
         "models: spread the routed experts over this many processes, each reading only its "
-        "share of them, joined by an all_reduce per MoE layer (docs/engine.md)."),
+        "share of them; each sequence's attention runs on one of them, and every MoE layer "
+        "exchanges tokens with their experts' processes by all_to_all (docs/engine.md)."),
     max_memory_gb: float | None = typer.Option(
         None, "--max-memory-gb", help="Builtin engine: the most each of its processes holds "
         "in weights and KV, in GiB; a model over it is cut into as many pipeline stages as "
@@ -193,9 +194,9 @@ def worker(
         "(docs/engine.md)."),
     stages_listen: str | None = typer.Option(
         None, "--stages-listen", metavar="ADDRESS:PORT", help="Builtin engine: the pipeline's "
-        "stages after the first run on other hosts of the site (`minimill stage --connect "
-        "ADDRESS:PORT` there); wait for them at this host's ADDRESS. Off loopback, set "
-        "MINIMILL_STAGE_SECRET to one secret on every host."),
+        "stages (or expert-parallel ranks) after the first run on other hosts of the site "
+        "(`minimill stage --connect ADDRESS:PORT` there); wait for them at this host's "
+        "ADDRESS. Off loopback, set MINIMILL_STAGE_SECRET to one secret on every host."),
 ) -> None:
     """Join a fleet: pull work from the control plane under leases and run it."""
     from minimill.boxes.host_setup import BoxOptions

@@ -71,9 +71,9 @@ class EngineConfig:
     # Expert parallelism inside one site (expert_parallel.py): a mixture of experts' routed
     # experts spread over this many processes (ranks), rank 0 the engine's; 1: none.
     expert_parallel: int = 1
-    # "HOST:PORT": the stages after the first are not started here but join from other hosts
-    # of the site (`minimill stage --connect HOST:PORT`, stage_hosts.py); HOST is this host's
-    # address that they reach.
+    # "HOST:PORT": the stages after the first (or the expert-parallel ranks after the first)
+    # are not started here but join from other hosts of the site (`minimill stage --connect
+    # HOST:PORT`, stage_hosts.py); HOST is this host's address that they reach.
     stages_listen: str | None = None
     # The most each of the engine's processes holds in weights and KV, in GiB (memory_budget.py):
     # the model is cut into as many pipeline stages (pipeline_stages at least) as it takes,
@@ -211,10 +211,11 @@ class EngineConfig:
         if self.pipeline_stages < 1:
             raise InvalidRequestError("pipeline_stages must be at least 1")
         if self.stages_listen is not None and self.pipeline_stages == 1 and (
-                self.max_memory_gb is None):
+                self.max_memory_gb is None and self.expert_parallel == 1):
             raise InvalidRequestError(
-                "stages_listen (--stages-listen) waits for pipeline stages from other hosts: "
-                "give pipeline_stages (--pipeline-stages) of 2 or more")
+                "stages_listen (--stages-listen) waits for pipeline stages or expert-parallel "
+                "ranks from other hosts: give pipeline_stages (--pipeline-stages) or "
+                "expert_parallel (--expert-parallel) of 2 or more")
         if self.pipeline_stages == 1:
             return
         unsupported = [what for what, used in (
@@ -236,7 +237,6 @@ class EngineConfig:
             return
         unsupported = [what for what, used in (
             ("pipeline_stages > 1 (--pipeline-stages)", self.pipeline_stages > 1),
-            ("stages_listen (--stages-listen)", self.stages_listen is not None),
             ("max_memory_gb (--max-memory-gb)", self.max_memory_gb is not None),
             ("kv_dtype int4", self.kv_dtype == "int4"),
             ("KV tiers (kv_host_bytes, kv_flash_dir)",

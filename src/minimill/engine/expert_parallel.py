@@ -57,6 +57,7 @@ from minimill.engine.model_runner import ModelRunner
 from minimill.engine.params import EngineError
 from minimill.engine.pipeline_runner import PipelineStageError
 from minimill.engine.scheduler import ModelOutput, SchedulerOutput
+from minimill.engine.stage_hosts import SILENCE_S, Assignment, RemoteStages
 from minimill.models.types import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -106,10 +107,47 @@ class ExpertParallelRunner(ModelRunner):
                  [(s.local.start, s.local.stop) for s in self.shares])
 
     def _start_ranks(self, config: EngineConfig, source: str | RandomWeights) -> None:
-        store, port = link.open_store(self.num_ranks)
-        context = multiprocessing.get_context("spawn")
         self.processes: list[Any] = []
         self._conns: list[Connection] = []
+        self.remote: RemoteStages | None = None
+        self._remote_pids: list[int] = []
+        self._stopped = threading.Event()
+        if config.stages_listen:
+            self._join_remote(config, source)
+        else:
+            self._start_local(config, source)
+        self._senders = [link.Sender(self.groups.forward, rank)
+                         for rank in range(1, self.num_ranks)]
+        self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
+        self._watcher = threading.Thread(target=self._watch, name="minimill-experts-watch",
+                                         daemon=True)
+        self._watcher.start()
+
+    def _join_remote(self, config: EngineConfig, source: str | RandomWeights) -> None:
+        """Wait for the ranks from other hosts (stage_hosts.py), then join their groups."""
+        assert config.stages_listen is not None
+        if isinstance(source, RandomWeights):
+            raise EngineError("expert-parallel ranks on other hosts load the model by name "
+                              "or path; random weights are drawn on one host only")
+        self.remote = RemoteStages(config.stages_listen, Assignment(
+            config.model, source, self.model_config, config, tuple(self.shares)))
+        try:
+            for rank, joined in enumerate(self.remote.wait_ready(_RANK_START_TIMEOUT_S), 1):
+                self._remote_pids.append(joined.pid)
+                self.ranks.append(RankReport(joined.pid, joined.memory[0], joined.memory[1],
+                                             joined.experts))
+                log.info("expert parallel: rank %d joined, experts %s", rank, joined.experts)
+            self.groups = link.join(0, self.num_ranks, self.remote.port, self.remote.store,
+                                    address=self.remote.address)
+            self.exchange.group = experts_group(0, self.num_ranks, self.remote.store,
+                                                self.remote.address)
+        except BaseException:
+            self.remote.stop()
+            raise
+
+    def _start_local(self, config: EngineConfig, source: str | RandomWeights) -> None:
+        store, port = link.open_store(self.num_ranks)
+        context = multiprocessing.get_context("spawn")
         try:
             for rank in range(1, self.num_ranks):
                 ours, theirs = context.Pipe()
@@ -135,16 +173,11 @@ class ExpertParallelRunner(ModelRunner):
         except BaseException:
             self._kill_ranks()
             raise
-        self._senders = [link.Sender(self.groups.forward, rank)
-                         for rank in range(1, self.num_ranks)]
-        self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
-        self._watcher = threading.Thread(target=self._watch, name="minimill-experts-watch",
-                                         daemon=True)
-        self._watcher.start()
 
     @property
     def rank_pids(self) -> list[int]:
-        return [p.pid for p in self.processes]
+        """The rank processes' pids, rank 1 first (a remote rank's on its own host)."""
+        return self._remote_pids or [p.pid for p in self.processes]
 
     def execute(self, output: SchedulerOutput) -> ModelOutput:
         """Send each rank its sequences of the step, run this rank's with them, then norm,
@@ -189,6 +222,8 @@ class ExpertParallelRunner(ModelRunner):
 
     def _cause(self, exc: Exception) -> str:
         """Why a step failed: a rank that ended, else the error itself."""
+        if self.remote is not None:  # no process to see end: the link broke
+            return f"an expert-parallel rank is unreachable: {type(exc).__name__}: {exc}"
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, 1)}
         ready = wait(list(sentinels), _DEATH_NAMING_S)
         if ready:
@@ -199,7 +234,14 @@ class ExpertParallelRunner(ModelRunner):
         return f"an expert-parallel step failed: {type(exc).__name__}: {exc}"
 
     def _watch(self) -> None:
-        """A rank process that ends unasked ends the engine."""
+        """A rank process that ends unasked ends the engine (a rank on another host: one
+        whose beat stopped; one whose process ended breaks the next step's link)."""
+        if self.remote is not None:
+            hosts = self.remote.hosts
+            self.remote.watch(self._stopped, lambda rank: self._die(
+                f"expert-parallel rank {rank} on {hosts[rank - 1]} has not been heard from "
+                f"for {SILENCE_S:.0f} s"))
+            return
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, 1)}
         ready = wait([*sentinels, self._wake_r])
         if self._closing:
@@ -220,6 +262,9 @@ class ExpertParallelRunner(ModelRunner):
         self._kill_ranks()
 
     def _kill_ranks(self) -> None:
+        self._stopped.set()
+        if self.remote is not None:
+            self.remote.stop()  # the ranks on other hosts leave
         for process in self.processes:
             if process.is_alive():
                 process.kill()
@@ -246,6 +291,8 @@ class ExpertParallelRunner(ModelRunner):
             self._senders.clear()
             self.exchange.group = None
             self.groups.forward = self.groups.back = self.groups.store = None
+            if self.remote is not None:
+                self.remote.store = None
         self._wake_w.send(None)
         self._kill_ranks()
         for conn in self._conns:

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -118,43 +119,61 @@ def rank_main(conn: Connection, share: ExpertShare, port: int, source: str | Ran
     if cpus is not None:
         os.sched_setaffinity(0, cpus)  # the kernels' threads pin inside these
     try:
-        from minimill.models.loader import load_model
-        from minimill.models.shapes import random_model
-
-        if isinstance(source, RandomWeights):
-            loaded = random_model(source.name, source.config, config.torch_dtype,
-                                  source.tokenizer, source.seed, keep=share)
-        else:
-            loaded = load_model(source, config.torch_dtype, keep=share)
-        names = list(loaded.weights)
-        weight_bytes = int(loaded.extra.get("loaded_bytes") or sum(
-            t.numel() * t.element_size() for t in loaded.weights.values()))
-        exchange = ExpertExchange(share)
-        runner = ModelRunner(config, loaded, exchange=exchange)
-        loaded.weights.clear()
+        runner, exchange, (weight_bytes, kv_bytes), experts = load_rank(source, config, share)
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
+    conn.send(("ready", RankReport(os.getpid(), weight_bytes, kv_bytes, experts)))
+    serve_rank(runner, exchange, link.join(share.rank, share.num_ranks, port), "127.0.0.1")
+
+
+def load_rank(source: str | RandomWeights, config: EngineConfig, share: ExpertShare,
+              check: Callable[[ModelConfig], None] | None = None, auto_pull: bool = False
+              ) -> tuple[ModelRunner, ExpertExchange, tuple[int, int], list[int]]:
+    """A rank's model runner over its share of the weights, its exchange, what it holds
+    (bytes of weights read, of its KV pool) and the routed experts it read. `check` sees the model's
+    configuration before the runner is built (and may refuse it)."""
+    from minimill.models.loader import load_model
+    from minimill.models.shapes import random_model
+
+    if isinstance(source, RandomWeights):
+        loaded = random_model(source.name, source.config, config.torch_dtype,
+                              source.tokenizer, source.seed, keep=share)
+    else:
+        loaded = load_model(source, config.torch_dtype, keep=share, auto_pull=auto_pull)
+    if check is not None:
+        check(loaded.config)
+    names = list(loaded.weights)
+    weight_bytes = int(loaded.extra.get("loaded_bytes") or sum(
+        t.numel() * t.element_size() for t in loaded.weights.values()))
+    exchange = ExpertExchange(share)
+    runner = ModelRunner(config, loaded, exchange=exchange)
+    loaded.weights.clear()
     kv_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
-    conn.send(("ready", RankReport(os.getpid(), weight_bytes, kv_bytes, experts_read(names))))
-    groups = link.join(share.rank, share.num_ranks, port)
-    exchange.group = experts_group(share.rank, share.num_ranks, groups.store)
+    return runner, exchange, (weight_bytes, kv_bytes), experts_read(names)
+
+
+def serve_rank(runner: ModelRunner, exchange: ExpertExchange, groups: link.Groups,
+               address: str) -> None:
+    """Run rank 0's steps on this rank's share until it says stop (`address`: this
+    process's, where the other ranks reach it)."""
+    exchange.group = experts_group(groups.rank, groups.world_size, groups.store, address)
     try:
         _run_steps(runner, exchange, groups)
     except Exception:
         # Its exchanges are out of step with the others': nothing can go on.
-        log.exception("expert-parallel rank %d: a step failed", share.rank)
+        log.exception("expert-parallel rank %d: a step failed", groups.rank)
         os._exit(1)
     exchange.group = None
     groups.forward = groups.back = groups.store = None
 
 
-def experts_group(rank: int, num_ranks: int, store: Any) -> Any:
-    """The ranks' group for the experts' exchanges, beside pipeline_link's two (on loopback,
-    as theirs are)."""
+def experts_group(rank: int, num_ranks: int, store: Any, address: str = "127.0.0.1") -> Any:
+    """The ranks' group for the experts' exchanges, beside pipeline_link's two, listening
+    at this process's `address` as theirs do."""
     options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = link.IDLE_TIMEOUT
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
     return dist.ProcessGroupGloo(dist.PrefixStore("experts", store), rank, num_ranks, options)
 
 

@@ -61,6 +61,7 @@ _WIRE_CLASSES = frozenset({
     ("minimill.models.types", "ModelConfig"),
     ("minimill.engine.stage_hosts", "Assignment"),
     ("minimill.engine.expert_rank", "ExpertStep"),
+    ("minimill.engine.expert_share", "ExpertShare"),
 })
 
 

@@ -133,9 +133,9 @@ class PipelineRunner(ModelRunner):
         self.remote = RemoteStages(config.stages_listen,
                                    Assignment(config.model, source, model_config, config, keeps))
         try:
-            for pid, memory in self.remote.wait_ready(_STAGE_START_TIMEOUT_S):
-                self._remote_pids.append(pid)
-                self.stage_memory.append(memory)
+            for joined in self.remote.wait_ready(_STAGE_START_TIMEOUT_S):
+                self._remote_pids.append(joined.pid)
+                self.stage_memory.append(joined.memory)
             self.groups = link.join(0, self.plan.num_stages, self.remote.port,
                                     self.remote.store, address=self.remote.address)
         except BaseException:

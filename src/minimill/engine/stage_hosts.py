@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from minimill.engine import pipeline_link as link
 from minimill.engine.config import EngineConfig
+from minimill.engine.expert_share import ExpertShare
 from minimill.engine.memory_budget import StageWeights
 from minimill.engine.params import EngineError, InvalidRequestError
 from minimill.models.types import ModelConfig
@@ -79,11 +80,22 @@ class Assignment:
     source: str  # where stage 0 read it: the same path may hold it here
     model_config: ModelConfig
     config: EngineConfig
-    keeps: tuple[StageWeights, ...]  # per stage, stage 0 first
+    # Per stage, stage 0 first: a pipeline stage's StageWeights, or an expert-parallel
+    # rank's ExpertShare (expert_share.py), which also says what the process runs.
+    keeps: tuple[StageWeights | ExpertShare, ...]
 
     @property
     def num_stages(self) -> int:
         return len(self.keeps)
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    """What a stage reported when it was ready."""
+
+    pid: int  # on its own host
+    memory: tuple[int, int]  # bytes of weights it read, of its KV pool
+    experts: list[int]  # an expert-parallel rank's routed experts among them
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -147,9 +159,9 @@ class RemoteStages:
         self.store.set(_ASSIGNMENT, link.dumps(assignment))
         self.hosts: list[str] = []
 
-    def wait_ready(self, timeout_s: float) -> list[tuple[int, tuple[int, int]]]:
-        """Each stage's (pid, (weight bytes, KV bytes)) once all have joined and loaded;
-        EngineError naming the stage that failed, was refused or never came."""
+    def wait_ready(self, timeout_s: float) -> list[Joined]:
+        """What each stage reported once all have joined and loaded; EngineError naming the
+        stage that failed, was refused or never came."""
         started = time.monotonic()
         deadline, say_at = started + timeout_s, started + PROGRESS_S
         out = []
@@ -175,10 +187,11 @@ class RemoteStages:
             message = link.loads(self.store.get(key))
             if message[0] != "ready":
                 raise EngineError(f"pipeline stage {rank} did not start: {message[1]}")
-            _, pid, memory, host = message
+            _, pid, memory, host, experts = message
             log.info("pipeline: stage %d joined from %s (pid %d)", rank, host, pid)
             self.hosts.append(str(host))
-            out.append((int(pid), (int(memory[0]), int(memory[1]))))
+            out.append(Joined(int(pid), (int(memory[0]), int(memory[1])),
+                              [int(e) for e in experts]))
         return out
 
     def watch(self, stopped: threading.Event, on_silent: Callable[[int], None]) -> None:
@@ -299,21 +312,34 @@ def _run_session(connect: str, model: str | None, threads: int | None) -> int:
                               f"layers, hidden {expected.hidden_size})")
 
     try:
-        runner, memory = load_stage(model, config, keep, same_model, auto_pull=True)
+        if isinstance(keep, ExpertShare):
+            from minimill.engine.expert_rank import load_rank
+
+            runner, exchange, memory, experts = load_rank(model, config, keep, same_model,
+                                                         auto_pull=True)
+            what = f"experts {keep.local.start}-{keep.local.stop - 1}"
+        else:
+            runner, memory = load_stage(model, config, keep, same_model, auto_pull=True)
+            experts, what = [], f"layers {keep.layers.start}-{keep.layers.stop - 1}"
     except Exception as exc:
         log.error("stage %d: %s: %s", rank, type(exc).__name__, exc)
         store.set(_key("ready", rank), link.dumps(("error", f"{type(exc).__name__}: {exc}")))
         return 1
     store.set(_key("ready", rank), link.dumps(("ready", os.getpid(), memory,
-                                                socket.gethostname())))
-    log.info("stage %d of %d: layers %d-%d of %s", rank, assignment.num_stages - 1,
-             keep.layers.start, keep.layers.stop - 1, model)
+                                                socket.gethostname(), experts)))
+    log.info("stage %d of %d: %s of %s", rank, assignment.num_stages - 1, what, model)
     threading.Thread(target=_beat, args=(host, port, rank), name="minimill-stage-beat",
                      daemon=True).start()
+    address = own_address(host, port)
     try:
         groups = link.join(rank, assignment.num_stages, port, store, host=host,
-                           address=own_address(host, port))
-        StageLoop(runner, groups).run()
+                           address=address)
+        if isinstance(keep, ExpertShare):
+            from minimill.engine.expert_rank import serve_rank
+
+            serve_rank(runner, exchange, groups, address)
+        else:
+            StageLoop(runner, groups).run()
     except Exception as exc:  # stage 0 went away mid-step
         log.warning("stage %d: the link to stage 0 broke: %s", rank, exc)
         os._exit(1)  # gloo's threads may still hold the broken link: no teardown

@@ -255,9 +255,9 @@ def run_worker(*, server: str, site: str, token: str, price_per_hour: float | No
     if max_memory_gb is not None and not max_memory_gb > 0:
         raise SystemExit(f"--max-memory-gb must be > 0, not {max_memory_gb}")
     if stages_listen is not None and (engine != "builtin" or (
-            pipeline_stages < 2 and max_memory_gb is None)):
-        raise SystemExit("--stages-listen needs the builtin engine and --pipeline-stages 2 "
-                         "or more")
+            pipeline_stages < 2 and expert_parallel < 2 and max_memory_gb is None)):
+        raise SystemExit("--stages-listen needs the builtin engine and --pipeline-stages or "
+                         "--expert-parallel of 2 or more")
     chip = _check_declared(price_per_hour, chip)
     started = time.monotonic()
     try:
