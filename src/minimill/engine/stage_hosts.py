@@ -236,6 +236,7 @@ def serve_stages(connect: str, model: str | None = None, threads: int | None = N
             signal.signal(sig, signal.SIG_IGN)  # once: the exit must not be interrupted
         for process in current:
             process.kill()
+            process.join(10)  # gone (and reaped) before this process is
         raise SystemExit(128 + signum)
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
