@@ -57,7 +57,7 @@ from minimill.engine.model_runner import ModelRunner
 from minimill.engine.params import EngineError
 from minimill.engine.pipeline_runner import PipelineStageError
 from minimill.engine.scheduler import ModelOutput, SchedulerOutput
-from minimill.engine.stage_hosts import SILENCE_S, Assignment, RemoteStages
+from minimill.engine.stage_hosts import Assignment, RemoteStages, watch_peers
 from minimill.models.types import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -236,21 +236,8 @@ class ExpertParallelRunner(ModelRunner):
     def _watch(self) -> None:
         """A rank process that ends unasked ends the engine (a rank on another host: one
         whose beat stopped; one whose process ended breaks the next step's link)."""
-        if self.remote is not None:
-            hosts = self.remote.hosts
-            self.remote.watch(self._stopped, lambda rank: self._die(
-                f"expert-parallel rank {rank} on {hosts[rank - 1]} has not been heard from "
-                f"for {SILENCE_S:.0f} s"))
-            return
-        sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, 1)}
-        ready = wait([*sentinels, self._wake_r])
-        if self._closing:
-            return
-        rank = next((sentinels[s] for s in ready if s in sentinels), None)
-        if rank is not None:
-            process = self.processes[rank - 1]
-            process.join(_RANK_STOP_TIMEOUT_S)
-            self._die(f"expert-parallel rank {rank} ended (exit code {process.exitcode})")
+        watch_peers("expert-parallel rank", self.processes, self.remote, self._stopped,
+                    self._wake_r, lambda: self._closing, self._die, _RANK_STOP_TIMEOUT_S)
 
     def _die(self, reason: str) -> None:
         with self._lock:

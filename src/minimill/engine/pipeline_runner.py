@@ -41,7 +41,7 @@ from minimill.engine.model_runner import ModelRunner, sample_masks, step_inputs
 from minimill.engine.params import EngineDied, EngineError
 from minimill.engine.pipeline_stage import StepFailed, StepWork, pin_to, stage_main
 from minimill.engine.scheduler import ModelOutput, ScheduledSequence, SchedulerOutput
-from minimill.engine.stage_hosts import SILENCE_S, Assignment, RemoteStages
+from minimill.engine.stage_hosts import Assignment, RemoteStages, watch_peers
 from minimill.engine.stage_plan import StagePlan, head_cost, layer_costs, plan_at, plan_stages
 from minimill.models.types import LoadedModel, ModelConfig
 
@@ -334,22 +334,8 @@ class PipelineRunner(ModelRunner):
 
     # The watcher: a stage process that ends unasked ends the pipeline.
     def _watch(self) -> None:
-        if self.remote is not None:
-            hosts = self.remote.hosts
-            self.remote.watch(self._stopped, lambda rank: self._die(
-                f"pipeline stage {rank} on {hosts[rank - 1]} has not been heard from for "
-                f"{SILENCE_S:.0f} s"))
-            return
-        sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, 1)}
-        ready = wait([*sentinels, self._wake_r])
-        if self._closing:
-            return
-        rank = next((sentinels[s] for s in ready if s in sentinels), None)
-        if rank is not None:
-            process = self.processes[rank - 1]
-            process.join(_STAGE_STOP_TIMEOUT_S)  # its exit code is read when it is reaped
-            code = process.exitcode
-            self._die(f"pipeline stage {rank} ended (exit code {code})")
+        watch_peers("pipeline stage", self.processes, self.remote, self._stopped,
+                    self._wake_r, lambda: self._closing, self._die, _STAGE_STOP_TIMEOUT_S)
 
     def _die(self, reason: str) -> None:
         with self._lock:
