@@ -1,4 +1,5 @@
-"""Checks shared by the fleet failure tests: waiting, batch results, recorded checkpoints."""
+"""Checks shared by the fleet failure tests: waiting, batch results, recorded checkpoints and
+completions, a worker's engine processes."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from proxy import FleetProxy
@@ -108,3 +110,29 @@ def resume_points(proxies: Iterable[FleetProxy],
             points["logprobs"] += any(c.get("logprobs") for c in choices)
             points["sampled"] += lease["body"].get("temperature", 1.0) > 0
     return points
+
+
+def leased_with_tokens(link: FleetProxy) -> set[str]:
+    """Requests whose checkpoint the control plane accepted with some tokens in it."""
+    return {request_id for request_id, checkpoint in accepted_checkpoints([link]).items()
+            if any(choice["token_ids"] for choice in checkpoint["choices"])}
+
+
+def accepted_completions(*links: FleetProxy) -> Counter[str]:
+    """How many times the control plane accepted each request's completion."""
+    return Counter(request_id for link in links for exchange in link.find("/complete")
+                   if exchange.status == 200 for request_id in exchange.response["accepted"])
+
+
+def _spawned(pid: int) -> list[int]:
+    """The children of `pid` started by multiprocessing's spawn (not its resource tracker)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    return [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def engine_peer_pids(worker_pid: int) -> list[int]:
+    """The pipeline stages or expert-parallel ranks of a worker's engine: what its engine
+    process (a spawned child of the worker) spawned in turn."""
+    return [peer for engine in _spawned(worker_pid) for peer in _spawned(engine)]

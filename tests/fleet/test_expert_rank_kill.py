@@ -9,13 +9,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from fleet_checks import accepted_checkpoints, batch_records, wait_until
-from proxy import FleetProxy, fleet_proxy
+from fleet_checks import (
+    accepted_completions,
+    batch_records,
+    engine_peer_pids,
+    leased_with_tokens,
+    wait_until,
+)
+from proxy import fleet_proxy
 from serve_process import Serve, Worker, free_port
 
 from minimill.models.loader import load_model
@@ -28,28 +33,6 @@ MAX_TOKENS = 400
 LEASE_TTL_S = 300.0  # long enough that no expiry frees the requests here
 ENGINE_DIED_STATUS = 3
 NAME = "tiny-qwen3-moe"
-
-
-def _spawned(pid: int) -> list[int]:
-    children = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        children += [int(c) for c in (task / "children").read_text().split()]
-    return [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
-
-
-def rank_pids(worker_pid: int) -> list[int]:
-    """The rank processes of a worker's engine (spawned by its spawned engine process)."""
-    return [rank for engine in _spawned(worker_pid) for rank in _spawned(engine)]
-
-
-def leased_with_tokens(link: FleetProxy) -> set[str]:
-    return {request_id for request_id, checkpoint in accepted_checkpoints([link]).items()
-            if any(choice["token_ids"] for choice in checkpoint["choices"])}
-
-
-def accepted_completions(*links: FleetProxy) -> Counter[str]:
-    return Counter(request_id for link in links for exchange in link.find("/complete")
-                   if exchange.status == 200 for request_id in exchange.response["accepted"])
 
 
 def test_a_killed_rank_takes_its_site_down_and_the_work_finishes_elsewhere(
@@ -84,7 +67,7 @@ def test_a_killed_rank_takes_its_site_down_and_the_work_finishes_elsewhere(
                                           endpoint="/v1/chat/completions")
             wait_until(lambda: len(leased_with_tokens(ranked_link)) == NUM_LINES, 180,
                        "checkpoints of every request from the expert-parallel site")
-            ranks = wait_until(lambda: rank_pids(ranked.pid), 10, "the rank process")
+            ranks = wait_until(lambda: engine_peer_pids(ranked.pid), 10, "the rank process")
             assert len(ranks) == 1, ranks  # two ranks: the engine process and one more
 
             os.kill(ranks[0], signal.SIGKILL)

@@ -10,12 +10,17 @@ import os
 import re
 import signal
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
-from fleet_checks import accepted_checkpoints, batch_records, wait_until
-from proxy import FleetProxy, fleet_proxy
+from fleet_checks import (
+    accepted_completions,
+    batch_records,
+    engine_peer_pids,
+    leased_with_tokens,
+    wait_until,
+)
+from proxy import fleet_proxy
 from resume_reference import assert_results_match_reference, finished_requests
 from serve_process import Serve, Worker, chat_line, free_port
 
@@ -26,38 +31,6 @@ MAX_TOKENS = 160
 # Leases long enough that an expiry cannot be what frees the requests in this test.
 LEASE_TTL_S = 300.0
 ENGINE_DIED_STATUS = 3
-
-
-def _children(pid: int) -> list[int]:
-    children = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        text = (task / "children").read_text()
-        children += [int(child) for child in text.split()]
-    return children
-
-
-def _cmdline(pid: int) -> str:
-    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-
-
-def stage_pids(worker_pid: int) -> list[int]:
-    """The stage processes of a worker's engine: processes its engine process (a spawned
-    child of the worker) spawned in turn (its resource tracker is not one)."""
-    spawned = [pid for pid in _children(worker_pid) if "spawn_main" in _cmdline(pid)]
-    return [stage for engine in spawned for stage in _children(engine)
-            if "spawn_main" in _cmdline(stage)]
-
-
-def leased_with_tokens(link: FleetProxy) -> set[str]:
-    """Requests whose checkpoint the control plane accepted with some tokens in it."""
-    return {request_id for request_id, checkpoint in accepted_checkpoints([link]).items()
-            if any(choice["token_ids"] for choice in checkpoint["choices"])}
-
-
-def accepted_completions(*links: FleetProxy) -> Counter[str]:
-    """How many times the control plane accepted each request's completion."""
-    return Counter(request_id for link in links for exchange in link.find("/complete")
-                   if exchange.status == 200 for request_id in exchange.response["accepted"])
 
 
 def test_a_killed_stage_takes_its_site_down_and_the_work_resumes_elsewhere(
@@ -86,7 +59,7 @@ def test_a_killed_stage_takes_its_site_down_and_the_work_resumes_elsewhere(
             # Every request leased by the staged site, each with tokens checkpointed.
             wait_until(lambda: len(leased_with_tokens(staged_link)) == NUM_LINES, 180,
                        "checkpoints of every request from the staged site")
-            stages = wait_until(lambda: stage_pids(staged.pid), 10, "the stage process")
+            stages = wait_until(lambda: engine_peer_pids(staged.pid), 10, "the stage process")
             assert len(stages) == 1, stages  # two stages: the engine process and one more
 
             os.kill(stages[0], signal.SIGKILL)

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from minimill.engine import peers
 from minimill.engine import pipeline_link as link
 from minimill.engine.config import EngineConfig
 from minimill.engine.expert_rank import (
@@ -57,7 +58,7 @@ from minimill.engine.model_runner import ModelRunner
 from minimill.engine.params import EngineError
 from minimill.engine.pipeline_runner import PipelineStageError
 from minimill.engine.scheduler import ModelOutput, SchedulerOutput
-from minimill.engine.stage_hosts import Assignment, RemoteStages, watch_peers
+from minimill.engine.stage_hosts import Assignment, RemoteStages
 from minimill.models.types import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -147,25 +148,13 @@ class ExpertParallelRunner(ModelRunner):
 
     def _start_local(self, config: EngineConfig, source: str | RandomWeights) -> None:
         store, port = link.open_store(self.num_ranks)
-        context = multiprocessing.get_context("spawn")
+        self.processes, self._conns, ready = peers.start_local(
+            self.num_ranks, rank_main,
+            lambda rank, conn: (conn, self.shares[rank], port, source, config),
+            "minimill-experts", "expert-parallel rank", _RANK_START_TIMEOUT_S,
+            _RANK_STOP_TIMEOUT_S)
+        self.ranks += [report for (report,) in ready]
         try:
-            for rank in range(1, self.num_ranks):
-                ours, theirs = context.Pipe()
-                process = context.Process(
-                    target=rank_main, name=f"minimill-experts-{rank}", daemon=True,
-                    args=(theirs, self.shares[rank], port, source, config))
-                process.start()
-                theirs.close()
-                self.processes.append(process)
-                self._conns.append(ours)
-            for rank, (process, conn) in enumerate(zip(self.processes, self._conns,
-                                                       strict=True), 1):
-                ready = wait([conn, process.sentinel], _RANK_START_TIMEOUT_S)
-                message = conn.recv() if conn in ready and conn.poll() else None
-                if not message or message[0] != "ready":
-                    why = message[1] if message else f"exit code {process.exitcode}"
-                    raise EngineError(f"expert-parallel rank {rank} did not start: {why}")
-                self.ranks.append(message[1])
             # `forward` carries steps from rank 0 to each rank, `back` their sampling rows,
             # and a group of their own the experts' exchanges.
             self.groups = link.join(0, self.num_ranks, port, store)
@@ -236,7 +225,7 @@ class ExpertParallelRunner(ModelRunner):
     def _watch(self) -> None:
         """A rank process that ends unasked ends the engine (a rank on another host: one
         whose beat stopped; one whose process ended breaks the next step's link)."""
-        watch_peers("expert-parallel rank", self.processes, self.remote, self._stopped,
+        peers.watch("expert-parallel rank", self.processes, self.remote, self._stopped,
                     self._wake_r, lambda: self._closing, self._die, _RANK_STOP_TIMEOUT_S)
 
     def _die(self, reason: str) -> None:
@@ -249,14 +238,7 @@ class ExpertParallelRunner(ModelRunner):
         self._kill_ranks()
 
     def _kill_ranks(self) -> None:
-        self._stopped.set()
-        if self.remote is not None:
-            self.remote.stop()  # the ranks on other hosts leave
-        for process in self.processes:
-            if process.is_alive():
-                process.kill()
-        for process in self.processes:
-            process.join(_RANK_STOP_TIMEOUT_S)
+        peers.stop(self.processes, self.remote, self._stopped, _RANK_STOP_TIMEOUT_S)
 
     def close(self) -> None:
         """Stop every rank process (idempotent)."""

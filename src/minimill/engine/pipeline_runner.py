@@ -29,11 +29,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from multiprocessing.connection import wait
 from typing import Any
 
 import torch
 
+from minimill.engine import peers
 from minimill.engine import pipeline_link as link
 from minimill.engine.config import EngineConfig
 from minimill.engine.memory_budget import StageWeights
@@ -41,7 +41,7 @@ from minimill.engine.model_runner import ModelRunner, sample_masks, step_inputs
 from minimill.engine.params import EngineDied, EngineError
 from minimill.engine.pipeline_stage import StepFailed, StepWork, pin_to, stage_main
 from minimill.engine.scheduler import ModelOutput, ScheduledSequence, SchedulerOutput
-from minimill.engine.stage_hosts import Assignment, RemoteStages, watch_peers
+from minimill.engine.stage_hosts import Assignment, RemoteStages
 from minimill.engine.stage_plan import StagePlan, head_cost, layer_costs, plan_at, plan_stages
 from minimill.models.types import LoadedModel, ModelConfig
 
@@ -145,43 +145,17 @@ class PipelineRunner(ModelRunner):
     def _start_local(self, config: EngineConfig, source: str, model_config: ModelConfig
                      ) -> None:
         store, port = link.open_store(self.plan.num_stages)
-        context = multiprocessing.get_context("spawn")
+        self.processes, self._conns, ready = peers.start_local(
+            self.plan.num_stages, stage_main, lambda rank, conn: (
+                conn, rank, self.plan.num_stages, port, source, config,
+                StageWeights.of(self.plan.layers[rank], model_config), self.cpus[rank]),
+            "minimill-stage", "pipeline stage", _STAGE_START_TIMEOUT_S, _STAGE_STOP_TIMEOUT_S)
+        self.stage_memory += [memory for _pid, memory in ready]
         try:
-            for rank in range(1, self.plan.num_stages):
-                ours, theirs = context.Pipe()
-                process = context.Process(
-                    target=stage_main, name=f"minimill-stage-{rank}", daemon=True,
-                    args=(theirs, rank, self.plan.num_stages, port, source, config,
-                          StageWeights.of(self.plan.layers[rank], model_config),
-                          self.cpus[rank]))
-                process.start()
-                theirs.close()
-                self.processes.append(process)
-                self._conns.append(ours)
-            for rank, (process, conn) in enumerate(zip(self.processes, self._conns,
-                                                       strict=True), 1):
-                ready = wait([conn, process.sentinel], _STAGE_START_TIMEOUT_S)
-                message = conn.recv() if conn in ready and conn.poll() else None
-                if not message or message[0] != "ready":
-                    raise EngineError(f"pipeline stage {rank} did not start: "
-                                      f"{self._why_not_ready(process, message, bool(ready))}")
-                self.stage_memory.append(message[2])
             self.groups = link.join(0, self.plan.num_stages, port, store)
         except BaseException:
             self._kill_stages()
             raise
-
-    @staticmethod
-    def _why_not_ready(process: Any, message: Any, woke: bool) -> str:
-        if message:
-            return str(message[1])
-        if not woke:
-            return f"it did not load within {_STAGE_START_TIMEOUT_S:.0f} s"
-        process.join(_STAGE_STOP_TIMEOUT_S)  # ended: reap it for its exit code
-        code = process.exitcode
-        if code is not None and code < 0:
-            return f"it was killed by signal {-code} while loading (out of memory?)"
-        return f"it exited with status {code} while loading (its traceback is in this log)"
 
     @property
     def num_lanes(self) -> int:
@@ -334,7 +308,7 @@ class PipelineRunner(ModelRunner):
 
     # The watcher: a stage process that ends unasked ends the pipeline.
     def _watch(self) -> None:
-        watch_peers("pipeline stage", self.processes, self.remote, self._stopped,
+        peers.watch("pipeline stage", self.processes, self.remote, self._stopped,
                     self._wake_r, lambda: self._closing, self._die, _STAGE_STOP_TIMEOUT_S)
 
     def _die(self, reason: str) -> None:
@@ -352,14 +326,7 @@ class PipelineRunner(ModelRunner):
             report(False, error)
 
     def _kill_stages(self) -> None:
-        self._stopped.set()
-        if self.remote is not None:
-            self.remote.stop()  # the stages on other hosts leave
-        for process in self.processes:
-            if process.is_alive():
-                process.kill()
-        for process in self.processes:
-            process.join(_STAGE_STOP_TIMEOUT_S)
+        peers.stop(self.processes, self.remote, self._stopped, _STAGE_STOP_TIMEOUT_S)
 
     def close(self) -> None:
         """Stop every stage process (idempotent)."""

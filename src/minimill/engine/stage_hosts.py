@@ -42,7 +42,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing.connection import wait
 from typing import Any
 
 import torch.distributed as dist
@@ -219,30 +218,6 @@ class RemoteStages:
             self.store.set(_STOP, b"1")
         except Exception as exc:  # the store is already gone
             log.debug("pipeline: could not set stop: %s", exc)
-
-
-def watch_peers(noun: str, processes: list[Any], remote: RemoteStages | None,
-                stopped: threading.Event, wake: Any, closing: Callable[[], bool],
-                die: Callable[[str], None], join_s: float) -> None:
-    """Stage 0's watch over its peers (pipeline stages, expert-parallel ranks; `noun` names
-    one): end the engine (`die`) with the first of `processes` to end unasked, or with the
-    first peer on another host whose beat stops; return when `wake` is signalled or
-    `stopped` set (the engine closing)."""
-    if remote is not None:
-        hosts = remote.hosts
-        remote.watch(stopped, lambda rank: die(
-            f"{noun} {rank} on {hosts[rank - 1]} has not been heard from for "
-            f"{SILENCE_S:.0f} s"))
-        return
-    sentinels = {p.sentinel: rank for rank, p in enumerate(processes, 1)}
-    ready = wait([*sentinels, wake])
-    if closing():
-        return
-    rank = next((sentinels[s] for s in ready if s in sentinels), None)
-    if rank is not None:
-        process = processes[rank - 1]
-        process.join(join_s)  # its exit code is read when it is reaped
-        die(f"{noun} {rank} ended (exit code {process.exitcode})")
 
 
 # The stage's side.
