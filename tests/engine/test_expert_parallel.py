@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from stage_kill import kill_stage_mid_batch
 
 from minimill.engine.core import EngineCore
 from minimill.engine.engine_process import ProcessEngine
@@ -155,29 +156,9 @@ def test_a_rank_killed_mid_generation_ends_the_engine_and_every_rank(two_ranks: 
     core = two_ranks.engine
     runner = core.runner
     assert isinstance(runner, ExpertParallelRunner)
-    for i, prompt in enumerate(_prompts()):
-        core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=200, temperature=0.0,
-                                                         ignore_eos=True))
-    outcome: list[BaseException] = []
-    killed = threading.Event()
-
-    def drive() -> None:
-        try:
-            while core.has_unfinished:
-                deltas = core.step().deltas
-                if deltas and not killed.is_set():
-                    os.kill(runner.rank_pids[0], signal.SIGKILL)
-                    killed.set()
-        except BaseException as exc:
-            outcome.append(exc)
-
-    driver = threading.Thread(target=drive, daemon=True)
-    driver.start()
-    driver.join(120)  # generous: a hang is the failure this guards against
-    assert not driver.is_alive(), "the engine kept waiting for a dead rank"
-    assert killed.is_set() and len(outcome) == 1
-    assert isinstance(outcome[0], EngineDied)
-    assert "rank 1" in str(outcome[0])
+    error = kill_stage_mid_batch(core, _prompts(), runner.rank_pids[0])
+    assert isinstance(error, EngineDied)
+    assert "rank 1" in str(error)
     assert all(not p.is_alive() for p in runner.processes)
     with pytest.raises(EngineDied):
         core.step()

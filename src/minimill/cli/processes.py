@@ -243,7 +243,7 @@ def stage(
     import sys
 
     from minimill.engine.params import InvalidRequestError
-    from minimill.engine.stage_hosts import serve_stages
+    from minimill.engine.stage_session import serve_stages
 
     logging.basicConfig(level=os.environ.get("MINIMILL_LOG_LEVEL", "INFO"),
                         format="%(asctime)s stage %(levelname)s %(message)s", stream=sys.stderr)

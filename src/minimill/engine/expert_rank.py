@@ -9,12 +9,10 @@ once loaded (`RankReport`) and the cores it takes (`rank_cpus`).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -27,6 +25,7 @@ from minimill.engine import pipeline_link as link
 from minimill.engine.config import EngineConfig
 from minimill.engine.expert_share import ExpertExchange, ExpertShare, experts_read
 from minimill.engine.model_runner import ModelRunner, step_inputs
+from minimill.engine.peers import exit_with_parent
 from minimill.engine.pipeline_stage import positions_of
 from minimill.engine.scheduler import ScheduledSequence
 from minimill.models.tokenizer import Tokenizer
@@ -108,7 +107,7 @@ def rank_main(conn: Connection, share: ExpertShare, port: int, source: str | Ran
     """A rank process's life: load its weights (its experts only), say ready on `conn`
     with a RankReport, join the groups, run steps until told to stop. It ends with rank 0's
     process (`conn` closes)."""
-    _watch_parent(conn)
+    exit_with_parent(conn, "minimill-experts-parent")
     # Rank 0 decides when this rank stops; a signal to the whole group must not end it first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -188,13 +187,3 @@ def _run_steps(runner: ModelRunner, exchange: ExpertExchange, groups: link.Group
         back.send(link.STEP, None, run_share(runner, exchange, step))
 
 
-def _watch_parent(conn: Connection) -> None:
-    """Exit when rank 0's process is gone (its end of the pipe closes, however it ended),
-    even while this rank waits in a receive or loads."""
-
-    def watch() -> None:
-        with contextlib.suppress(EOFError, OSError):
-            conn.recv()
-        os._exit(1)
-
-    threading.Thread(target=watch, name="minimill-experts-parent", daemon=True).start()

@@ -4,7 +4,9 @@ hosts (stage_hosts.py), watched until one ends and stopped together."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import os
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
@@ -47,6 +49,18 @@ def start_local(count: int, target: Callable[..., None],
         stop(processes, None, threading.Event(), stop_s)
         raise
     return processes, conns, messages
+
+
+def exit_with_parent(conn: Connection, name: str) -> None:
+    """In a spawned peer: exit when stage 0's process is gone (its end of `conn` closes,
+    however it ended), even while this process waits in a receive or loads."""
+
+    def watch() -> None:
+        with contextlib.suppress(EOFError, OSError):
+            conn.recv()
+        os._exit(1)
+
+    threading.Thread(target=watch, name=name, daemon=True).start()
 
 
 def _why_not_ready(process: Any, message: Any, woke: bool, timeout_s: float,

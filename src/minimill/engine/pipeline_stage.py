@@ -10,12 +10,10 @@ stage, what sampling needs. A stage's send of one microbatch overlaps its work o
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +26,7 @@ from minimill.engine import pipeline_link as link
 from minimill.engine.config import EngineConfig
 from minimill.engine.memory_budget import StageWeights
 from minimill.engine.params import SamplingParams
+from minimill.engine.peers import exit_with_parent
 from minimill.models.types import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -84,7 +83,7 @@ def stage_main(conn: Connection, rank: int, world_size: int, port: int, source: 
     can be read by tensor), say ready on `conn` with its pid and the bytes it holds (weights
     read, KV pool), join the groups, run steps until told to stop. It ends with stage 0's
     process (`conn` closes)."""
-    _watch_parent(conn)
+    exit_with_parent(conn, "minimill-stage-parent")
     # Stage 0 decides when this stage stops; a signal to the whole group must not end it
     # first (it dies with its parent all the same).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -123,18 +122,6 @@ def load_stage(source: str, config: EngineConfig, keep: StageWeights,
     runner = ModelRunner(config, loaded, keep.layers)
     loaded.weights.clear()
     return runner, (weight_bytes, runner.kv_cache.numel() * runner.kv_cache.element_size())
-
-
-def _watch_parent(conn: Connection) -> None:
-    """Exit when stage 0's process is gone (its end of the pipe closes, however it ended),
-    even while this stage waits in a receive or loads."""
-
-    def watch() -> None:
-        with contextlib.suppress(EOFError, OSError):
-            conn.recv()
-        os._exit(1)
-
-    threading.Thread(target=watch, name="minimill-stage-parent", daemon=True).start()
 
 
 class StageLoop:
