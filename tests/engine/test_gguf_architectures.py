@@ -128,3 +128,26 @@ def test_stacked_experts_of_another_count_than_the_metadata_s_are_refused(
     write_gguf(path, "qwen3_moe", tmp_path, hf, model_file, expert_count=6)  # the tensors stack 8
     with pytest.raises(ModelFileError, match="metadata implies 6 experts"):
         load_model(str(path), torch.float32)
+
+
+def test_a_gguf_mixture_of_experts_over_expert_parallel_ranks(
+        tmp_path: Path, smol_f32: LoadedModel, model_file: Path) -> None:
+    # llama.cpp stacks each layer's experts in one tensor: a rank still reads only its own.
+    hf = save_tiny("qwen3_moe", tmp_path, smol_f32, **OVERRIDES["qwen3_moe"])
+    path = tmp_path / "qwen3_moe.gguf"
+    write_gguf(path, "qwen3_moe", tmp_path, hf, model_file)
+    from_gguf = load_model(str(path), torch.float32)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (29, 6, 17)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    single = LLM(from_gguf, dtype="float32", num_kv_blocks=64)
+    expected = [o.output_token_ids for o in single.generate(prompts, params)]
+    llm = LLM(from_gguf.source_path, expert_parallel=2, dtype="float32", num_kv_blocks=64,
+              num_threads=1)
+    try:
+        runner = llm.engine.runner
+        assert runner.ranks[0].experts == [0, 1, 2, 3]
+        assert runner.ranks[1].experts == [4, 5, 6, 7]
+        assert [o.output_token_ids for o in llm.generate(prompts, params)] == expected
+    finally:
+        llm.close()
