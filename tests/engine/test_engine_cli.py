@@ -134,6 +134,25 @@ def test_bench_engine_measures_a_shape_with_random_weights(minimill_home: Path, 
     assert "Traceback" not in refused.stderr
 
 
+@pytest.mark.parametrize("split", [["--stages", "2"],
+                                   ["--expert-parallel", "2", "--layers", "2"]])
+def test_bench_pipeline_alternates_a_split_engine_with_one_engine(
+        minimill_home: Path, workload: Path, split: list[str]) -> None:
+    result = run_cli(["bench", "pipeline", "--workload", str(workload), "--json", "--rounds",
+                      "2", *split], minimill_home)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    key = "pipeline_tok_s" if split[0] == "--stages" else "expert_parallel_tok_s"
+    assert report["output_tokens"] == 72 and len(report["rounds"]) == 2
+    for row in report["rounds"]:
+        assert row["single_tok_s"] > 0 and row[key] > 0
+        assert row["ratio"] == pytest.approx(row[key] / row["single_tok_s"], rel=0.01)
+    if split[0] == "--stages":  # each stage's time per step, from every round
+        assert [s["stage"] for s in report["rounds"][0]["stages"]] == [0, 1]
+    else:  # both ranks ran sequences of their own
+        assert all(steps > 0 for steps in report["rounds"][0]["sequence_steps_per_rank"])
+
+
 def test_bench_kv_measures_each_kv_dtype_against_the_model_dtype(minimill_home: Path) -> None:
     """`bench kv` on a small slice of its text: bytes, perplexity and greedy agreement for
     each KV dtype beside the model dtype's, and at one small budget int4 runs at least 3x the

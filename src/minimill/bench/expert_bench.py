@@ -3,17 +3,20 @@ ranks of one core each and through one engine of N cores, in the same run, on a 
 experts' shape with random weights (models/shapes.py; both draw the same weights from one
 seed, each rank only its share of the experts).
 
-Rounds alternate which engine goes first, as `bench pipeline`'s do.
+Rounds alternate which engine goes first, as `bench pipeline`'s do
+(pipeline_bench.alternate_rounds).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from minimill.bench.pipeline_bench import alternate_rounds
 
 KV_POOL_BYTES = 512 << 20
 
@@ -38,9 +41,7 @@ def run_expert_bench(options: ExpertBenchOptions) -> dict[str, Any]:
     from minimill.engine.expert_share import ExpertShare
     from minimill.engine.hardware import cpu_report
     from minimill.engine.llm import LLM
-    from minimill.engine.params import SamplingParams
     from minimill.models.loader import load_model
-    from minimill.models.prompt import render_chat_prompt
     from minimill.models.shapes import NAMED_SHAPES, random_model
 
     if options.shape not in NAMED_SHAPES:
@@ -63,58 +64,34 @@ def run_expert_bench(options: ExpertBenchOptions) -> dict[str, Any]:
     ranked = LLM(random_model(*args, keep=ExpertShare(0, options.ranks, shape.num_experts)),
                  dtype=dtype, num_threads=1, expert_parallel=options.ranks, **kv)
     try:
-        prompts = [render_chat_prompt(single.tokenizer, item.messages) for item in items]
-        params = [SamplingParams(max_tokens=item.max_tokens, temperature=0.0,
-                                 ignore_eos=True) for item in items]
-        for llm in (single, ranked):  # warm-up: kernels, first touches of the pools
-            llm.generate(prompts[:4], SamplingParams(max_tokens=4))
         runner: Any = ranked.engine.runner
-        single_tok_s: list[float] = []
-        ranked_tok_s: list[float] = []
-        seq_steps: list[list[int]] = []
 
-        def timed(llm: LLM) -> float:
-            # The thread count is the process's: each engine gets its own back before it
-            # runs (the single engine its cores, rank 0 one), pinned as its start pinned it.
-            torch.set_num_threads(options.ranks if llm is single else 1)
-            llm.engine.runner.kernels.pin_threads()
-            llm.reset_prefix_cache()
-            started = time.perf_counter()
-            outs = llm.generate(prompts, params)
-            return sum(len(o.output_token_ids) for o in outs) / (time.perf_counter() - started)
-
-        def run_ranked() -> None:
+        def with_seq_steps(run: Callable[[], float]) -> tuple[float, Any]:
             before = list(runner.seq_steps)
-            ranked_tok_s.append(timed(ranked))
-            seq_steps.append([a - b for a, b in zip(runner.seq_steps, before, strict=True)])
+            tok_s = run()
+            return tok_s, [a - b for a, b in zip(runner.seq_steps, before, strict=True)]
 
-        for round_no in range(max(1, options.rounds)):
-            if round_no % 2 == 0:
-                single_tok_s.append(timed(single))
-                run_ranked()
-            else:
-                run_ranked()
-                single_tok_s.append(timed(single))
+        rounds = alternate_rounds(single, ranked, options.ranks, items, options.rounds,
+                                  with_seq_steps)
         held = [(r.weight_bytes, r.kv_bytes) for r in runner.ranks]
     finally:
         ranked.close()
         single.close()
-    ratios = [p / s for p, s in zip(ranked_tok_s, single_tok_s, strict=True)]
-    torch.set_num_threads(options.ranks)
+    ratios = rounds.ratios
     gib = float(1 << 30)
     return {
         "shape": options.shape, "layers": shape.num_hidden_layers,
         "experts": shape.num_experts, "experts_per_token": shape.num_experts_per_tok,
         "dtype": dtype, "cpu": cpu_report(), "requests": len(items),
-        "output_tokens": sum(p.max_tokens for p in params), "ranks": options.ranks,
+        "output_tokens": sum(item.max_tokens for item in items), "ranks": options.ranks,
         "rank_weights_gib": [round(w / gib, 3) for w, _ in held],
         "rank_kv_gib": [round(k / gib, 3) for _, k in held],
         "single_engine_cores": options.ranks,
-        "single_tok_s": round(statistics.median(single_tok_s), 1),
-        "expert_parallel_tok_s": round(statistics.median(ranked_tok_s), 1),
+        "single_tok_s": round(statistics.median(rounds.single_tok_s), 1),
+        "expert_parallel_tok_s": round(statistics.median(rounds.split_tok_s), 1),
         "ratio": round(statistics.median(ratios), 3),
         "rounds": [{"single_tok_s": round(s, 1), "expert_parallel_tok_s": round(p, 1),
                     "ratio": round(r, 3), "sequence_steps_per_rank": steps}
-                   for s, p, r, steps in zip(single_tok_s, ranked_tok_s, ratios, seq_steps,
-                                             strict=True)],
+                   for s, p, r, steps in zip(rounds.single_tok_s, rounds.split_tok_s, ratios,
+                                             rounds.split_notes, strict=True)],
     }

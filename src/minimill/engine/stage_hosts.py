@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import logging
 import os
 import secrets
@@ -109,8 +110,6 @@ def is_loopback(host: str) -> bool:
         infos = socket.getaddrinfo(host, None)
     except OSError:
         return False
-    import ipaddress
-
     return all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
 
 
