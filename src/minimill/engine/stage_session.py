@@ -20,8 +20,10 @@ from typing import Any
 import torch.distributed as dist
 
 from minimill.engine import pipeline_link as link
+from minimill.engine.expert_rank import load_rank, serve_rank
 from minimill.engine.expert_share import ExpertShare
 from minimill.engine.params import EngineError
+from minimill.engine.pipeline_stage import StageLoop, load_stage
 from minimill.engine.stage_hosts import (
     ASSIGNMENT_KEY,
     BEAT_S,
@@ -36,6 +38,7 @@ from minimill.engine.stage_hosts import (
     stage_secret,
     store_key,
 )
+from minimill.models.registry import KNOWN_MODELS, resolve_model
 from minimill.models.types import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -105,8 +108,6 @@ def _connect(host: str, port: int) -> Any:
 
 
 def _run_session(connect: str, model: str | None, threads: int | None) -> int:
-    from minimill.engine.pipeline_stage import StageLoop, load_stage
-
     host, port = parse_address(connect)
     store = _connect(host, port)
     rank = int(store.add(NEXT_RANK_KEY, 1))
@@ -133,8 +134,6 @@ def _run_session(connect: str, model: str | None, threads: int | None) -> int:
 
     try:
         if isinstance(keep, ExpertShare):
-            from minimill.engine.expert_rank import load_rank
-
             runner, exchange, memory, experts = load_rank(model, config, keep, same_model,
                                                          auto_pull=True)
             what = f"experts {keep.local.start}-{keep.local.stop - 1}"
@@ -145,8 +144,8 @@ def _run_session(connect: str, model: str | None, threads: int | None) -> int:
         log.error("stage %d: %s: %s", rank, type(exc).__name__, exc)
         store.set(store_key("ready", rank), link.dumps(("error", f"{type(exc).__name__}: {exc}")))
         return 1
-    store.set(store_key("ready", rank), link.dumps(("ready", os.getpid(), memory,
-                                                socket.gethostname(), experts)))
+    ready = ("ready", os.getpid(), memory, socket.gethostname(), experts)
+    store.set(store_key("ready", rank), link.dumps(ready))
     log.info("stage %d of %d: %s of %s", rank, assignment.num_stages - 1, what, model)
     threading.Thread(target=_beat, args=(host, port, rank), name="minimill-stage-beat",
                      daemon=True).start()
@@ -155,8 +154,6 @@ def _run_session(connect: str, model: str | None, threads: int | None) -> int:
         groups = link.join(rank, assignment.num_stages, port, store, host=host,
                            address=address)
         if isinstance(keep, ExpertShare):
-            from minimill.engine.expert_rank import serve_rank
-
             serve_rank(runner, exchange, groups, address)
         else:
             StageLoop(runner, groups).run()
@@ -170,8 +167,6 @@ def _run_session(connect: str, model: str | None, threads: int | None) -> int:
 def _model_here(assignment: Assignment) -> str:
     """The model as stage 0 named it (a known name, or a path or cached name that exists
     here), else the path stage 0 read it from."""
-    from minimill.models.registry import KNOWN_MODELS, resolve_model
-
     if assignment.model in KNOWN_MODELS:
         return assignment.model
     try:
