@@ -115,6 +115,9 @@ class BoxHost:
         self.snapshot_interval_s = snapshot_interval_s
         self.drain_timeout_s = drain_timeout_s
         self.boxes: dict[str, HostedBox] = {}
+        # A dropped box's files being removed, by box id: a box taken again by this host
+        # builds its workspace only once they are gone (they share its paths).
+        self._forgetting: dict[str, asyncio.Future[None]] = {}
         self.stopping = asyncio.Event()
         self.stats = {"boxes": 0, "ops": 0, "snapshots": 0, "revoked": 0}
 
@@ -149,7 +152,9 @@ class BoxHost:
     def _take(self, lease: BoxLease) -> None:
         old = self.boxes.get(lease.box_id)
         if old is not None:
-            self._drop(lease.box_id, "re-leased at a newer epoch")
+            # The box keeps its uid (take below returns it): the old one must not give it
+            # back, or another box could be given it while this one runs.
+            self._drop(lease.box_id, "re-leased at a newer epoch", keep_uid=True)
         ws = Workspace(path=self.root / lease.box_id, limits=self._capped(lease),
                        network=lease.network, insecure=self.insecure,
                        owner=self.uids.take(lease.box_id) if self.uids is not None else None)
@@ -160,7 +165,7 @@ class BoxHost:
         log.info("box %s (epoch %d) taken, starting from %s", lease.box_id, lease.epoch,
                  lease.snapshot_id or "an empty workspace")
 
-    def _drop(self, box_id: str, why: str) -> None:
+    def _drop(self, box_id: str, why: str, keep_uid: bool = False) -> None:
         box = self.boxes.pop(box_id, None)
         if box is None:
             return
@@ -169,12 +174,17 @@ class BoxHost:
         box.ws.cancel.set()
         if box.task is not None:
             box.task.cancel()
-        asyncio.get_running_loop().run_in_executor(None, self._forget, box)
+        forgetting = asyncio.get_running_loop().run_in_executor(None, self._forget, box,
+                                                                 keep_uid)
+        self._forgetting[box_id] = forgetting
+        forgetting.add_done_callback(
+            lambda done: self._forgetting.pop(box_id, None) if self._forgetting.get(box_id)
+            is done else None)
 
-    def _forget(self, box: HostedBox) -> None:
+    def _forget(self, box: HostedBox, keep_uid: bool) -> None:
         _remove(box.ws.path)
         _remove(self._archives(box))
-        if self.uids is not None:
+        if self.uids is not None and not keep_uid:
             self.uids.give_back(box.box_id)
 
     def _capped(self, lease: BoxLease) -> BoxLimits:
@@ -242,6 +252,9 @@ class BoxHost:
         return self.root / ARCHIVES_DIR / box.box_id
 
     async def _build(self, box: HostedBox) -> None:
+        forgetting = self._forgetting.pop(box.box_id, None)
+        if forgetting is not None:  # its previous run here: its files go first, whole
+            await forgetting
         path = box.ws.path
         archives = self._archives(box)
         await self._in_thread(box, _remove, path)
@@ -403,7 +416,7 @@ class BoxHost:
                     boxes=[HeldBox(box_id=b.box_id, epoch=b.epoch) for b in boxes]))
             log.info("released %d boxes", len(boxes))
         for box in boxes:
-            await anyio.to_thread.run_sync(self._forget, box)
+            await anyio.to_thread.run_sync(self._forget, box, False)
         self.boxes.clear()
 
 
