@@ -19,6 +19,7 @@ from control_factory import (
     success,
     tenant,
 )
+from pydantic import ValidationError
 from sqlalchemy import select
 
 from minimill.control import lease_queue
@@ -43,6 +44,7 @@ from minimill.transport.protocol import (
     ErrorInfo,
     HeartbeatItem,
     HeartbeatRequest,
+    LeaseRequest,
     Usage,
 )
 
@@ -114,6 +116,38 @@ def test_heartbeat_extends_stores_checkpoints_and_revokes(store: Store) -> None:
         answer = heartbeat(store, who, HeartbeatRequest(leases=[
             HeartbeatItem(request_id=rid, epoch=epoch)]), now + 6, CONFIG)
         assert answer.revoked == [rid] and answer.extended == {}
+
+
+def test_a_lease_call_made_again_under_its_ask_id_gets_back_what_its_lost_answer_carried(
+        store: Store) -> None:
+    owner, s, other = tenant(store), site(store), site(store, "s2")
+    now = time.time()
+    first, second = (realtime(store, owner.id, w, now) for w in ("a", "b"))
+    retried = ask(capacity=1).model_copy(update={"ask_id": "ask-0001"})
+    (lost,) = lease(store, s, retried, now, CONFIG).leases  # the worker never read this
+    assert lost.request_id == first
+    # Another site naming the same ask reaches nothing of this one's: it is granted new work.
+    (theirs,) = lease(store, other, retried, now + 1, CONFIG).leases
+    assert theirs.request_id == second
+    # The retry: the same lease at the same epoch, its TTL running from now, and it fills the
+    # capacity (nothing new is granted beside it).
+    again = lease(store, s, retried, now + 5, CONFIG).leases
+    assert [(g.request_id, g.epoch, g.lease_id) for g in again] == \
+        [(first, lost.epoch, lost.lease_id)]
+    assert again[0].expires_at == now + 5 + CONFIG.lease_ttl_s
+    with store.read() as conn:
+        expiry = conn.execute(select(requests.c.lease_expires_at)
+                              .where(requests.c.id == first)).scalar_one()
+    assert expiry == now + 5 + CONFIG.lease_ttl_s
+    granted = {x.name: x.leases_granted for x in list_sites(store, now + 5)}
+    assert granted == {"s1": 1, "s2": 1}  # a delivery again is not a new grant
+    # Once the request is done, the ask id brings nothing back; a fresh ask is new work only.
+    assert complete(store, s, success(first, lost.epoch), now + 6, CONFIG).accepted == [first]
+    assert lease(store, s, retried, now + 7, CONFIG).leases == []
+    assert lease(store, s, ask(), now + 7, CONFIG).leases == []
+    for hostile in ("short", "x" * 33, "../etc/pa", "a b c d e", "lse_%00000"):
+        with pytest.raises(ValidationError):
+            LeaseRequest.model_validate({"capacity": 1, "models": [MODEL], "ask_id": hostile})
 
 
 def test_completion_is_accepted_once_at_the_current_epoch(store: Store) -> None:

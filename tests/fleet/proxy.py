@@ -14,7 +14,7 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,8 @@ class FleetProxy:
         self.exchanges: list[Exchange] = []
         self.blocked: set[str] = set()  # path suffixes, e.g. "/heartbeat"; "" blocks all
         self.lose_answers: dict[str, int] = {}  # path suffix -> how many answers to lose
+        # path suffix -> which of its answers lose_answers counts (every one when absent)
+        self.lose_only: dict[str, Callable[[Any], bool]] = {}
         self._lock = threading.Lock()
         app = Starlette(routes=[Route("/{path:path}", self._forward,
                                       methods=["GET", "POST", "DELETE"])])
@@ -69,14 +71,18 @@ class FleetProxy:
         async with httpx.AsyncClient(timeout=60.0) as client:
             resp = await client.request(request.method, self.upstream + path, content=body,
                                         headers=headers, params=request.query_params)
-        lose = next((s for s, n in self.lose_answers.items() if n > 0 and path.endswith(s)),
-                    None)
+        try:
+            answer = resp.json()
+        except ValueError:
+            answer = None
+        lose = next((s for s, n in self.lose_answers.items() if n > 0 and path.endswith(s)
+                     and self.lose_only.get(s, lambda _answer: True)(answer)), None)
         if lose is not None:
             self.lose_answers[lose] -= 1
         with contextlib.suppress(ValueError):
             with self._lock:
                 self.exchanges.append(Exchange(path, json.loads(body) if body else None,
-                                               resp.status_code, resp.json(),
+                                               resp.status_code, answer,
                                                lost=lose is not None))
         if lose is not None:
             return Response(status_code=502)

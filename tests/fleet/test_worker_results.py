@@ -92,6 +92,29 @@ def test_a_result_resent_after_a_lost_answer_is_accepted(
         (1, 0, 0)
 
 
+def test_a_lease_whose_answer_was_lost_is_delivered_by_the_call_made_again(
+        serve: Serve, linked: tuple[Worker, FleetProxy]) -> None:
+    """The control plane grants a lease and the worker never reads the answer (as when its
+    call times out at a loaded control plane): its next call names the same ask and gets the
+    lease back at its epoch, instead of the request waiting out the lease's TTL."""
+    worker, proxy = linked
+    proxy.lose_only["/lease"] = lambda answer: bool(answer and answer.get("leases"))
+    proxy.lose_answers["/lease"] = 1
+    answer = ask(serve, "Say hi.", max_tokens=6).result(timeout=300)
+    request_id = answer.id.replace("chatcmpl-", "req_")
+    calls = proxy.find("/lease")
+    (lost,) = [e for e in calls if e.lost]
+    assert [g["request_id"] for g in lost.response["leases"]] == [request_id]
+    again = next(e for e in calls if e.at > lost.at and e.response and e.response["leases"])
+    assert again.request["ask_id"] == lost.request["ask_id"]
+    assert [(g["request_id"], g["epoch"]) for g in again.response["leases"]] == \
+        [(request_id, lost.response["leases"][0]["epoch"])]
+    done = row(serve)
+    assert done.id == request_id and done.status == "succeeded" and done.epoch == 1
+    stats = site_stats(serve, worker.site)
+    assert (stats["completions"], stats["leases_expired"], stats["leases_granted"]) == (1, 0, 1)
+
+
 def test_a_finished_result_outlives_its_expired_lease(
         serve: Serve, linked: tuple[Worker, FleetProxy]) -> None:
     """The lease lapses (heartbeats cut) after the result is done but before it is delivered;

@@ -41,6 +41,16 @@ GRANT = (update(requests)
                  lease_base_tokens=requests.c.checkpoint_tokens)
          .returning(*GRANTED))
 
+# The leases granted under one lease id that its site still holds, extended: a lease call
+# retried after its answer was lost gets them again at their epoch. Parameters: site_id,
+# lease_id, expires_at.
+REDELIVER = (update(requests)
+             .where(requests.c.site_id == bindparam("b_site_id", type_=String()),
+                    requests.c.status == _LEASED,
+                    requests.c.lease_id == bindparam("b_lease_id", type_=String()))
+             .values(lease_expires_at=bindparam("b_expires_at", type_=Float()))
+             .returning(*GRANTED))
+
 # Parameters: site_id, pairs (a list of (request id, epoch)), expires_at.
 EXTEND = (update(requests)
           .where(requests.c.site_id == bindparam("b_site_id", type_=String()),

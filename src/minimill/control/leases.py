@@ -213,15 +213,20 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
     process's view of the other sites; None reads them all now). `gone`, asked once the write
     transaction has begun, says the worker no longer waits for the answer: then nothing is
     granted (what would be would wait out its lease unread), and the site row is touched as
-    for any call."""
+    for any call. With `ask.ask_id`, the leases a call under the same id was granted and the
+    site still holds come first, at their epoch (that call's answer was lost)."""
     capacity = min(ask.capacity, MAX_LEASES_PER_CALL)
     models = [m for m in ask.models if m]
     expires_at = now + config.lease_ttl_s
-    lease_id = new_id("lse_")
+    # The site names its ask: the lease id is the site's and the ask's, so a retry finds what
+    # the lost answer carried (REDELIVER matches the site too: one site's name for an ask
+    # reaches nothing of another's).
+    lease_id = f"lse_{ask.ask_id}" if ask.ask_id else new_id("lse_")
     policy = policy_for(config, policy)
     with store.write() as conn:
         adopted: list[Any] = []
         held: list[str] = []
+        redelivered = 0  # of `adopted`: granted before, under this ask
         if gone is not None and gone():
             capacity = 0
             ask = ask.model_copy(update={"adopt_held": False})
@@ -242,6 +247,15 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
                         lease_base_tokens=requests.c.checkpoint_tokens)
                 .returning(*lease_sql.GRANTED)).all())
             capacity = max(0, capacity - len(adopted))
+        elif ask.ask_id and capacity:
+            # Adopting takes every held lease, these included; otherwise only these, which
+            # the worker never saw (it held no slot for them: they fit its capacity).
+            adopted = list(conn.execute(lease_sql.REDELIVER, {
+                "b_site_id": site.id, "b_lease_id": lease_id,
+                "b_expires_at": expires_at}).all())
+            held = sorted(r.id for r in adopted)
+            capacity = max(0, capacity - len(adopted))
+            redelivered = len(adopted)
         taken_back = {r.id for r in adopted}
         rows: list[Any] = []
         snapshot = _snapshot(conn, site, ask, capacity, models, now, policy,
@@ -265,7 +279,7 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
                    busy=snapshot.site.in_flight > 0,
                    free_capacity=min(ask.capacity, MAX_COUNT) - len(rows), capacity_at=now,
                    models=[m[:200] for m in models[:MAX_MODELS_RECORDED]],
-                   added={"leases_granted": len(rows)}, **_declared(ask))
+                   added={"leases_granted": len(rows) - redelivered}, **_declared(ask))
     if peers is not None:
         peers.remember(replace(snapshot.site, in_flight=site_holds,
                                free_capacity=min(ask.capacity, MAX_COUNT) - len(rows),

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 
 from minimill.fleet.engines import EngineAdapter, EngineDiedError
@@ -106,6 +107,10 @@ class Worker:
         # Ask for the site's held leases back with the next lease call (worker.py: a start
         # whose engine's KV survived the previous run).
         self.adopt_held = False
+        # The name of the lease call to make, kept while its calls fail: a call whose answer
+        # was lost (a timeout at a loaded control plane) is made again under it, and gets
+        # back what it was granted (protocol.LeaseRequest.ask_id).
+        self._ask_id: str | None = None
         # Or give them all back before the first lease call (a give-back after it would
         # return that call's new leases too).
         self.give_back_held = False
@@ -190,6 +195,8 @@ class Worker:
                 await self.wait(self._wake_lease, gather_s)
                 continue
             self._free_since = None
+            if self._ask_id is None:
+                self._ask_id = secrets.token_urlsafe(12)
             try:
                 held_sessions = self.sessions.changed()
                 resp = await self.client.lease(LeaseRequest(
@@ -200,7 +207,7 @@ class Worker:
                     wait_s=0.0 if self.adopt_held else wait_s,
                     # Free slots plus every lease held: as the control plane counts a held
                     # call's slots (a request of n choices frees n slots, one lease).
-                    slots=free + len(self.held)))
+                    slots=free + len(self.held), ask_id=self._ask_id))
             except ControlPlaneUnavailable as exc:
                 if held_sessions is not None:
                     self.sessions.unsent()
@@ -208,6 +215,7 @@ class Worker:
                 continue
             backoff.reset()
             self.adopt_held = False
+            self._ask_id = None
             self.lease_ttl_s = resp.lease_ttl_s
             if self.first_lease_at is None:
                 self.first_lease_at = time.monotonic()

@@ -127,6 +127,12 @@ class LeaseRequest(BaseModel):
     # The worker's slots in all. A held call offers, at each look, these slots less the leases
     # the site still holds (its requests finish while the call waits); without it, `capacity`.
     slots: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    # The worker's name for this ask, kept when the call fails (a timeout, a lost answer) and
+    # sent again with the next call: the leases granted under it that the site still holds
+    # come back first in that answer, at their epoch, instead of waiting out their TTL unread
+    # (at a thousand sites, answers granted just as the worker gave up were lost that way).
+    # They count towards `capacity`. None: every call is new.
+    ask_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{8,32}$")
 
 
 class Lease(BaseModel):
