@@ -139,6 +139,13 @@ def test_a_lease_call_made_again_under_its_ask_id_gets_back_what_its_lost_answer
         expiry = conn.execute(select(requests.c.lease_expires_at)
                               .where(requests.c.id == first)).scalar_one()
     assert expiry == now + 5 + CONFIG.lease_ttl_s
+    # A call of that name whose worker left before its transaction began hands nothing out,
+    # but what the name holds waits for the next call (its expiry runs from this one).
+    assert lease(store, s, retried, now + 20, CONFIG, gone=lambda: True).leases == []
+    with store.read() as conn:
+        expiry = conn.execute(select(requests.c.lease_expires_at)
+                              .where(requests.c.id == first)).scalar_one()
+    assert expiry == now + 20 + CONFIG.lease_ttl_s
     granted = {x.name: x.leases_granted for x in list_sites(store, now + 5)}
     assert granted == {"s1": 1, "s2": 1}  # a delivery again is not a new grant
     # Once the request is done, the ask id brings nothing back; a fresh ask is new work only.

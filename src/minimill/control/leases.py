@@ -230,6 +230,13 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
         if gone is not None and gone():
             capacity = 0
             ask = ask.model_copy(update={"adopt_held": False})
+            if ask.ask_id:
+                # A worker that left a call it names asks again under the same name: what an
+                # earlier call of that name was granted waits for it (extended, not handed
+                # out). At a thousand sites a retry could itself time out in the queue, and
+                # the grant lapsed before one got through.
+                conn.execute(lease_sql.REDELIVER, {
+                    "b_site_id": site.id, "b_lease_id": lease_id, "b_expires_at": expires_at})
         if ask.adopt_held:
             # The site's previous run's leases, at a new epoch: a late message of that run
             # is fenced off like any other stale holder's.

@@ -35,6 +35,10 @@ T = TypeVar("T")
 # How long a leaving site keeps trying to deliver what it still holds (final checkpoints,
 # hand-backs, results) before it gives up and lets the leases expire.
 FINAL_SEND_S = 5.0
+# A lease call waits its turn at a loaded control plane longer than the other calls' timeout:
+# a worker that gave up and asked again went to the back of the line, and whatever the call it
+# left was granted waited for a retry to get through (LeaseRequest.ask_id).
+LEASE_CALL_TIMEOUT_S = 30.0
 
 
 class SiteAuthError(RuntimeError):
@@ -74,11 +78,15 @@ class ControlPlaneClient:
             headers={"Authorization": f"Bearer {token}"},
             timeout=httpx.Timeout(timeout_s),
             limits=httpx.Limits(max_connections=8))
+        self._lease_timeout = httpx.Timeout(max(timeout_s, LEASE_CALL_TIMEOUT_S),
+                                            connect=timeout_s)
 
     async def _post(self, path: str, message: BaseModel, response_type: type[R]) -> R:
         try:
-            resp = await self._client.post(path, content=message.model_dump_json(),
-                                           headers={"Content-Type": "application/json"})
+            resp = await self._client.post(
+                path, content=message.model_dump_json(),
+                headers={"Content-Type": "application/json"},
+                timeout=self._lease_timeout if path == "/lease" else httpx.USE_CLIENT_DEFAULT)
         except httpx.HTTPError as exc:
             raise ControlPlaneUnavailable(f"{path}: {type(exc).__name__}: {exc}") from exc
         if resp.status_code in (401, 403):
