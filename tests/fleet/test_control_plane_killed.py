@@ -64,6 +64,12 @@ def _granted_later(links: list[FleetProxy], held: dict[str, int]) -> bool:
                for lease in e.response.get("leases", []))
 
 
+def _accepted_through(links: list[FleetProxy]) -> set[str]:
+    """The request ids whose completion a control plane accepted, as the proxies saw it."""
+    return {rid for link in links for e in link.find("/complete") if e.status == 200
+            for rid in e.response.get("accepted", [])}
+
+
 def _checkpointed(link: FleetProxy) -> bool:
     return any(item.get("checkpoint") or item.get("delta")
                for e in link.find("/heartbeat") if e.status == 200
@@ -111,6 +117,11 @@ def test_a_control_plane_killed_mid_batch_loses_and_doubles_nothing(
                 "completed", "failed", "cancelled", "expired") and b, 300, "the batch")
             assert done.status == "completed"
             records = batch_records(client, done)
+            # A proxy records an exchange once its answer is back, which can be after the
+            # test sees the batch that answer ended completed.
+            wait_until(lambda: {r["response"]["request_id"] for r in records}
+                       <= _accepted_through(links), 60,
+                       "the proxies' record of every result's accepted completion")
             history = accepted_history(links)
             completions = [e for link in links for e in link.find("/complete")
                            if e.status == 200]
