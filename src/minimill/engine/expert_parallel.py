@@ -193,6 +193,9 @@ class ExpertParallelRunner(ModelRunner):
                                  2, -1, self.model_config.hidden_size))
         except Exception as exc:
             self._die(self._cause(exc))
+            # Reaped before the error goes up, whichever thread saw the death first (the
+            # watch's stop of the ranks may still be under way).
+            self._kill_ranks()
             assert self._dead is not None
             raise PipelineStageError(self._dead) from exc
         # The sampling rows, from each rank's part back into the step's order.
@@ -217,9 +220,8 @@ class ExpertParallelRunner(ModelRunner):
         ready = wait(list(sentinels), _DEATH_NAMING_S)
         if ready:
             rank = sentinels[ready[0]]
-            process = self.processes[rank - 1]
-            process.join(_RANK_STOP_TIMEOUT_S)
-            return f"expert-parallel rank {rank} ended (exit code {process.exitcode})"
+            code = peers.reap(self.processes[rank - 1], _RANK_STOP_TIMEOUT_S)
+            return f"expert-parallel rank {rank} ended (exit code {code})"
         return f"an expert-parallel step failed: {type(exc).__name__}: {exc}"
 
     def _watch(self) -> None:
@@ -254,7 +256,7 @@ class ExpertParallelRunner(ModelRunner):
                 for sender in self._senders:
                     sender.finish()
             for process in self.processes:
-                process.join(_RANK_STOP_TIMEOUT_S)
+                peers.reap(process, _RANK_STOP_TIMEOUT_S)
             # Release the groups now, not in the interpreter's teardown (where gloo's
             # threads abort the process).
             self._senders.clear()

@@ -51,6 +51,20 @@ def start_local(count: int, target: Callable[..., None],
     return processes, conns, messages
 
 
+# Peer processes are joined one thread at a time. Joined at once (the watch, a failed step,
+# the stop), one thread's waitpid took a killed peer's status while another's found no child
+# and read no exit code ("exit code None", seen in CI), and a process could be seen alive
+# after its death was reported.
+_REAPING = threading.Lock()
+
+
+def reap(process: Any, join_s: float) -> int | None:
+    """Join a peer process (up to `join_s`) and return its exit code (None: still running)."""
+    with _REAPING:
+        process.join(join_s)
+        return process.exitcode
+
+
 def exit_with_parent(conn: Connection, name: str) -> None:
     """In a spawned peer: exit when stage 0's process is gone (its end of `conn` closes,
     however it ended), even while this process waits in a receive or loads."""
@@ -69,8 +83,7 @@ def _why_not_ready(process: Any, message: Any, woke: bool, timeout_s: float,
         return str(message[1])
     if not woke:
         return f"it did not load within {timeout_s:.0f} s"
-    process.join(stop_s)  # ended: reap it for its exit code
-    code = process.exitcode
+    code = reap(process, stop_s)  # ended: reaped for its exit code
     if code is not None and code < 0:
         return f"it was killed by signal {-code} while loading (out of memory?)"
     return f"it exited with status {code} while loading (its traceback is in this log)"
@@ -95,9 +108,8 @@ def watch(noun: str, processes: list[Any], remote: RemoteStages | None,
         return
     rank = next((sentinels[s] for s in ready if s in sentinels), None)
     if rank is not None:
-        process = processes[rank - 1]
-        process.join(join_s)  # its exit code is read when it is reaped
-        die(f"{noun} {rank} ended (exit code {process.exitcode})")
+        code = reap(processes[rank - 1], join_s)  # its exit code is read when it is reaped
+        die(f"{noun} {rank} ended (exit code {code})")
 
 
 def stop(processes: list[Any], remote: RemoteStages | None, stopped: threading.Event,
@@ -107,8 +119,9 @@ def stop(processes: list[Any], remote: RemoteStages | None, stopped: threading.E
     stopped.set()
     if remote is not None:
         remote.stop()
+    with _REAPING:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
     for process in processes:
-        if process.is_alive():
-            process.kill()
-    for process in processes:
-        process.join(join_s)
+        reap(process, join_s)
