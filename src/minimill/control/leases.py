@@ -230,13 +230,6 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
         if gone is not None and gone():
             capacity = 0
             ask = ask.model_copy(update={"adopt_held": False})
-            if ask.ask_id:
-                # A worker that left a call it names asks again under the same name: what an
-                # earlier call of that name was granted waits for it (extended, not handed
-                # out). At a thousand sites a retry could itself time out in the queue, and
-                # the grant lapsed before one got through.
-                conn.execute(lease_sql.REDELIVER, {
-                    "b_site_id": site.id, "b_lease_id": lease_id, "b_expires_at": expires_at})
         if ask.adopt_held:
             # The site's previous run's leases, at a new epoch: a late message of that run
             # is fenced off like any other stale holder's.
@@ -254,15 +247,20 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
                         lease_base_tokens=requests.c.checkpoint_tokens)
                 .returning(*lease_sql.GRANTED)).all())
             capacity = max(0, capacity - len(adopted))
-        elif ask.ask_id and capacity:
-            # Adopting takes every held lease, these included; otherwise only these, which
-            # the worker never saw (it held no slot for them: they fit its capacity).
-            adopted = list(conn.execute(lease_sql.REDELIVER, {
+        elif ask.ask_id:
+            # What earlier calls of this name were granted and the site still holds: extended,
+            # and handed over unless the worker left this call too (it asks again under the
+            # same name; at a thousand sites a retry could itself time out in the queue).
+            # Adopting takes every held lease, these included. The worker never saw these (it
+            # held no slot for them: they fit its capacity).
+            again = conn.execute(lease_sql.REDELIVER, {
                 "b_site_id": site.id, "b_lease_id": lease_id,
-                "b_expires_at": expires_at}).all())
-            held = sorted(r.id for r in adopted)
-            capacity = max(0, capacity - len(adopted))
-            redelivered = len(adopted)
+                "b_expires_at": expires_at}).all()
+            if capacity:
+                adopted = list(again)
+                held = sorted(r.id for r in adopted)
+                capacity = max(0, capacity - len(adopted))
+                redelivered = len(adopted)
         taken_back = {r.id for r in adopted}
         rows: list[Any] = []
         snapshot = _snapshot(conn, site, ask, capacity, models, now, policy,
