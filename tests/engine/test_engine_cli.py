@@ -134,6 +134,30 @@ def test_bench_engine_measures_a_shape_with_random_weights(minimill_home: Path, 
     assert "Traceback" not in refused.stderr
 
 
+def test_bench_engine_balances_a_random_mixture_of_experts_routers(
+        minimill_home: Path, workload: Path, tmp_path: Path) -> None:
+    config = tmp_path / "tiny-moe" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps({
+        "model_type": "qwen3_moe", "vocab_size": 49152, "hidden_size": 128,
+        "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 1024,
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "norm_topk_prob": True}))
+    for flag, routers in (([], "balanced"), (["--drawn-routers"], "as drawn")):
+        result = run_cli(["bench", "engine", "--workload", str(workload), "--json", "--limit",
+                          "3", "--config", str(config), "--random-weights", "--rounds", "1",
+                          "--skip-hf", *flag], minimill_home)
+        assert result.returncode == 0, result.stderr
+        report = json.loads(result.stdout)
+        assert report["routers"] == routers
+        experts = report["time_breakdown"]["experts"]
+        # How spread the routing was, beside the experts' time: up to all 8 experts a call,
+        # 2 choices per token.
+        assert 1 <= experts["experts_per_call"] <= 8
+        assert experts["pairs_per_call"] >= 2
+
+
 @pytest.mark.parametrize("split", [["--stages", "2"],
                                    ["--expert-parallel", "2", "--layers", "2"]])
 def test_bench_pipeline_alternates_a_split_engine_with_one_engine(

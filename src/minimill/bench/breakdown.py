@@ -26,8 +26,7 @@ from minimill.engine.model_runner import ModelRunner
 
 # `experts`: a mixture-of-experts layer after its routing, its GEMMs included, in one figure.
 _TIMED = ("rms_norm", "add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "clamped_swiglu",
-          "rotary_kv_write", "experts",
-          "rotary_kv_write_int4", "sample", "token_logprobs")
+          "rotary_kv_write", "rotary_kv_write_int4", "sample", "token_logprobs")
 
 
 class TimedKernels:
@@ -42,6 +41,9 @@ class TimedKernels:
         self._weight_names = weight_names
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
+        # Over the experts' calls: (token, expert) pairs, and distinct experts each call ran.
+        self.expert_pairs = 0
+        self.experts_run = 0
         self._cores = torch.get_num_threads()
         self._lock = threading.Lock()  # groups on several cores report at once
 
@@ -80,6 +82,15 @@ class TimedKernels:
         return self._timed(self._attention_name(meta), self._inner.paged_attention_int4, q,
                            k_new, v_new, k_cache, v_cache, k_stage, v_stage, meta, scale)
 
+    def experts(self, x: torch.Tensor, expert_ids: torch.Tensor, *args: Any,
+                **kwargs: Any) -> torch.Tensor:
+        # How spread the routing was: a call's cost follows the experts it reads.
+        distinct = int(torch.unique(expert_ids).numel())
+        with self._lock:
+            self.expert_pairs += expert_ids.numel()
+            self.experts_run += distinct
+        return self._timed("experts", self._inner.experts, x, expert_ids, *args, **kwargs)
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         return self._timed("linear." + self._weight_names.get(id(weight), "other"),
@@ -116,6 +127,10 @@ def report(timed: TimedKernels, wall_s: float) -> dict[str, Any]:
     accounted = sum(timed.seconds.values())
     out: dict[str, Any] = {name: {"s": round(s, 3), "share": round(s / wall_s, 3),
                                   "calls": timed.calls[name]} for name, s in rows}
+    if "experts" in out and timed.calls["experts"]:
+        calls = timed.calls["experts"]
+        out["experts"]["experts_per_call"] = round(timed.experts_run / calls, 1)
+        out["experts"]["pairs_per_call"] = round(timed.expert_pairs / calls, 1)
     rest = max(0.0, wall_s - accounted)
     out["outside_kernels"] = {"s": round(rest, 3), "share": round(rest / wall_s, 3)}
     return out

@@ -60,6 +60,9 @@ class EngineBenchOptions:
     kv_dtype: str = "auto"
     kv_prefault: bool = True
     lanes: bool = True
+    # Random-weights mixtures of experts: routers redrawn to spread tokens as trained ones do
+    # (bench/routing.py); False keeps them as drawn.
+    balanced_routers: bool = True
     peer: str | None = None
     peer_python: str | None = None
     # Timed runs of the workload; the headline is the median one (these VMs vary by 10% from
@@ -185,6 +188,19 @@ def _load(options: EngineBenchOptions) -> tuple[Any, Any, str]:
     return loaded, EngineConfig(**overrides, model=loaded.name, model_config=shape), name
 
 
+def _balance_routers(options: EngineBenchOptions, loaded: Any, config: Any,
+                     prompts: list[list[int]]) -> dict[str, torch.Tensor]:
+    """A random-weights mixture of experts' routers, balanced on the workload's prompts
+    (bench/routing.py); nothing for other models or --drawn-routers."""
+    from minimill.bench.routing import balance_routers
+
+    if not (options.random_weights and options.balanced_routers
+            and loaded.config.num_experts):
+        return {}
+    return balance_routers(loaded, prompts, config.torch_dtype,
+                           seed=int(loaded.extra.get("random_seed", 0)))
+
+
 def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
     from minimill.bench import breakdown
     from minimill.bench.sol import TARGET_NOTE, best_of, measure, speed_of_light
@@ -201,6 +217,7 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
         prompts = [[t % vocab for t in tok.encode(
             tok.apply_chat_template(i.messages, add_generation_prompt=True),
             add_special_tokens=False)] for i in items]
+        routers = _balance_routers(options, loaded, config, prompts)
         started = time.perf_counter()
         llm = LLM(loaded, dtype=config.dtype, kernels=config.kernels, kv_dtype=config.kv_dtype,
                   prefault_kv=options.kv_prefault, lanes=config.lanes)
@@ -255,6 +272,8 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
         "model": measured, "random_weights": options.random_weights,
         "dtype": config.dtype, "dtype_reason": config.dtype_reason, "kv_dtype": config.kv_dtype,
         "kv_prefault": options.kv_prefault,
+        "routers": ("balanced" if routers else "as drawn")
+        if loaded.config.num_experts and options.random_weights else None,
         "lanes": config.lanes, "split_steps": runner.split_steps,
         "lane_steps": runner.lane_steps,
         "kernels": runner.kernels.name, "device": config.device,
@@ -294,6 +313,7 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
         # The engine took the random weights over as it built: the same seed makes them
         # again for transformers and the peer.
         loaded = _load(options)[0]
+        loaded.weights.update(routers)
     if not options.skip_hf:
         with StealMeter() as hf_steal:
             hf, hf_batch = _hf_baseline(loaded, config.torch_dtype, prompts, items, quiet,

@@ -61,6 +61,11 @@ def bench_engine(
         True, "--lanes/--no-lanes",
         help="CPU: let each core step its own share of the requests on its own clock "
         "(--no-lanes: every step split across the cores, which wait for each other)."),
+    balanced_routers: bool = typer.Option(
+        True, "--balanced-routers/--drawn-routers",
+        help="Random-weights mixtures of experts: redraw each router blind to the directions "
+        "its inputs share, so tokens spread over the experts as a trained router spreads "
+        "them (--drawn-routers: as drawn, most tokens on a few experts)."),
     peer: str | None = typer.Option(None, help="Also measure this engine: vllm."),
     peer_python: str | None = typer.Option(
         None, help="Python of the environment where the peer is installed."),
@@ -74,8 +79,8 @@ def bench_engine(
     run_engine_bench(EngineBenchOptions(
         workload=workload, json_out=json_out, model=model, dtype=dtype, limit=limit,
         skip_hf=skip_hf, shape=shape, config=config, random_weights=random_weights,
-        kernels=kernels, kv_dtype=kv_dtype, kv_prefault=kv_prefault, lanes=lanes, peer=peer,
-        peer_python=peer_python, rounds=rounds))
+        kernels=kernels, kv_dtype=kv_dtype, kv_prefault=kv_prefault, lanes=lanes,
+        balanced_routers=balanced_routers, peer=peer, peer_python=peer_python, rounds=rounds))
 
 
 @bench_app.command("sessions")

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from minimill.models.hf_config import config_from_hf, mla_scale
+from minimill.models.hf_config import HF_ARCHITECTURES, config_from_hf, mla_scale
 from minimill.models.tokenizer import Tokenizer
 from minimill.models.types import LoadedModel, ModelConfig, ModelFileError
 
@@ -115,15 +115,25 @@ NAMED_SHAPES: dict[str, ModelConfig] = {
 }
 
 
+# HF model_type values that are not the architecture's own name here.
+_MODEL_TYPES = {"mistral": "llama", "gemma3_text": "gemma3"}
+
+
 def shape_from_hf_config(path: Path) -> ModelConfig:
     """The shape an HF config.json describes (any architecture hf_config.py knows)."""
     try:
         raw: dict[str, Any] = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ModelFileError(f"{path}: not a readable config.json: {exc}") from exc
-    if not raw.get("architectures"):  # a bare shape: the Llama family's default
-        raw["architectures"] = ["Qwen2ForCausalLM" if raw.get("model_type") == "qwen2"
-                                else "LlamaForCausalLM"]
+    if not raw.get("architectures"):  # a bare shape: its model_type says which
+        model_type = raw.get("model_type") or "llama"
+        names = [name for name, arch in HF_ARCHITECTURES.items()
+                 if arch == _MODEL_TYPES.get(model_type, model_type)]
+        if not names:
+            raise ModelFileError(
+                f"{path}: model_type {model_type!r} not supported (supported: "
+                f"{', '.join(sorted(set(HF_ARCHITECTURES.values()) | set(_MODEL_TYPES)))})")
+        raw["architectures"] = names[:1]
     return config_from_hf(raw, path)
 
 
