@@ -223,8 +223,6 @@ def lease(store: Store, site: Site, ask: LeaseRequest, now: float, config: Contr
     # reaches nothing of another's).
     lease_id = f"lse_{ask.ask_id}" if ask.ask_id else new_id("lse_")
     policy = policy_for(config, policy)
-    if peers is not None:
-        peers.refresh(store, now, policy)  # outside the write transaction
     with store.write() as conn:
         adopted: list[Any] = []
         held: list[str] = []

@@ -107,40 +107,6 @@ class PeerView:
         self._index: RankIndex | None = None
         self._read_at = float("-inf")
         self._lock = threading.Lock()
-        # While `refresh` reads: what this process's calls wrote meanwhile (`remember`), laid
-        # over the rows read, which may predate it.
-        self._reading = False
-        self._written: dict[str, SiteState] = {}
-
-    def refresh(self, store: Store, now: float, policy: PlacementPolicy) -> None:
-        """Re-read every site once the view is older than `max_age_s`, in a read transaction
-        of its own, before the lease call's write transaction begins. Read inside it, the
-        thousand rows held SQLite's one write lock (and this process's writers' queue) while
-        every other call waited for it. One call reads at a time; the others go on with the
-        view as it is, at most one read's time older. With `max_age_s` 0 every call reads
-        in its own transaction instead (`view`)."""
-        if self.max_age_s <= 0:
-            return
-        with self._lock:
-            if self._reading or (self._index is not None
-                                 and now - self._read_at <= self.max_age_s):
-                return
-            self._reading, self._written = True, {}
-        try:
-            with store.read() as conn:
-                states = site_states(conn)
-        except BaseException:
-            with self._lock:
-                self._reading, self._written = False, {}
-            raise
-        with self._lock:
-            written, self._reading, self._written = self._written, False, {}
-            if now <= self._read_at:
-                return  # a newer view went in meanwhile
-            states.update({site_id: state for site_id, state in written.items()
-                           if site_id in states})
-            self._states, self._read_at = states, now
-            self._index = RankIndex(states.values(), now, policy)
 
     def view(self, conn: Connection, site_id: str, now: float, policy: PlacementPolicy
              ) -> tuple[dict[str, SiteState], FleetRanks]:
@@ -150,10 +116,8 @@ class PeerView:
             # A view read after the call's clock (another call's, while this one waited for
             # the write lock) is newer than the call needs: re-read only an older one.
             # Re-reading it made a thousand sites' calls read every site most of the time.
-            # A stale view is re-read here only where no `refresh` is reading it now.
             age = now - self._read_at
-            if (self.max_age_s <= 0 or self._index is None
-                    or (age > self.max_age_s and not self._reading)):
+            if self.max_age_s <= 0 or age > self.max_age_s or self._index is None:
                 self._states, self._read_at = site_states(conn), now
                 self._index = RankIndex(self._states.values(), now, policy)
             elif self._index.policy != policy:
@@ -169,8 +133,6 @@ class PeerView:
         """What a lease call of this process just wrote of its site at `now` (its held leases,
         its free room): the process's next calls weigh that site as it is now."""
         with self._lock:
-            if self._reading:
-                self._written[state.site_id] = state
             if state.site_id not in self._states:
                 return
             self._states[state.site_id] = state
