@@ -24,7 +24,6 @@ from minimill.engine.attention import AttentionMetadata
 from minimill.engine.kernels import TorchKernels
 from minimill.engine.model_runner import ModelRunner
 
-# `experts`: a mixture-of-experts layer after its routing, its GEMMs included, in one figure.
 _TIMED = ("rms_norm", "add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "clamped_swiglu",
           "rotary_kv_write", "rotary_kv_write_int4", "sample", "token_logprobs")
 
@@ -84,7 +83,8 @@ class TimedKernels:
 
     def experts(self, x: torch.Tensor, expert_ids: torch.Tensor, *args: Any,
                 **kwargs: Any) -> torch.Tensor:
-        # How spread the routing was: a call's cost follows the experts it reads.
+        """A mixture-of-experts layer after its routing, its GEMMs included, in one figure;
+        and how spread the routing was (a call's cost follows the experts it reads)."""
         distinct = int(torch.unique(expert_ids).numel())
         with self._lock:
             self.expert_pairs += expert_ids.numel()
