@@ -15,7 +15,7 @@ import logging
 import os
 
 from sqlalchemy import Connection
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from minimill.control.store import Store
 
@@ -61,12 +61,18 @@ class JanitorLock:
             return False
 
     def release(self) -> None:
-        """Let another process take it (closing the connection drops the lock with it)."""
+        """Let another process take it: unlocked before the connection closes, so that it is
+        free when this returns (a closed connection's backend drops its locks only once it has
+        exited, a moment after the client has gone)."""
         conn, self._conn = self._conn, None
         if conn is None:
             return
         try:
-            conn.invalidate()  # never back to the pool still holding the lock
+            conn.exec_driver_sql(f"SELECT pg_advisory_unlock({JANITOR_LOCK_KEY})")
+        except SQLAlchemyError:
+            pass  # the connection is gone (or broken), and the lock with it
+        try:
+            conn.invalidate()  # never back to the pool, whatever it still holds
             conn.close()
         except DBAPIError:
             pass
