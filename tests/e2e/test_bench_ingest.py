@@ -31,7 +31,10 @@ def test_bench_ingest_prints_memory_and_heartbeat_figures(e2e_home: Path) -> Non
     assert report["longest_heartbeat_gap_s"] >= report["heartbeat_interval_s"] * 0.9
     assert isinstance(report["meets_targets"], bool)
     by_phase = report["longest_heartbeat_gap_by_phase_s"]
-    assert {"ingest", "serve_and_finalize"} <= set(by_phase)
+    # The phase under test had heartbeats; serving and finalizing may end before the next one
+    # is answered on a fast machine (seen in CI), and then has no gap of its own.
+    assert "ingest" in by_phase
+    assert set(by_phase) <= {"idle", "upload", "ingest", "serve_and_finalize"}
     assert max(by_phase.values()) == report["longest_heartbeat_gap_s"]
 
 
