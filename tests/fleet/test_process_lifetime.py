@@ -150,6 +150,10 @@ def test_bench_fleet_stopped_by_sigterm_leaves_nothing_running(tmp_path: Path,
         start_new_session=True)
     try:
         def fleet_up() -> list[int] | None:
+            if bench.poll() is not None:  # it gave up (or finished) before it was seen up
+                output = bench.stdout.read() if bench.stdout is not None else b""
+                raise AssertionError(f"bench fleet exited with {bench.returncode}: "
+                                     f"{output.decode(errors='replace')[-2000:]}")
             kids = children(bench.pid)
             homes = {_home_of(pid) for pid in kids} - {None}
             ready = [h for h in homes if h is not None and any(

@@ -205,6 +205,9 @@ class CpuKernels(TorchKernels):
 
         self._ops = torch.ops.minimill
         self._mkldnn = torch.backends.mkldnn.is_available()
+        # oneDNN packs bf16 weights only where the CPU converts bf16 itself (AVX-512 BW/VL/DQ
+        # or AVX-NE-CONVERT): on AVX2 alone the reorder raises, and bf16 GEMMs go unpacked.
+        self._mkldnn_bf16 = self._mkldnn and torch.ops.mkldnn._is_mkldnn_bf16_supported()
         self._amx_bf16 = "amx_bf16" in cpu_info().flags
         # The kernels' own AMX GEMM: built where the compiler could target the tiles, and
         # granted by the OS (Linux hands tile state to a process that asks).
@@ -224,7 +227,7 @@ class CpuKernels(TorchKernels):
     def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """Prepacked into oneDNN's blocked layout: the GEMM skips re-blocking the weight on
         every call."""
-        if not self._mkldnn:
+        if not self._mkldnn or (weight.dtype == torch.bfloat16 and not self._mkldnn_bf16):
             return weight.contiguous()
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self._PACK_FOR_ROWS)
 
