@@ -66,6 +66,28 @@ def workload(tmp_path: Path) -> Path:
     return path
 
 
+def test_bench_engine_refuses_a_peer_it_cannot_run_before_its_rounds(minimill_home: Path,
+                                                                     workload: Path) -> None:
+    result = run_cli(["bench", "engine", "--workload", str(workload), "--json", "--limit", "2",
+                      "--peer", "vllm"], minimill_home)
+    assert result.returncode == 1 and "--peer-python" in result.stderr
+    assert result.stdout == ""  # refused before the model loaded, no rounds run
+
+
+def test_bench_engine_keeps_its_figures_when_the_peer_fails(minimill_home: Path,
+                                                            workload: Path) -> None:
+    """A peer that fails to run (here: an environment without vLLM) fails the bench, but
+    after minimill's figures, which took the rounds' minutes, are printed beside its error."""
+    result = run_cli(["bench", "engine", "--workload", str(workload), "--json", "--limit", "2",
+                      "--skip-hf", "--rounds", "1", "--peer", "vllm",
+                      "--peer-python", sys.executable], minimill_home)
+    assert result.returncode == 1
+    report = json.loads(result.stdout)
+    assert report["output_tok_s"] > 0 and report["meets_targets"] is False
+    assert "vllm failed" in report["peer_error"] and "vllm" in result.stderr
+    assert "peer_speedup" not in report
+
+
 def test_bench_engine_prints_figures_and_their_yardsticks(minimill_home: Path,
                                                           workload: Path) -> None:
     result = run_cli(["bench", "engine", "--workload", str(workload), "--json", "--limit", "2"],

@@ -52,6 +52,19 @@ def export_hf_dir(loaded: LoadedModel, dtype: torch.dtype, directory: Path) -> N
     }, indent=1))
 
 
+def check_peer(peer: str, python: str | None) -> str:
+    """The peer is one minimill knows and its Python exists; returns that Python. Checked
+    before minimill's own rounds, which take minutes, not after them."""
+    if peer not in PEERS:
+        raise PeerError(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
+    if python is None:
+        raise PeerError(f"--peer {peer} needs --peer-python: the Python of the peer's "
+                        "environment")
+    if not Path(python).exists():
+        raise PeerError(f"--peer-python {python} does not exist")
+    return python
+
+
 def run_peer(peer: str, python: str, loaded: LoadedModel, dtype: torch.dtype,
              prompts: list[list[int]], max_tokens: list[int], max_num_seqs: int,
              timeout_s: float = 3600.0, drop_weights: bool = False) -> dict[str, Any]:
@@ -59,10 +72,7 @@ def run_peer(peer: str, python: str, loaded: LoadedModel, dtype: torch.dtype,
     `drop_weights`: empty `loaded.weights` once written for the peer (a caller that needs
     them no more leaves the peer the memory: a model the size of the machine's share fits
     once, not twice)."""
-    if peer not in PEERS:
-        raise PeerError(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
-    if not Path(python).exists():
-        raise PeerError(f"--peer-python {python} does not exist")
+    check_peer(peer, python)
     runner = Path(__file__).with_name("vllm_runner.py")
     with tempfile.TemporaryDirectory(prefix="minimill-peer-") as tmp:
         model_dir = Path(tmp) / "model"
