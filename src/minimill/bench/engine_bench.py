@@ -348,10 +348,11 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
 
 def _peer(options: EngineBenchOptions, loaded: Any, config: Any, prompts: list[list[int]],
           items: list[WorkItem], output_tok_s: float, quiet: bool, err: Any) -> dict[str, Any]:
-    from minimill.bench.peer import check_peer, run_peer
+    from minimill.bench.peer import run_peer
 
-    assert options.peer is not None
-    python = check_peer(options.peer, options.peer_python)
+    # Checked before the rounds (_bench), and again by run_peer.
+    assert options.peer is not None and options.peer_python is not None
+    python = options.peer_python
     with err.status(f"running {options.peer} ...") if not quiet else nullcontext(), \
             StealMeter() as steal:
         result = run_peer(options.peer, python, loaded, config.torch_dtype,
