@@ -5,13 +5,19 @@ process, the route pokes the waiter at once; otherwise one shared poller notices
 `version` changed (a single query for every watched request, every `poll_interval_s`). With
 nothing watched the poller sleeps until something is: on a small machine its forty wake-ups a
 second would be CPU taken from the engine beside it.
+
+A waiter reads its row when woken, not on a timer: between wake-ups it only looks whether its
+client left, which costs no trip to the store. At a thousand sites, when a realtime request
+waited seconds for a lease, every waiter re-reading its row twice a second took more of the
+control plane's CPU than its lease calls (docs/concepts/control-plane-scale.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Awaitable, Callable, Iterable
 
 import anyio
 
@@ -19,6 +25,12 @@ from minimill.control.requests import versions
 from minimill.control.store import Store
 
 log = logging.getLogger("minimill.api")
+
+# How often a waiter looks whether its client left (no store read).
+CLIENT_CHECK_S = 0.5
+# Longest a waiter goes without reading its row when nothing woke it: a backstop for a wake-up
+# lost to a failed poll, not the way progress is noticed.
+REREAD_S = 5.0
 
 
 class Watch:
@@ -29,13 +41,28 @@ class Watch:
         self.version = -1  # last version the poller saw
         self.event = asyncio.Event()
 
-    async def wait(self, timeout_s: float) -> None:
-        """Return on the next wake-up, or after `timeout_s`; read the row after this."""
+    async def wait(self, timeout_s: float) -> bool:
+        """Return on the next wake-up (True), or after `timeout_s` (False)."""
         try:
             await asyncio.wait_for(self.event.wait(), timeout_s)
+            woken = True
         except TimeoutError:
-            pass
+            woken = False
         self.event.clear()
+        return woken
+
+    async def changed(self, gone: Callable[[], Awaitable[bool]],
+                      reread_s: float = REREAD_S) -> bool:
+        """Wait until the row may have changed (woken, or `reread_s` without a wake-up):
+        True, read it now. False as soon as `gone` says the client left, looked at every
+        `CLIENT_CHECK_S`."""
+        deadline = time.monotonic() + reread_s
+        while True:
+            woken = await self.wait(min(CLIENT_CHECK_S, max(deadline - time.monotonic(), 0.0)))
+            if await gone():
+                return False
+            if woken or time.monotonic() >= deadline:
+                return True
 
 
 class ProgressWatcher:

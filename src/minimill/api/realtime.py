@@ -19,7 +19,7 @@ from fastapi.responses import StreamingResponse
 from minimill.api.lease_wakeup import lease_wakeup_of
 from minimill.api.progress import ProgressWatcher, Watch
 from minimill.api.rate_headers import remember
-from minimill.api.streaming import WAKE_S, ChunkStream, num_choices
+from minimill.api.streaming import ChunkStream, num_choices
 from minimill.control.bodies import ChatBody, CompletionBody, prepare_body
 from minimill.control.checkpoints import has_output
 from minimill.control.config import ControlConfig
@@ -54,8 +54,7 @@ async def _wait(request: Request, store: Store, record: RequestRecord, watch: Wa
                 done: Callable[[RequestRecord], bool]) -> RequestRecord | None:
     """The row once `done` holds for it; None if the client went away first."""
     while not done(record):
-        await watch.wait(WAKE_S)
-        if await request.is_disconnected():
+        if not await watch.changed(request.is_disconnected):
             return None
         record = await anyio.to_thread.run_sync(get_request, store, record.tenant_id,
                                                 record.id, False)

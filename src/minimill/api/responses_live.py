@@ -24,7 +24,6 @@ import anyio
 from starlette.requests import Request
 
 from minimill.api.progress import ProgressWatcher, Watch
-from minimill.api.streaming import WAKE_S
 from minimill.control.checkpoints import assemble
 from minimill.control.config import ControlConfig
 from minimill.control.errors import NotFoundError, RequestTimeoutError
@@ -68,8 +67,7 @@ async def wait_for_end(request: Request, store: Store, watcher: ProgressWatcher,
     current: RequestRecord | None = record
     try:
         while current is not None and not current.terminal:
-            await watch.wait(WAKE_S)
-            if await request.is_disconnected():
+            if not await watch.changed(request.is_disconnected):
                 await _cancel(store, current, "the client went away")
                 return None
             current = await _reload(store, current, whole=False)
@@ -128,8 +126,7 @@ class ResponseEventStream:
                 if self.record.terminal:
                     finished = True
                     return
-                await watch.wait(WAKE_S)
-                if await self.request.is_disconnected():
+                if not await watch.changed(self.request.is_disconnected):
                     return
                 current = await self._advance()
                 if current is None:

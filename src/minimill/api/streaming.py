@@ -41,9 +41,6 @@ from minimill.models.tool_calls import (
     ToolCallParser,
 )
 
-# Longest wait between two reads of the row when nothing wakes the stream.
-WAKE_S = 0.5
-
 
 @dataclass(slots=True)
 class _Sent:
@@ -228,8 +225,7 @@ class ChunkStream:
                             "code": r.status.value, "message": f"request {r.status}"}))
                     yield SSE_DONE
                     return
-                await self.watch.wait(WAKE_S)
-                if await self.request.is_disconnected():
+                if not await self.watch.changed(self.request.is_disconnected):
                     return
         finally:
             self.watcher.unwatch(self.watch)
