@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from minimill.engine.attention import AttentionMetadata, layer_views
 from minimill.engine.kernels import TorchKernels
 from minimill.engine.kv_int4 import stage_layer_views
+from minimill.engine.memory import release_freed_memory
 from minimill.engine.mla import MlaWeights, latent_view, load_mla, mla_attention
 from minimill.engine.moe import (
     ExpertCombine,
@@ -180,6 +181,12 @@ class DecoderModel:
                 layer.window = config.sliding_window
                 layer.rotary = 1 if config.sliding_rope_theta is not None else 0
             self.layers.append(layer)
+            if release_weights and device.type == "cpu":
+                # The layer's weights as loaded are freed now that it holds its own copies,
+                # but into malloc's heaps (the engine keeps freed memory: memory.py), and
+                # its next copies do not fit in their place: without this a model that fits
+                # in memory once peaked at twice its size while it loaded.
+                release_freed_memory()
         self.rotaries = [RotaryEmbedding(config, max_model_len, device)]
         if config.sliding_rope_theta is not None:
             local = dataclasses.replace(config, rope_theta=config.sliding_rope_theta,
