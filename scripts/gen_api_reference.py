@@ -11,9 +11,9 @@ itself is written beside the page as `openapi.json`.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -191,7 +191,10 @@ def render(schema: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/reference/http-api.md")
+    parser = argparse.ArgumentParser(description="Write the HTTP API reference page.")
+    parser.add_argument("out", nargs="?", type=Path, default=Path("docs/reference/http-api.md"),
+                        help="the page to write (default: docs/reference/http-api.md)")
+    out: Path = parser.parse_args().out
     out.parent.mkdir(parents=True, exist_ok=True)
     schema = openapi_schema()
     (out.parent / "openapi.json").write_text(json.dumps(schema, indent=1) + "\n")

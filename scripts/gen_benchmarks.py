@@ -10,8 +10,8 @@ made from those files, one per bench, newest first; nothing in it is typed by ha
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -171,7 +171,11 @@ def render(runs: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/benchmarks.md")
+    parser = argparse.ArgumentParser(description="Write the benchmarks page from the recorded "
+                                     "runs in benchmarks/results/*.json.")
+    parser.add_argument("out", nargs="?", type=Path, default=Path("docs/benchmarks.md"),
+                        help="the page to write (default: docs/benchmarks.md)")
+    out: Path = parser.parse_args().out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render(load_runs()))
 

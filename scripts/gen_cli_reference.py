@@ -9,7 +9,7 @@ and command with its usage line, its help text and a table of its arguments and 
 
 from __future__ import annotations
 
-import sys
+import argparse
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -87,7 +87,10 @@ def render() -> str:
 
 
 def main() -> None:
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/reference/cli.md")
+    parser = argparse.ArgumentParser(description="Write the CLI reference page.")
+    parser.add_argument("out", nargs="?", type=Path, default=Path("docs/reference/cli.md"),
+                        help="the page to write (default: docs/reference/cli.md)")
+    out: Path = parser.parse_args().out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render())
 
