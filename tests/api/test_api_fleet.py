@@ -17,7 +17,12 @@ from minimill.control.records import SiteScope
 from minimill.control.site_view import list_sites
 from minimill.control.sites import create_site
 
-SERVER_SETTINGS = {"lease_ttl_s": 1.0, "janitor_interval_s": 0.1}
+# Short enough for a test to wait a lease out, long enough that a server call stalled on a
+# loaded 2-core machine does not outlast it: at 1 s, one lease transaction of 1.3 s (CI, two
+# test workers beside it) answered a lease already expired, and the tests sharing the store
+# after it found its request queued.
+LEASE_TTL_S = 3.0
+SERVER_SETTINGS = {"lease_ttl_s": LEASE_TTL_S, "janitor_interval_s": 0.1}
 
 
 def fleet(env: ApiEnv, token: str | None = None) -> httpx.Client:
@@ -156,7 +161,7 @@ def test_completion_after_reap_at_same_epoch_is_accepted(env: ApiEnv, client: Op
     _, token = new_site(env)
     with fleet(env, token) as slow:
         held = lease_one(slow)
-        time.sleep(1.6)  # past the TTL: the janitor puts it back in the queue
+        time.sleep(LEASE_TTL_S + 0.6)  # past the TTL: the janitor puts it back in the queue
         answer = slow.post("/complete", json=done(held["request_id"], held["epoch"],
                                                   "late")).json()
     assert answer["accepted"] == [held["request_id"]]
