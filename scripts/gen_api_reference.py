@@ -11,12 +11,12 @@ itself is written beside the page as `openapi.json`.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import tempfile
-from pathlib import Path
 from typing import Any
+
+from page_args import output_page
 
 TAG_ORDER = ["models", "chat", "completions", "responses", "files", "batches", "webhooks",
              "boxes", "agents", "operator", "fleet"]
@@ -191,10 +191,7 @@ def render(schema: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Write the HTTP API reference page.")
-    parser.add_argument("out", nargs="?", type=Path, default=Path("docs/reference/http-api.md"),
-                        help="the page to write (default: docs/reference/http-api.md)")
-    out: Path = parser.parse_args().out
+    out = output_page("Write the HTTP API reference page.", "docs/reference/http-api.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     schema = openapi_schema()
     (out.parent / "openapi.json").write_text(json.dumps(schema, indent=1) + "\n")

@@ -10,10 +10,11 @@ made from those files, one per bench, newest first; nothing in it is typed by ha
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
+
+from page_args import output_page
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -171,11 +172,8 @@ def render(runs: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Write the benchmarks page from the recorded "
-                                     "runs in benchmarks/results/*.json.")
-    parser.add_argument("out", nargs="?", type=Path, default=Path("docs/benchmarks.md"),
-                        help="the page to write (default: docs/benchmarks.md)")
-    out: Path = parser.parse_args().out
+    out = output_page("Write the benchmarks page from the recorded runs in "
+                      "benchmarks/results/*.json.", "docs/benchmarks.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render(load_runs()))
 

@@ -9,12 +9,11 @@ and command with its usage line, its help text and a table of its arguments and 
 
 from __future__ import annotations
 
-import argparse
 from importlib.metadata import entry_points
-from pathlib import Path
 from typing import Any
 
 import typer
+from page_args import output_page
 
 HEADER = """# Command line reference
 
@@ -87,10 +86,7 @@ def render() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Write the CLI reference page.")
-    parser.add_argument("out", nargs="?", type=Path, default=Path("docs/reference/cli.md"),
-                        help="the page to write (default: docs/reference/cli.md)")
-    out: Path = parser.parse_args().out
+    out = output_page("Write the CLI reference page.", "docs/reference/cli.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render())
 

@@ -41,23 +41,17 @@ def test_a_waiter_looks_at_its_client_but_returns_only_when_woken() -> None:
     assert changed
 
 
-async def _client_left() -> bool:
+async def _unwoken(client_left: bool, reread_s: float) -> bool:
+    """What `changed` says of a watch nobody wakes."""
     async def gone() -> bool:
-        return True
+        return client_left
 
-    return await Watch("req_1").changed(gone, reread_s=3600.0)
+    return await Watch("req_1").changed(gone, reread_s=reread_s)
 
 
 def test_a_waiter_whose_client_left_returns_false() -> None:
-    assert asyncio.run(_client_left()) is False
-
-
-async def _unwoken_reread() -> bool:
-    async def gone() -> bool:
-        return False
-
-    return await Watch("req_1").changed(gone, reread_s=0.05)
+    assert asyncio.run(_unwoken(client_left=True, reread_s=3600.0)) is False
 
 
 def test_a_waiter_never_woken_reads_its_row_after_reread_s() -> None:
-    assert asyncio.run(_unwoken_reread()) is True
+    assert asyncio.run(_unwoken(client_left=False, reread_s=0.05)) is True
