@@ -42,6 +42,7 @@ from minimill.control.sites import create_site
 from minimill.control.tables import requests, sites
 
 CHEAP_PRICE, DEAR_PRICE = 0.05, 0.50
+REAL_CHEAP_PRICE, REAL_DEAR_PRICE = 0.01, 10.0
 CAPACITY = 16
 
 
@@ -171,7 +172,15 @@ def test_real_workers_cheap_first_and_drained_before_an_outage(
                    janitor_interval_s=0.1)
     workers: list[Worker] = []
     try:
-        for name, price in (("cheap", CHEAP_PRICE), ("dear", DEAR_PRICE)):
+        # Placement ranks sites by price over the busy rate each worker measures. Both run on
+        # this machine at the same speed, but what each measures of its first lines depends on
+        # the machine's load and on how much of its time went to prefill (a 4-token line is
+        # mostly prefill): on a loaded CI machine the cheap one measured 2 tokens/s of its
+        # three calm lines, against the 50 assumed for the unmeasured dear one, and was the
+        # dearer of the two at a tenth of the price. A thousandfold gap in price keeps this
+        # about price: the cheap one at metering.MIN_TOKENS_PER_S, the least rate counted,
+        # stays cheaper than the dear one would be at 1,000 tokens/s.
+        for name, price in (("cheap", REAL_CHEAP_PRICE), ("dear", REAL_DEAR_PRICE)):
             token = create_site(env.store, name, price, "cpu")
             workers.append(Worker(fleet_home, env.base_url, name, token,
                                   extra_args=("--capacity", "4")))
