@@ -23,6 +23,7 @@ from minimill.control.placement import DEFAULT_POLICY
 from minimill.control.site_view import PeerView
 from minimill.control.store import Store
 from minimill.transport.protocol import (
+    LEASE_QUEUE_S,
     CompleteRequest,
     CompleteResponse,
     HeartbeatRequest,
@@ -82,12 +83,22 @@ async def _look(fleet: TokenFleetCall, ask: LeaseRequest, gone: threading.Event,
     call meanwhile (a stopping worker, or one whose call waited past its timeout): what it
     would be granted would wait out its lease. At a thousand sites calls waited for a thread
     and for SQLite's write lock longer than the workers' timeout, and every lease granted to
-    them expired unread; the transaction asks again once it holds the lock."""
-    async with fleet.lease_threads:
+    them expired unread; the transaction asks again once it holds the lock. A call that gets
+    no thread within LEASE_QUEUE_S is answered with nothing, so that none waits that long."""
+    with anyio.move_on_after(LEASE_QUEUE_S) as queued:
+        await fleet.lease_threads.acquire()
+    if queued.cancelled_caught:
+        # No turn within LEASE_QUEUE_S (the line is first come, first served: the calls
+        # served meanwhile waited less). Nothing for now, touched nothing; the worker asks
+        # again.
+        return LeaseResponse(leases=[], lease_ttl_s=fleet.config.lease_ttl_s)
+    try:
         if gone.is_set():
             return None
         return await anyio.to_thread.run_sync(_lease_now, fleet.store, fleet.site, ask,
                                               fleet.config, fleet.peer_view, gone, relook)
+    finally:
+        fleet.lease_threads.release()
 
 
 def _lease_now(store: Store, call: SiteCall, ask: LeaseRequest, config: ControlConfig,

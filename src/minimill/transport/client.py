@@ -19,6 +19,7 @@ from pydantic import BaseModel
 
 from minimill.transport.protocol import (
     FLEET_PREFIX,
+    LEASE_CALL_TIMEOUT_S,
     CompleteRequest,
     CompleteResponse,
     HeartbeatRequest,
@@ -35,10 +36,6 @@ T = TypeVar("T")
 # How long a leaving site keeps trying to deliver what it still holds (final checkpoints,
 # hand-backs, results) before it gives up and lets the leases expire.
 FINAL_SEND_S = 5.0
-# A lease call waits its turn at a loaded control plane longer than the other calls' timeout:
-# a worker that gave up and asked again went to the back of the line, and whatever the call it
-# left was granted waited for a retry to get through (LeaseRequest.ask_id).
-LEASE_CALL_TIMEOUT_S = 30.0
 
 
 class SiteAuthError(RuntimeError):

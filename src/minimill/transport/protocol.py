@@ -31,6 +31,16 @@ from pydantic import BaseModel, Field
 from minimill.models.tool_calls import ToolFormatName
 
 FLEET_PREFIX = "/v1/fleet"
+# A worker waits this long for a lease call's answer, longer than for its other calls: at a
+# loaded control plane a lease call waits its turn, and a worker that gave up and asked again
+# went to the back of the line, while what the call it left was granted waited for a retry to
+# get through (LeaseRequest.ask_id).
+LEASE_CALL_TIMEOUT_S = 30.0
+# The control plane's side of it: a lease call waits at most this long for its turn before it
+# is answered with nothing (the worker asks again), so that its answer, transaction included,
+# arrives well inside the worker's timeout. At a thousand sites calls waited up to 30 s and
+# timed out, and what their transactions had just granted expired unread.
+LEASE_QUEUE_S = LEASE_CALL_TIMEOUT_S / 3
 # Longest chip name a worker may declare (the site registry's column holds this many).
 MAX_CHIP_CHARS = 100
 # A site price above this is a typo, and would make $/Mtok overflow to infinity.
