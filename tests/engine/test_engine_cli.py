@@ -95,6 +95,11 @@ def test_bench_engine_prints_figures_and_their_yardsticks(minimill_home: Path,
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["requests"] == 2 and report["output_tokens"] == 48  # ignore_eos
+    # Its stages said on stderr as plain lines (not a terminal), the JSON alone on stdout.
+    for said in ("loading the model ... done in", "generating: 2 of 2 requests, 48 tokens",
+                 "measuring the speed of light ... done in",
+                 "HF transformers: finding its best batch size ... done in"):
+        assert said in result.stderr, (said, result.stderr)
     for key in ("output_tok_s", "sol_tok_s", "hf_output_tok_s", "peak_rss_mb", "hf_batch_size"):
         assert report[key] > 0, key
     # What ran, on what: the dtype auto chose and why, the CPU and its relevant flags.

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from minimill.bench.batch_wait import wait_for_batch
+from minimill.bench.stages import stage
 from minimill.bench.steal import StealMeter
 
 TARGET_RATIO = 0.9
@@ -178,17 +179,17 @@ def _served_run(err: Any, which: str, lines: list[str], model: str,
     fleet = LocalFleet(model, DTYPE)
     ingest: dict[str, float] = {}
     try:
-        with err.status(f"starting serve for round {which} ..."):
+        with stage(err, f"starting serve for round {which} ..."):
             fleet.start()
         client = OpenAI(base_url=fleet.base_url, api_key=fleet.key, timeout=600)
         client.chat.completions.create(model=model, max_tokens=2, temperature=0,
                                        messages=[{"role": "user", "content": "warm up"}])
         with tempfile.TemporaryDirectory() as tmp:
-            with err.status(f"Batch API run {which} ({len(lines)} requests) ..."), \
+            with stage(err, f"Batch API run {which} ({len(lines)} requests) ..."), \
                     StealMeter() as served_steal:
                 served: dict[str, Any] = dict(_batch_throughput(client, lines, Path(tmp)))
             if with_ingest:
-                with err.status(f"ingesting {INGEST_LINES} lines ..."):
+                with stage(err, f"ingesting {INGEST_LINES} lines ..."):
                     ingest = _ingest(client, model, Path(tmp))
     finally:
         fleet.close()
@@ -209,7 +210,7 @@ def _round_report(served: dict[str, Any], before: dict[str, Any],
 
 def _offline_run(err: Any, which: str, workload: Path, model: str,
                  limit: int | None) -> dict[str, Any]:
-    with err.status(f"offline engine run {which} ..."), StealMeter() as steal:
+    with stage(err, f"offline engine run {which} ..."), StealMeter() as steal:
         run: dict[str, Any] = dict(offline_output_tok_s(workload, model, DTYPE, limit))
     run["steal_share"] = steal.share
     return run

@@ -9,14 +9,13 @@ import gc
 import json
 import resource
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from minimill.bench.stages import request_progress, stage
 from minimill.bench.steal import StealMeter
 from minimill.engine.memory import release_freed_memory
 
@@ -115,27 +114,8 @@ def read_workload(path: Path, limit: int | None) -> list[WorkItem]:
     return items
 
 
-@contextmanager
-def _progress_bar(total: int, err: Any, quiet: bool
-                  ) -> Iterator[Callable[[RequestOutput], None] | None]:
-    """A bar on stderr while a round runs: requests finished, and their output tokens."""
-    if quiet:
-        yield None
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-    bar = Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("{task.fields[tokens]} tokens"), console=err)
-    task = bar.add_task("generate", total=total, tokens=0)
-    tokens = 0
-
-    def finished(out: RequestOutput) -> None:
-        nonlocal tokens
-        tokens += len(out.output_token_ids)
-        bar.update(task, advance=1, tokens=tokens)
-
-    with bar:
-        yield finished
+def _output_tokens(out: RequestOutput) -> int:
+    return len(out.output_token_ids)
 
 
 def run_engine_bench(options: EngineBenchOptions) -> None:
@@ -212,11 +192,10 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
     from minimill.engine.llm import LLM
     from minimill.engine.params import SamplingParams
 
-    quiet = options.json_out
     if options.peer:
         check_peer(options.peer, options.peer_python)
     items = read_workload(options.workload, options.limit)
-    with err.status("loading the model ...") if not quiet else nullcontext():
+    with stage(err, "loading the model ..."):
         loaded, config, measured = _load(options)
         vocab = loaded.config.vocab_size
         tok = loaded.tokenizer
@@ -239,7 +218,8 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
         runner.step_log = []
         with StealMeter() as steal:
             start = time.perf_counter()
-            with _progress_bar(len(prompts), err, quiet) as on_finished:
+            with request_progress(err, "generating", len(prompts),
+                                  _output_tokens) as on_finished:
                 outputs = llm.generate(prompts, params, on_finished=on_finished)
             seconds = time.perf_counter() - start
         runs.append(_Round(runner.step_log, seconds, steal.share,
@@ -257,7 +237,7 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
     breakdown.restore(runner, timed)
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
-    with err.status("measuring the speed of light ...") if not quiet else nullcontext():
+    with stage(err, "measuring the speed of light ..."):
         all_steps = [s for r in runs for s in r.steps]
         stick = measure(runner.model, all_steps)
         for attempt in range(1 + YARDSTICK_RETRIES):
@@ -322,8 +302,7 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
         loaded.weights.update(routers)
     if not options.skip_hf:
         with StealMeter() as hf_steal:
-            hf, hf_batch = _hf_baseline(loaded, config.torch_dtype, prompts, items, quiet,
-                                        err)
+            hf, hf_batch = _hf_baseline(loaded, config.torch_dtype, prompts, items, err)
         report.update({
             "hf_output_tok_s": round(hf, 2), "hf_batch_size": hf_batch,
             "hf_steal_share": hf_steal.share,
@@ -332,8 +311,7 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
         })
     if options.peer:
         try:
-            report.update(_peer(options, loaded, config, prompts, items, output_tok_s, quiet,
-                                err))
+            report.update(_peer(options, loaded, config, prompts, items, output_tok_s, err))
         except PeerError as exc:
             # The rounds took minutes: their figures are kept, the peer's failure beside them.
             report["peer_error"] = str(exc)
@@ -347,13 +325,13 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
 
 
 def _peer(options: EngineBenchOptions, loaded: Any, config: Any, prompts: list[list[int]],
-          items: list[WorkItem], output_tok_s: float, quiet: bool, err: Any) -> dict[str, Any]:
+          items: list[WorkItem], output_tok_s: float, err: Any) -> dict[str, Any]:
     from minimill.bench.peer import run_peer
 
     # Checked before the rounds (_bench), and again by run_peer.
     assert options.peer is not None and options.peer_python is not None
     python = options.peer_python
-    with err.status(f"running {options.peer} ...") if not quiet else nullcontext(), \
+    with stage(err, f"running {options.peer} ..."), \
             StealMeter() as steal:
         result = run_peer(options.peer, python, loaded, config.torch_dtype,
                           prompts, [i.max_tokens for i in items], config.max_num_seqs,
@@ -366,7 +344,7 @@ def _peer(options: EngineBenchOptions, loaded: Any, config: Any, prompts: list[l
 
 
 def _hf_baseline(loaded: Any, dtype: torch.dtype, prompts: list[list[int]],
-                 items: list[WorkItem], quiet: bool, err: Any) -> tuple[float, int]:
+                 items: list[WorkItem], err: Any) -> tuple[float, int]:
     """HF generate's output tokens/s over the same prompts (grouped by max_tokens), at the
     batch width that was fastest on a sample of them; returns (tok/s, that width)."""
     from minimill.bench.hf_baseline import build_hf_model, hf_generate_throughput
@@ -376,8 +354,7 @@ def _hf_baseline(loaded: Any, dtype: torch.dtype, prompts: list[list[int]],
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
         tokenizer.eos_token_id or 0)
     hf_generate_throughput(model, prompts[:1], 2, 1, pad)  # warm-up, as for the engine
-    with err.status("HF transformers: finding its best batch size ...") if not quiet \
-            else nullcontext():
+    with stage(err, "HF transformers: finding its best batch size ..."):
         sample = prompts[:HF_SWEEP_PROMPTS]
         rates = {}
         for width in HF_BATCH_SIZES:
@@ -390,7 +367,7 @@ def _hf_baseline(loaded: Any, dtype: torch.dtype, prompts: list[list[int]],
     for prompt, item in zip(prompts, items, strict=True):
         groups.setdefault(item.max_tokens, []).append(prompt)
     total_tokens, total_seconds = 0, 0.0
-    with err.status(f"HF transformers at batch {best} ...") if not quiet else nullcontext():
+    with stage(err, f"HF transformers at batch {best} ..."):
         for max_tokens, group in groups.items():
             result = hf_generate_throughput(model, group, max_tokens, best, pad)
             total_tokens += int(result["output_tokens"])

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from minimill.bench.local_fleet import BenchError, LocalFleet
+from minimill.bench.stages import stage
 
 NUM_WORKERS = 3
 DTYPE = "bfloat16"
@@ -176,14 +177,14 @@ def run_fleet_bench(workload: Path, *, json_out: bool, kill_every_s: float,
 
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            with err.status(f"starting serve and {NUM_WORKERS} workers ..."):
+            with stage(err, f"starting serve and {NUM_WORKERS} workers ..."):
                 fleet.start()
                 start_workers("baseline")
-            with err.status(f"baseline: {len(lines)} requests, no kills ..."):
+            with stage(err, f"baseline: {len(lines)} requests, no kills ..."):
                 base = _run_batch(fleet, lines, Path(tmp), None)
-            with err.status(f"starting {NUM_WORKERS} fresh workers ..."):
+            with stage(err, f"starting {NUM_WORKERS} fresh workers ..."):
                 start_workers("chaos")
-            with err.status(f"chaos: a worker killed every {kill_every_s:g}s ..."):
+            with stage(err, f"chaos: a worker killed every {kill_every_s:g}s ..."):
                 chaos = _run_batch(fleet, lines, Path(tmp), kill_every_s)
     except (BenchError, RuntimeError, TimeoutError) as exc:
         err.print(f"[red]error:[/red] {exc}")

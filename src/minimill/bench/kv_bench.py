@@ -17,12 +17,13 @@ from __future__ import annotations
 import json
 import math
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from minimill.bench.stages import stage
 
 TEXT = Path(__file__).parent / "data" / "kjv-genesis-exodus.txt"
 TARGETS: dict[str, dict[str, float]] = {
@@ -92,7 +93,6 @@ def _bench(options: KvBenchOptions, err: Any) -> dict[str, Any]:
 
     if options.shape is not None:
         return _shape_capacity(options)
-    quiet = options.json_out
     loaded, config = load_with_config(options.model, {"dtype": options.dtype}, auto_pull=True)
     sized = capacity(loaded.config, config.dtype, options.kv_dtypes,
                      int(options.budget_mb * (1 << 20)), options.context_tokens)
@@ -106,8 +106,7 @@ def _bench(options: KvBenchOptions, err: Any) -> dict[str, Any]:
     results: dict[str, dict[str, Any]] = {}
     greedy: dict[str, list[list[int]]] = {}
     for kv_dtype in (reference, *kv_dtypes):
-        with err.status(f"KV {kv_dtype}: perplexity and greedy runs ...") if not quiet \
-                else nullcontext():
+        with stage(err, f"KV {kv_dtype}: perplexity and greedy runs ..."):
             llm = LLM(loaded, dtype=config.dtype, kv_dtype=kv_dtype, num_kv_blocks=2048,
                       max_model_len=4096)
             row: dict[str, Any] = {
@@ -117,8 +116,7 @@ def _bench(options: KvBenchOptions, err: Any) -> dict[str, Any]:
             }
             greedy[kv_dtype] = _greedy(llm, prompts, options.new_tokens)
             del llm
-        with err.status(f"KV {kv_dtype}: throughput at {options.budget_mb} MB ...") if not quiet \
-                else nullcontext():
+        with stage(err, f"KV {kv_dtype}: throughput at {options.budget_mb} MB ..."):
             row.update(_at_budget(loaded, config.dtype, kv_dtype, options))
         results[kv_dtype] = row
     base = results[reference]

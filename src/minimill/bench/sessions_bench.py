@@ -27,10 +27,11 @@ import shutil
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from minimill.bench.stages import stage
 
 TEXT = Path(__file__).parent / "data" / "kjv-genesis-exodus.txt"
 TARGETS = {"prefill_ratio": 3.0, "speedup": 2.0}
@@ -272,7 +273,7 @@ def _bench(options: SessionsBenchOptions, err: Any) -> dict[str, Any]:
         raise ValueError("--restart-after must be 0 (no restart run) or below --turns")
 
     def status(what: str) -> Any:
-        return nullcontext() if options.json_out else err.status(what)
+        return stage(err, what)
 
     root = Path(tempfile.mkdtemp(prefix="minimill-sessions-"))
     try:
