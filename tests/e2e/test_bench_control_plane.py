@@ -13,18 +13,22 @@ from typing import Any
 import pytest
 
 
-def _bench(*args: str) -> dict[str, Any]:
+def _bench(*args: str) -> tuple[dict[str, Any], str]:
+    """The report, and what the run said on stderr meanwhile."""
     done = subprocess.run(
         [sys.executable, "-m", "minimill.cli", "bench", "control-plane", "--json", *args],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return report
+    return report, done.stderr
 
 
 def test_bench_control_plane_reports_exactly_once_completion() -> None:
     # Requests outlast the checkpoint interval (1 s): each is heartbeated at least once.
-    report = _bench("--sites", "5", "--requests", "50", "--request-s", "1.5")
+    report, said = _bench("--sites", "5", "--requests", "50", "--request-s", "1.5")
+    # Its stages on stderr (not a terminal: as lines), the JSON alone on stdout.
+    assert "sqlite x1, 5 sites: starting the control plane and the sites ... done in" in said
+    assert "sqlite x1, 5 sites: 50 requests ... done in" in said
     assert report["cpu_model"]
     (run,) = report["runs"]
     assert (run["store"], run["processes"], run["sites"], run["requests"]) == (
@@ -42,7 +46,7 @@ def test_bench_control_plane_reports_exactly_once_completion() -> None:
 @pytest.mark.postgres
 def test_two_processes_on_postgresql_complete_everything_once_while_one_is_killed(
         pg_url: str) -> None:
-    report = _bench("--sites", "6", "--requests", "120", "--request-s", "0.5",
+    report, _ = _bench("--sites", "6", "--requests", "120", "--request-s", "0.5",
                     "--capacity", "2", "--db", pg_url, "--processes", "2", "--no-compare",
                     "--kill-one")
     (run,) = report["runs"]

@@ -35,10 +35,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from rich.console import Console
+
+from minimill.bench import stages
 from minimill.bench.control_plane_load import BatchJob, Realtime, batch_lines, exactly_once
 from minimill.bench.control_plane_store import fresh_store, pg_rows_written, register, store_counts
 from minimill.bench.local_fleet import BenchError, LocalProcess, free_port
 from minimill.bench.proc_tree import cpu_seconds, process_tree
+from minimill.bench.stages import stage
 from minimill.bench.steal import StealMeter
 
 MODEL = "bench-fake"
@@ -187,7 +191,16 @@ def _kill_one_when_half_done(setup: Setup, job: BatchJob, total: int) -> bool:
     return True
 
 
-def _drive(setup: Setup, options: ControlPlaneBenchOptions, total: int,
+def _say_progress(err: Console, setup: Setup, job: BatchJob, realtime: Realtime,
+                  started: float) -> None:
+    counts = job.batch.get("request_counts") or {}
+    err.print(f"{setup.store} x{setup.processes}, {setup.sites} sites: "
+              f"{counts.get('completed', 0)} of {counts.get('total', '?')} batch requests "
+              f"done, {realtime.answered} realtime answered "
+              f"({time.perf_counter() - started:.0f}s)", highlight=False, soft_wrap=True)
+
+
+def _drive(setup: Setup, options: ControlPlaneBenchOptions, total: int, err: Console,
            tag: str = "req", may_kill: bool = False) -> dict[str, Any]:
     """Submit `total` requests, wait for all of them; the figures measured meanwhile."""
     realtime_count = round(total * options.realtime_share)
@@ -198,7 +211,7 @@ def _drive(setup: Setup, options: ControlPlaneBenchOptions, total: int,
                         options.max_tokens)
     killed = not (may_kill and options.kill_one and setup.processes >= 2)
     cpu_before = _serve_cpu(setup)
-    started = time.perf_counter()
+    started = said = time.perf_counter()
     try:
         with StealMeter() as steal:
             job.submit(batch_lines(MODEL, batch_count, options.max_tokens, tag))
@@ -210,6 +223,9 @@ def _drive(setup: Setup, options: ControlPlaneBenchOptions, total: int,
                                      f"see {setup.home}")
                 if not killed:
                     killed = _kill_one_when_half_done(setup, job, batch_count)
+                if time.perf_counter() - said >= stages.PROGRESS_EVERY_S:
+                    said = time.perf_counter()
+                    _say_progress(err, setup, job, realtime, started)
                 time.sleep(0.25)
             if not realtime.join(max(1.0, deadline - time.monotonic())):
                 raise BenchError("realtime calls did not finish in time")
@@ -229,20 +245,23 @@ def _drive(setup: Setup, options: ControlPlaneBenchOptions, total: int,
 
 
 def _run_one(options: ControlPlaneBenchOptions, store: str, url: str, processes: int,
-             sites: int, home: Path) -> dict[str, Any]:
+             sites: int, home: Path, err: Console) -> dict[str, Any]:
     total = options.requests or max(200, 10 * sites)
     setup = Setup(store, url, processes, sites, home)
     fresh_store(url)
+    what = f"{store} x{processes}, {sites} sites"
     try:
-        _start_serves(setup, options)
-        setup.keys, tokens = register(url, setup.sites)
-        _start_drivers(setup, options, tokens)
-        # Unmeasured: every site's first calls, and the first batch's start-up costs (the
-        # batch-jobs process, the first imports of each route).
-        warm = _drive(setup, options, WARM_UP_REQUESTS, tag="warm")
+        with stage(err, f"{what}: starting the control plane and the sites ..."):
+            _start_serves(setup, options)
+            setup.keys, tokens = register(url, setup.sites)
+            _start_drivers(setup, options, tokens)
+            # Unmeasured: every site's first calls, and the first batch's start-up costs (the
+            # batch-jobs process, the first imports of each route).
+            warm = _drive(setup, options, WARM_UP_REQUESTS, err, tag="warm")
         rows_before = pg_rows_written(url)
         _tell_drivers(setup, "mark")
-        run = _drive(setup, options, total, may_kill=True)
+        with stage(err, f"{what}: {total} requests ..."):
+            run = _drive(setup, options, total, err, may_kill=True)
         reports = _stop_drivers(setup)
     finally:
         _stop_drivers(setup)
@@ -304,6 +323,7 @@ def run_control_plane_bench(options: ControlPlaneBenchOptions) -> dict[str, Any]
     from minimill.engine.hardware import cpu_info
 
     runs = []
+    err = Console(stderr=True)
     root = Path(tempfile.mkdtemp(prefix="minimill-cp-bench-"))
     try:
         for n, sites in enumerate(options.sites):
@@ -311,7 +331,7 @@ def run_control_plane_bench(options: ControlPlaneBenchOptions) -> dict[str, Any]
                 home = root / f"run-{n}-{m}"
                 home.mkdir()
                 url = url or f"sqlite:///{home / 'data' / 'minimill.db'}"
-                runs.append(_run_one(options, store, url, processes, sites, home))
+                runs.append(_run_one(options, store, url, processes, sites, home, err))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return {"bench": "control-plane", "cpu_model": cpu_info().model, "cores": os.cpu_count(),
