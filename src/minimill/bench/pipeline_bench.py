@@ -16,6 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rich.console import Console
+
+from minimill.bench.stages import stage
+
 if TYPE_CHECKING:
     from minimill.engine.llm import LLM
 
@@ -113,6 +117,7 @@ def alternate_rounds(single: LLM, split: LLM, cores: int, items: list[Any], roun
     for llm in (single, split):  # warm-up: kernels, first touches of the pools
         llm.generate(prompts[:4], SamplingParams(max_tokens=4))
     out = Rounds([], [], [])
+    err = Console(stderr=True)
 
     def timed(llm: LLM) -> float:
         # The thread count is the process's: each engine gets its own back before it runs
@@ -121,9 +126,14 @@ def alternate_rounds(single: LLM, split: LLM, cores: int, items: list[Any], roun
         torch.set_num_threads(cores if llm is single else 1)
         llm.engine.runner.kernels.pin_threads()
         llm.reset_prefix_cache()
-        started = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        return sum(len(o.output_token_ids) for o in outs) / (time.perf_counter() - started)
+        which = f"{cores} cores, one engine" if llm is single else "split"
+        round_no = min(len(out.single_tok_s), len(out.split_tok_s)) + 1
+        with stage(err, f"round {round_no} of {max(1, rounds)}: {which}, "
+                        f"{len(prompts)} requests ..."):
+            started = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            seconds = time.perf_counter() - started
+        return sum(len(o.output_token_ids) for o in outs) / seconds
 
     def run_split() -> None:
         tok_s, note = measure_split(lambda: timed(split))

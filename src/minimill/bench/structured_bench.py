@@ -22,6 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+
+from minimill.bench.stages import stage
+
 TARGET_RATIO = 0.95
 
 # A mix of schemas agents ask for: objects nested and flat, arrays, enums, anyOf, bounded
@@ -123,12 +127,17 @@ def run_structured_bench(options: StructuredBenchOptions) -> dict[str, Any]:
     plain: list[_Run] = []
     valid = invalid = cut = 0
     problems: list[str] = []
+    err = Console(stderr=True)
+
     def timed(params: list[Any]) -> tuple[_Run, list[Any]]:
         llm.reset_prefix_cache()
-        started = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        return _Run(sum(len(o.output_token_ids) for o in outs),
-                    time.perf_counter() - started), outs
+        which = "constrained" if params is guided else "unconstrained"
+        with stage(err, f"{which} run {len(constrained) + len(plain) + 1} of "
+                        f"{2 * max(1, options.rounds)}, {len(prompts)} requests ..."):
+            started = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            seconds = time.perf_counter() - started
+        return _Run(sum(len(o.output_token_ids) for o in outs), seconds), outs
 
     # The first constrained run gives each request's output length (the answers are the same
     # every round: seeded, batch-invariant) and the answers to validate.
