@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import os
 import threading
+import time
+import weakref
 
 import pytest
 import torch
@@ -70,6 +73,32 @@ def test_workers_run_one_thread_each_and_raise_what_failed() -> None:
     with pytest.raises(ValueError, match="boom"):
         workers.map([after_a_kernel, fails])
     assert workers.map([lambda: 7, lambda: 8]) == [7, 8]
+
+
+def test_an_idle_core_holds_nothing_of_its_last_job() -> None:
+    """The cores' threads live as long as the process; a job's closure holds its engine's
+    runner. Held after the job, an engine dropped after its last split step kept its weights
+    and KV pool (a float32 mixture of experts beside vLLM was killed for its memory)."""
+    workers = core_workers(sorted(os.sched_getaffinity(0))[:2], False, lambda: None)
+
+    class Engine:
+        pass
+
+    engine = Engine()
+    alive = weakref.ref(engine)
+    answered = threading.Event()
+
+    def step(engine: Engine = engine) -> int:
+        return id(engine)
+
+    workers.submit(0, step, lambda ok, value: answered.set())
+    assert answered.wait(30)
+    del engine, step
+    deadline = time.monotonic() + 30
+    while alive() is not None and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)  # the core lets go of the job just after it answers
+    assert alive() is None
 
 
 def _mixed_requests(llm: LLM, n: int) -> tuple[list[list[int]], list[SamplingParams]]:
