@@ -309,3 +309,14 @@ def test_operators_set_and_clear_a_site_price_schedule(env: ApiEnv) -> None:
     listed = {s["name"]: s for s in httpx.get(env.v1 + "/sites", headers=operator)
               .json()["data"]}[name]
     assert listed["price_now"] == 0.72
+
+
+def test_a_request_id_with_a_nul_byte_is_refused_not_a_server_error(env: ApiEnv) -> None:
+    """A site's message is hostile until checked: a NUL byte in a request id reached
+    PostgreSQL's text comparison and answered 500."""
+    with fleet(env) as site:
+        for path, body in (("/complete", done("req_\x00", 1, "x")),
+                           ("/heartbeat", {"leases": [{"request_id": "req_\x00", "epoch": 1}]}),
+                           ("/release", {"leases": [{"request_id": "req_\x00", "epoch": 1}]})):
+            answer = site.post(path, json=body)
+            assert answer.status_code == 400, (path, answer.text)

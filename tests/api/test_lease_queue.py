@@ -3,8 +3,9 @@
 At a thousand sites lease calls waited up to the workers' 30 s timeout for one of the
 process's lease threads; the calls timed out and what their transactions had just granted
 expired unread. Here every lease thread of a real server is held (from its own event loop), a
-lease call with work queued for it is answered with nothing once its wait is up, without
-touching the store, and a call that gets its turn within the bound is granted the work.
+lease call with work queued for it is refused with a 503 once its wait is up, without touching
+the store (the worker asks again as it asked), and a call that gets its turn within the bound
+is granted the work.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from test_api_fleet import fleet, new_site, one_line_batch
 from minimill.api import token_calls
 from minimill.api.deps import LEASE_THREADS
 from minimill.control.tables import requests, sites
-from minimill.transport.protocol import LEASE_QUEUE_S
+from minimill.transport.client import ControlPlaneClient, ControlPlaneUnavailable
+from minimill.transport.protocol import LEASE_QUEUE_S, LeaseRequest
 
 # Long, since nothing waits it out but the one test that shortens the bound.
 SERVER_SETTINGS = {"lease_ttl_s": 30.0, "janitor_interval_s": 0.1}
@@ -87,7 +89,7 @@ def last_seen(env: ApiEnv) -> list[float | None]:
         return list(conn.execute(select(sites.c.last_seen_at).order_by(sites.c.id)).scalars())
 
 
-def test_a_call_that_gets_no_turn_in_time_is_answered_with_nothing(
+def test_a_call_that_gets_no_turn_in_time_is_refused_to_be_asked_again(
         env: ApiEnv, client: OpenAI, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(token_calls, "LEASE_QUEUE_S", 0.5)
     with queued_work(env, client) as site:
@@ -95,8 +97,15 @@ def test_a_call_that_gets_no_turn_in_time_is_answered_with_nothing(
         held = HeldThreads(env)
         try:
             answer = site.post("/lease", json={"capacity": 1, "models": [MODEL]})
-            assert answer.status_code == 200
-            assert answer.json()["leases"] == []
+            # Refused, not answered with no work: it was never looked at.
+            assert answer.status_code == 503
+            assert answer.headers["retry-after"] == "1"
+            assert answer.json()["error"]["code"] == "overloaded"
+            # The worker's client takes it for a passing failure: it asks again as it asked
+            # (its adoption of held leases, its ask's name), after its backoff.
+            worker = ControlPlaneClient(env.base_url, site.headers["Authorization"][7:])
+            with pytest.raises(ControlPlaneUnavailable, match="HTTP 503"):
+                asyncio.run(_lease_once(worker))
             # It waited in line only: no transaction, the site row as it was, the work queued.
             assert last_seen(env) == seen
             assert queued(env) == 1
@@ -105,6 +114,13 @@ def test_a_call_that_gets_no_turn_in_time_is_answered_with_nothing(
         leases = site.post("/lease", json={"capacity": 1, "models": [MODEL]}).json()["leases"]
         assert [lease["body"]["messages"][0]["content"] for lease in leases] == [
             "the queued line"]
+
+
+async def _lease_once(worker: ControlPlaneClient) -> None:
+    try:
+        await worker.lease(LeaseRequest(capacity=1, models=[MODEL]))
+    finally:
+        await worker.close()
 
 
 def test_a_call_that_gets_its_turn_within_the_bound_is_granted(env: ApiEnv,

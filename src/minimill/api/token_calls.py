@@ -19,6 +19,7 @@ from starlette.types import Receive
 from minimill.api.deps import SiteCall, TokenFleetCall
 from minimill.control import batch_finalize, leases, release
 from minimill.control.config import ControlConfig
+from minimill.control.errors import OverloadedError
 from minimill.control.placement import DEFAULT_POLICY
 from minimill.control.site_view import PeerView
 from minimill.control.store import Store
@@ -84,14 +85,18 @@ async def _look(fleet: TokenFleetCall, ask: LeaseRequest, gone: threading.Event,
     would be granted would wait out its lease. At a thousand sites calls waited for a thread
     and for SQLite's write lock longer than the workers' timeout, and every lease granted to
     them expired unread; the transaction asks again once it holds the lock. A call that gets
-    no thread within LEASE_QUEUE_S is answered with nothing, so that none waits that long."""
+    no thread within LEASE_QUEUE_S is refused with a 503 (OverloadedError), so that none
+    waits that long."""
     with anyio.move_on_after(LEASE_QUEUE_S) as queued:
         await fleet.lease_threads.acquire()
     if queued.cancelled_caught:
         # No turn within LEASE_QUEUE_S (the line is first come, first served: the calls
-        # served meanwhile waited less). Nothing for now, touched nothing; the worker asks
-        # again.
-        return LeaseResponse(leases=[], lease_ttl_s=fleet.config.lease_ttl_s)
+        # served meanwhile waited less). Refused, not answered with no work: the call was
+        # never looked at, and the worker asks again as it asked (a restarted worker's
+        # adoption of its held leases, the name under which a lost answer's leases wait).
+        raise OverloadedError(
+            f"The control plane is saturated: this lease call waited {LEASE_QUEUE_S:g}s "
+            "for its turn and was not looked at; ask again.", retry_after_s=1.0)
     try:
         if gone.is_set():
             return None

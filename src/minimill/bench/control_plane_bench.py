@@ -302,6 +302,7 @@ def _run_one(options: ControlPlaneBenchOptions, store: str, url: str, processes:
         "realtime_answered": run["realtime_answered"],
         "realtime_errors": run["realtime_errors"],
         "failed_calls": sum(r["failed_calls"] for r in reports),
+        "shed_calls": sum(r["shed_calls"] for r in reports),
         "failovers": sum(r["failovers"] for r in reports),
         "killed_one_process": run["killed_one"],
         "site_errors": [e for r in reports for e in r["errors"]][:3],

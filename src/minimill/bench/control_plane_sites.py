@@ -47,6 +47,8 @@ class Latencies:
     # Every call answered, by route, held lease calls included.
     calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ROUTES, 0))
     failed: int = 0
+    # Lease calls the control plane refused for want of a turn (503): asked again, not lost.
+    shed: int = 0
     failovers: int = 0
 
 
@@ -68,7 +70,10 @@ class BalancedClient(ControlPlaneClient):
         try:
             answer = await super()._post(path, message, response_type)
         except ControlPlaneUnavailable as exc:
-            self._latencies.failed += 1
+            if exc.status == 503:
+                self._latencies.shed += 1
+            else:
+                self._latencies.failed += 1
             if isinstance(exc.__cause__, httpx.TransportError) and len(self._servers) > 1:
                 self._fail_over()
             raise
@@ -104,7 +109,8 @@ async def _run_sites(spec: dict[str, Any]) -> dict[str, Any]:
         for key, value in worker.stats.items():
             stats[key] = stats.get(key, 0) + value
     return {"latencies": latencies.seconds, "calls": latencies.calls,
-            "failed_calls": latencies.failed, "failovers": latencies.failovers, "stats": stats,
+            "failed_calls": latencies.failed, "shed_calls": latencies.shed,
+            "failovers": latencies.failovers, "stats": stats,
             "errors": [repr(r) for r in results if isinstance(r, BaseException)][:5]}
 
 

@@ -3,6 +3,8 @@ Their base and the 400 are minimill/errors.py's, which the engine raises too."""
 
 from __future__ import annotations
 
+import math
+
 from minimill.errors import InvalidRequestError as InvalidRequestError
 from minimill.errors import RequestError as ControlError
 
@@ -43,3 +45,15 @@ class RequestTimeoutError(ControlError):
 
     status_code = 504
     error_type = "timeout"
+
+
+class OverloadedError(ControlError):
+    """The control plane cannot take the call now (503); the caller asks again after
+    `retry_after_s` (its Retry-After header), with whatever it asked for unchanged."""
+
+    status_code = 503
+    error_type = "server_error"
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message, code="overloaded")
+        self.headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))}

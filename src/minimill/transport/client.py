@@ -43,7 +43,12 @@ class SiteAuthError(RuntimeError):
 
 
 class ControlPlaneUnavailable(RuntimeError):
-    """One call failed for a passing reason; the caller decides when to try again."""
+    """One call failed for a passing reason; the caller decides when to try again. `status`:
+    the HTTP status of the control plane's answer (None: no answer came)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class PayloadTooLarge(ControlPlaneUnavailable):
@@ -92,7 +97,8 @@ class ControlPlaneClient:
         if resp.status_code == 413:
             raise PayloadTooLarge(f"{path}: HTTP 413: {resp.text[:300]}")
         if resp.status_code >= 400:
-            raise ControlPlaneUnavailable(f"{path}: HTTP {resp.status_code}: {resp.text[:300]}")
+            raise ControlPlaneUnavailable(f"{path}: HTTP {resp.status_code}: {resp.text[:300]}",
+                                          resp.status_code)
         try:
             return response_type.model_validate_json(resp.content)
         except ValueError as exc:

@@ -41,6 +41,9 @@ LEASE_CALL_TIMEOUT_S = 30.0
 # arrives well inside the worker's timeout. At a thousand sites calls waited up to 30 s and
 # timed out, and what their transactions had just granted expired unread.
 LEASE_QUEUE_S = LEASE_CALL_TIMEOUT_S / 3
+# A request id a site names: the control plane's ids are short and printable, and a NUL byte
+# reached PostgreSQL's text comparison as an error (a 500), not as an id that names nothing.
+SiteRequestId = Annotated[str, Field(max_length=200, pattern=r"^[^\x00]*$")]
 # Longest chip name a worker may declare (the site registry's column holds this many).
 MAX_CHIP_CHARS = 100
 # A site price above this is a typo, and would make $/Mtok overflow to infinity.
@@ -178,7 +181,7 @@ class LeaseResponse(BaseModel):
 
 
 class HeartbeatItem(BaseModel):
-    request_id: str
+    request_id: SiteRequestId
     epoch: int
     # The whole progress: replaces what the control plane holds. Sent after a `resync`.
     checkpoint: Checkpoint | None = None
@@ -206,7 +209,7 @@ class HeartbeatResponse(BaseModel):
 
 
 class ReleaseItem(BaseModel):
-    request_id: str
+    request_id: SiteRequestId
     epoch: int
     # Progress so far; None keeps the checkpoint the control plane has.
     checkpoint: Checkpoint | None = None
@@ -251,7 +254,7 @@ class ErrorInfo(BaseModel):
 
 
 class CompletionItem(BaseModel):
-    request_id: str
+    request_id: SiteRequestId
     epoch: int
     outcome: Literal["succeeded", "failed"]
     # On success: every choice, finished.

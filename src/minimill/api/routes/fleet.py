@@ -42,9 +42,10 @@ from minimill.transport.protocol import (
 router = APIRouter(prefix=FLEET_PREFIX, tags=["fleet"], responses=error_responses(400, 401, 403))
 
 
-@router.post("/lease", response_model=LeaseResponse)
+@router.post("/lease", response_model=LeaseResponse, responses=error_responses(503))
 async def lease(ask: LeaseRequest, request: Request, fleet: TokenFleetDep) -> LeaseResponse:
-    """Work for the worker; with `wait_s`, held open until there is some or the time is up."""
+    """Work for the worker; with `wait_s`, held open until there is some or the time is up.
+    A 503 (with Retry-After) when the call got no turn in time: ask again as asked."""
     return await token_calls.lease(fleet, ask, request.receive)
 
 
