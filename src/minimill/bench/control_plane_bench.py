@@ -42,7 +42,6 @@ from minimill.bench.control_plane_load import BatchJob, Realtime, batch_lines, e
 from minimill.bench.control_plane_store import fresh_store, pg_rows_written, register, store_counts
 from minimill.bench.local_fleet import BenchError, LocalProcess, free_port
 from minimill.bench.proc_tree import cpu_seconds, process_tree
-from minimill.bench.stages import stage
 from minimill.bench.steal import StealMeter
 
 MODEL = "bench-fake"
@@ -251,7 +250,7 @@ def _run_one(options: ControlPlaneBenchOptions, store: str, url: str, processes:
     fresh_store(url)
     what = f"{store} x{processes}, {sites} sites"
     try:
-        with stage(err, f"{what}: starting the control plane and the sites ..."):
+        with stages.stage(err, f"{what}: starting the control plane and the sites ..."):
             _start_serves(setup, options)
             setup.keys, tokens = register(url, setup.sites)
             _start_drivers(setup, options, tokens)
@@ -260,7 +259,7 @@ def _run_one(options: ControlPlaneBenchOptions, store: str, url: str, processes:
             warm = _drive(setup, options, WARM_UP_REQUESTS, err, tag="warm")
         rows_before = pg_rows_written(url)
         _tell_drivers(setup, "mark")
-        with stage(err, f"{what}: {total} requests ..."):
+        with stages.stage(err, f"{what}: {total} requests ..."):
             run = _drive(setup, options, total, err, may_kill=True)
         reports = _stop_drivers(setup)
     finally:

@@ -272,24 +272,21 @@ def _bench(options: SessionsBenchOptions, err: Any) -> dict[str, Any]:
     if not 0 <= options.restart_after < options.turns:
         raise ValueError("--restart-after must be 0 (no restart run) or below --turns")
 
-    def status(what: str) -> Any:
-        return stage(err, what)
-
     root = Path(tempfile.mkdtemp(prefix="minimill-sessions-"))
     try:
-        with status("restore vs recompute, engine alone ..."):
+        with stage(err, "restore vs recompute, engine alone ..."):
             probe = _probe(options, root / "probe-flash")
         dtype = probe.pop("dtype")
         if options.kv_cache_gb is None:
             options = replace(options, kv_cache_gb=_pool_gb(options, probe["kv_bytes_per_token"]))
         label = f"{options.sessions} sessions x {options.turns} turns"
-        with status(f"{label}, prefix reuse and KV tiers on ..."):
+        with stage(err, f"{label}, prefix reuse and KV tiers on ..."):
             on = _served_run(options, dtype, True, root / "flash-on")
-        with status(f"{label}, prefix reuse and KV tiers off ..."):
+        with stage(err, f"{label}, prefix reuse and KV tiers off ..."):
             off = _served_run(options, dtype, False, None)
         restart: dict[str, Any] | None = None
         if options.restart_after:
-            with status(f"{label}, restarting serve after turn {options.restart_after} ..."):
+            with stage(err, f"{label}, restarting serve after turn {options.restart_after} ..."):
                 again = _served_run(options, dtype, True, root / "flash-restart",
                                     options.restart_after)
             after = options.restart_after
