@@ -34,7 +34,8 @@ def test_bench_ingest_prints_memory_and_heartbeat_figures(e2e_home: Path) -> Non
     # The phase under test had heartbeats; serving and finalizing may end before the next one
     # is answered on a fast machine (seen in CI), and then has no gap of its own.
     assert "ingest" in by_phase
-    assert set(by_phase) <= {"idle", "upload", "ingest", "serve_and_finalize"}
+    assert set(by_phase) <= {"idle", "upload", "ingest", "serve_and_finalize", "download",
+                             "after"}
     assert max(by_phase.values()) == report["longest_heartbeat_gap_s"]
 
 
