@@ -1,9 +1,9 @@
 """The experts layer in one C++ call (csrc/moe.cpp) against the PyTorch loop over the active
 experts that it replaces, on the same GEMM calls (the same rows per call) and activations: bit
 for bit, for Qwen3-MoE's, gpt-oss's and DeepSeek-V3's experts and routing, in float32 and
-bfloat16, with AMX's fixed rows per call and with the chunked rule of the other CPUs, and on
-the AMX tiles' own GEMM (csrc/amx_gemm.cpp) where the CPU has them; and a token's output alone
-equal to its output in a batch."""
+bfloat16, with AMX's fixed rows per call and with the chunked rule of the other CPUs, on the
+AMX tiles' own GEMM (csrc/amx_gemm.cpp) where the CPU has them and on the float32 panels'
+(csrc/panel_gemm.cpp) everywhere; and a token's output alone equal to its output in a batch."""
 
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ def random_layer(style: str, dtype: torch.dtype, ops: CpuKernels,
                  tiles: bool = False) -> tuple[Layer, int]:
     """A small random layer of `style` and its hidden size. gpt-oss's has widths that are not
     a multiple of the vector width (the kernels' scalar tails) and gate values past the clamp.
-    `tiles`: widths the AMX tiles divide, the experts packed for them where the CPU has them."""
+    `tiles`: widths the AMX tiles and the float32 panels divide, the experts packed by
+    `prepare_expert_weights` (bf16 for the tiles where the CPU has them, float32 in panels)."""
     g = torch.Generator().manual_seed(STYLES.index(style))
     if tiles:
         num_experts, hidden, inner = {"qwen3_moe": (8, 64, 32), "gpt_oss": (6, 96, 64),
@@ -125,6 +126,54 @@ def test_the_cpp_layer_equals_the_python_loop_on_amx_tiles(style: str) -> None:
         assert torch.equal(got, layer.forward(loop, x)), tokens
 
 
+@pytest.mark.parametrize("amx", [True, False])
+@pytest.mark.parametrize("style", STYLES)
+def test_the_cpp_layer_equals_the_python_loop_on_float32_panels(style: str, amx: bool) -> None:
+    native, loop = kernels(CpuKernels, amx), kernels(PythonLoop, amx)
+    layer, hidden = random_layer(style, torch.float32, native, tiles=True)
+    assert all(w.dim() == 3 for w in layer.weights.gate_up + layer.weights.down)
+    g = torch.Generator().manual_seed(7)
+    for tokens in (1, 2, 37, 300):
+        x = torch.randn(tokens, hidden, generator=g) * 2
+        got = layer.forward(native, x)
+        assert got.shape == x.shape and got.dtype == torch.float32
+        assert torch.equal(got, layer.forward(loop, x)), tokens
+
+
+def test_the_panel_gemm_computes_the_product() -> None:
+    """panel_linear against float64's product: within float32's rounding; a row gives the same
+    bits alone, among up to 13 others (every block size and split of rows) and on one thread or
+    two; the bias is added; a weight the panels do not divide keeps oneDNN's layout."""
+    native = kernels(CpuKernels, False)
+    width = native._panel_width
+    g = torch.Generator().manual_seed(13)
+    weight = torch.randn(3 * width, 200, generator=g)
+    bias = torch.randn(3 * width, generator=g)
+    packed, packed_down = native.prepare_expert_weights(weight, weight[:, :2 * width].t())
+    assert packed.dim() == 3 and packed_down.dim() == 3
+    x = torch.randn(14, 200, generator=g)
+    got = native.expert_linear(x, packed, bias)
+    want = (x.double() @ weight.double().t() + bias.double())
+    assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            for rows in range(1, 15):
+                assert torch.equal(native.expert_linear(x[:rows], packed, bias), got[:rows])
+                assert torch.equal(native.expert_linear(x[14 - rows:], packed, bias),
+                                   got[14 - rows:])
+    finally:
+        torch.set_num_threads(threads)
+    down_want = got.double() @ weight[:, :2 * width].double()
+    down_got = native.expert_linear(got, packed_down).double()
+    assert float((down_got - down_want).abs().max()) <= 1e-5 * float(down_want.abs().max())
+    assert native.expert_linear(x[:0], packed).shape == (0, 3 * width)
+    # A width the panels do not divide keeps oneDNN's layout, both weights alike.
+    assert [w.dim() for w in native.prepare_expert_weights(weight[:width + 8], weight.t())] \
+        == [2, 2]
+
+
 @NEEDS_TILES
 def test_the_tiles_gemm_computes_the_product() -> None:
     """amx_linear against float32's product of the same bf16 values: within the output's
@@ -148,13 +197,15 @@ def test_the_tiles_gemm_computes_the_product() -> None:
     assert [w.dim() for w in native.prepare_expert_weights(weight, weight[:, :72])] == [2, 2]
 
 
-@pytest.mark.parametrize("tiles", [False, pytest.param(True, marks=NEEDS_TILES)])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("dtype", "tiles"), [
+    (torch.float32, False), (torch.bfloat16, False), (torch.float32, True),
+    pytest.param(torch.bfloat16, True, marks=NEEDS_TILES)])
 @pytest.mark.parametrize("style", STYLES)
 def test_a_tokens_output_does_not_depend_on_its_batch(style: str, dtype: torch.dtype,
                                                       tiles: bool) -> None:
     """One row alone, then inside 37 other rows at two places: the experts it shares with
-    others see other row counts and other places in their GEMM calls."""
+    others see other row counts and other places in their GEMM calls (packed: float32 in
+    panels, bf16 on the AMX tiles)."""
     native = kernels(CpuKernels, CpuKernels()._amx_bf16)
     layer, hidden = random_layer(style, dtype, native, tiles)
     x = torch.randn(38, hidden, generator=torch.Generator().manual_seed(3)).to(dtype)

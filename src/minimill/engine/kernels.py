@@ -10,6 +10,7 @@ path to the reference (float32: logits close, greedy tokens identical).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 
 import torch
@@ -212,6 +213,14 @@ class CpuKernels(TorchKernels):
         # The kernels' own AMX GEMM: built where the compiler could target the tiles, and
         # granted by the OS (Linux hands tile state to a process that asks).
         self._amx_tiles = self._amx_bf16 and bool(self._ops.amx_available())
+        # Output columns of a float32 weight's panel (csrc/panel_gemm.cpp).
+        self._panel_width = int(self._ops.panel_width())
+        # float32 weights of the dense layers in panels too, where that was measured faster
+        # than oneDNN's GEMM: on AVX2 (a Zen 3 core, SmolLM2's layers at 64-256 rows). Where
+        # the CPU has AVX-512, oneDNN's keeps them (not measured there).
+        # MINIMILL_PANEL_GEMM=0 keeps every weight in oneDNN's layout, experts included.
+        self._panels = os.environ.get("MINIMILL_PANEL_GEMM", "1") != "0"
+        self._dense_panels = self._panels and cpu_info().vector_isa == "avx2"
 
     def init_thread(self) -> None:
         # The kernel library keeps its own once-per-thread set-up of the thread count.
@@ -226,7 +235,9 @@ class CpuKernels(TorchKernels):
 
     def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """Prepacked into oneDNN's blocked layout: the GEMM skips re-blocking the weight on
-        every call."""
+        every call; or, float32 on AVX2, into the panels of csrc/panel_gemm.cpp."""
+        if self._dense_panels and self._fits_panels(weight):
+            return self._ops.panel_pack_weight(weight.contiguous())
         if not self._mkldnn or (weight.dtype == torch.bfloat16 and not self._mkldnn_bf16):
             return weight.contiguous()
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self._PACK_FOR_ROWS)
@@ -246,6 +257,9 @@ class CpuKernels(TorchKernels):
         exactly _AMX_ROWS rows, the last chunk padded with zeros: some wasted work, against
         AMX's 5-7x over the bf16 vector path."""
         rows = x.shape[0]
+        if weight.dim() == 3:  # float32 panels: any row count, each row's result its own
+            return self._ops.panel_linear(x if x.stride(1) == 1 else x.contiguous(), weight,
+                                          bias)
         if self._amx_bf16 and x.dtype == torch.bfloat16 and weight.is_mkldnn:
             return self._linear_fixed_rows(x, weight, bias, self._AMX_ROWS)
         if rows == 1:
@@ -273,13 +287,25 @@ class CpuKernels(TorchKernels):
         speed, where oneDNN's GEMM padded them to _EXPERT_ROWS and ran at a fraction of it
         (one qwen3-moe-2.9b-a0.7b layer's experts at 16 rows each: 16.6 against 28.3 ms).
         Both or neither (the experts' call takes one kind): shapes the tiles do not divide
-        keep oneDNN's layout, as for `linear`."""
+        keep oneDNN's layout, as for `linear`.
+
+        float32 experts are packed in panels (csrc/panel_gemm.cpp): an expert's 8 to 16 rows
+        of a lane's step ran on one AVX2 core at 25 GFLOP/s in oneDNN's GEMM, a third of the
+        core's FMA rate; the panels take any row count with no padding, each row's result
+        that row's alone."""
         if self._amx_tiles and all(w.dtype == torch.bfloat16 and w.device.type == "cpu"
                                    and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0
                                    for w in (gate_up, down)):
             return (self._ops.amx_pack_weight(gate_up.contiguous()),
                     self._ops.amx_pack_weight(down.contiguous()))
+        if self._panels and all(self._fits_panels(w) for w in (gate_up, down)):
+            return (self._ops.panel_pack_weight(gate_up.contiguous()),
+                    self._ops.panel_pack_weight(down.contiguous()))
         return self.prepare_weight(gate_up), self.prepare_weight(down)
+
+    def _fits_panels(self, weight: torch.Tensor) -> bool:
+        return (weight.dtype == torch.float32 and weight.device.type == "cpu"
+                and weight.dim() == 2 and weight.shape[0] % self._panel_width == 0)
 
     def expert_linear(self, x: torch.Tensor, weight: torch.Tensor,
                       bias: torch.Tensor | None = None) -> torch.Tensor:

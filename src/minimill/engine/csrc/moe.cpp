@@ -1,6 +1,7 @@
 // Routed experts in one call (moe.py): (token, choice) pairs grouped by expert, one GEMM per
 // expert for its gate and up (fused) and one for its down projection on the engine's prepacked
-// weights (the AMX tiles' layout where the CPU has them, amx_gemm.cpp; else oneDNN's), the
+// weights (the AMX tiles' layout where the CPU has them, amx_gemm.cpp; float32 panels where it
+// has not, panel_gemm.cpp; else oneDNN's), the
 // experts' activation, and each token's weighted sum of its choices in the
 // router's order. The GEMM calls follow CpuKernels.linear's rules for the number of rows per
 // call (`tile` rows exactly, zero-padded; or 2..max_rows), so each row's numbers do not depend
@@ -43,6 +44,14 @@ at::Tensor gemm_chunked(const at::Tensor& x, const at::Tensor& w,
     parts.push_back(gemm_chunked(x.narrow(0, i, std::min(max_rows, rows - i)), w, b, max_rows));
   }
   return at::cat(parts);
+}
+
+// Any row count: float32 panels (panel_gemm.cpp) take it whole, oneDNN's weights by the
+// chunked rule above (a weight in each layout, as CpuKernels.prepare_weight left it).
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w,
+                       const std::optional<at::Tensor>& b, int64_t max_rows) {
+  if (w.dim() == 3) return panel_linear(x, w, b);
+  return gemm_chunked(x, w, b, max_rows);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -119,10 +128,10 @@ at::Tensor expert_mlp(const at::Tensor& rows, int64_t real_rows, const Expert& e
     return amx_linear(a, e.down, e.down_bias);
   }
   if (tile == 0 || !e.gate_up.is_mkldnn() || !e.down.is_mkldnn()) {
-    const at::Tensor gate_up = gemm_chunked(rows, e.gate_up, e.gate_up_bias, max_rows);
+    const at::Tensor gate_up = linear_rows(rows, e.gate_up, e.gate_up_bias, max_rows);
     at::Tensor a = rows.new_empty({real_rows, gate_up.size(1) / 2});
     act(a, gate_up);
-    return gemm_chunked(a, e.down, e.down_bias, max_rows);
+    return linear_rows(a, e.down, e.down_bias, max_rows);
   }
   std::vector<at::Tensor> parts;
   for (int64_t start = 0; start < rows.size(0); start += tile) {
@@ -277,10 +286,13 @@ at::Tensor moe_experts(at::Tensor x, at::Tensor expert_ids, at::Tensor routing,
   const at::Tensor ids = expert_ids.contiguous();
   // Weights that are not oneDNN's (no oneDNN in this build) take the chunked rule, as
   // CpuKernels.linear gives them; those packed for the AMX tiles are all packed alike.
+  // Float32 ones packed in panels (panel_gemm.cpp) take any row count, as plain ones do.
   const bool tiles = gate_up[0].dim() == 4;
   for (size_t e = 0; e < gate_up.size(); ++e) {
     TORCH_CHECK((gate_up[e].dim() == 4) == tiles && (down[e].dim() == 4) == tiles,
                 "moe_experts: every expert's weights packed alike");
+    TORCH_CHECK((gate_up[e].dim() != 3 && down[e].dim() != 3) || x.scalar_type() == at::kFloat,
+                "moe_experts: weights in float32 panels take float32 rows");
   }
   if (tiles) {
     TORCH_CHECK(tile == 16, "moe_experts: weights packed for the AMX tiles take tile=16");

@@ -46,6 +46,9 @@ at::Tensor moe_experts(at::Tensor x, at::Tensor expert_ids, at::Tensor routing,
 bool amx_available();
 at::Tensor amx_pack_weight(at::Tensor weight);
 at::Tensor amx_linear(at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias);
+int64_t panel_width();
+at::Tensor panel_pack_weight(at::Tensor weight);
+at::Tensor panel_linear(at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias);
 void clamped_swiglu(at::Tensor out, at::Tensor gate_up, double alpha, double limit);
 std::vector<int64_t> pin_threads(std::vector<int64_t> cpus);
 

@@ -58,6 +58,9 @@ TORCH_LIBRARY(minimill, m) {
   m.def("amx_available() -> bool");
   m.def("amx_pack_weight(Tensor weight) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("panel_width() -> int");
+  m.def("panel_pack_weight(Tensor weight) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor query_start, Tensor seq_lens, float scale, "
         "int block_size, int? window=None, Tensor? sinks=None) -> ()");
@@ -75,6 +78,7 @@ TORCH_LIBRARY(minimill, m) {
 TORCH_LIBRARY_IMPL(minimill, CompositeExplicitAutograd, m) {
   m.impl("pin_threads", &minimill::pin_threads);
   m.impl("amx_available", &minimill::amx_available);
+  m.impl("panel_width", &minimill::panel_width);
   m.impl("moe_experts", &minimill::moe_experts);
 }
 
@@ -92,4 +96,6 @@ TORCH_LIBRARY_IMPL(minimill, CPU, m) {
   m.impl("token_logprobs", &minimill::token_logprobs);
   m.impl("amx_pack_weight", &minimill::amx_pack_weight);
   m.impl("amx_linear", &minimill::amx_linear);
+  m.impl("panel_pack_weight", &minimill::panel_pack_weight);
+  m.impl("panel_linear", &minimill::panel_linear);
 }
