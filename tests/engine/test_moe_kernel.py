@@ -263,3 +263,20 @@ def test_clamped_swiglu_matches_the_reference(dtype: torch.dtype) -> None:
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     scale = max(1.0, float(want.float().abs().max()))
     assert float((got.float() - want.float()).abs().max()) <= tolerance * scale
+
+
+def test_float32_weights_go_in_panels_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Experts' float32 weights in panels on every CPU, the dense layers' on AVX2 (where the
+    panels were measured faster than oneDNN's GEMM); MINIMILL_PANEL_GEMM=0 keeps oneDNN's."""
+    from minimill.engine.hardware import cpu_info
+
+    load_cpu_kernels()
+    weight = torch.randn(64, 32)
+    on = CpuKernels()
+    assert [w.dim() for w in on.prepare_expert_weights(weight, weight.t())] == [3, 3]
+    assert on.prepare_weight(weight).dim() == (3 if cpu_info().vector_isa == "avx2" else 2)
+    assert on.prepare_weight(weight.to(torch.bfloat16)).dim() == 2
+    monkeypatch.setenv("MINIMILL_PANEL_GEMM", "0")
+    off = CpuKernels()
+    assert [w.dim() for w in off.prepare_expert_weights(weight, weight.t())] == [2, 2]
+    assert off.prepare_weight(weight).dim() == 2
