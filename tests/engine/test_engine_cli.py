@@ -95,8 +95,8 @@ def test_bench_engine_keeps_its_figures_when_the_peer_fails(minimill_home: Path,
 
 def test_bench_engine_prints_figures_and_their_yardsticks(minimill_home: Path,
                                                           workload: Path) -> None:
-    result = run_cli(["bench", "engine", "--workload", str(workload), "--json", "--limit", "2"],
-                     minimill_home)
+    result = run_cli(["bench", "engine", "--workload", str(workload), "--json", "--limit", "2",
+                      "--kv-cache-gib", "1"], minimill_home)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["requests"] == 2 and report["output_tokens"] == 48  # ignore_eos
@@ -138,6 +138,7 @@ def test_bench_engine_prints_figures_and_their_yardsticks(minimill_home: Path,
         report["output_tok_s"] / report["hf_output_tok_s"], rel=0.01)
     assert isinstance(report["meets_targets"], bool)
     assert report["kv_prefault"] is True
+    assert report["kv_cache_gib"] == 1 and 0.99 < report["kv_pool_gib"] <= 1
     assert 0 <= report["split_steps"] <= report["steps"]
 
 
@@ -150,11 +151,17 @@ def test_bench_engine_measures_a_shape_with_random_weights(minimill_home: Path, 
         "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 1024}))
     result = run_cli(["bench", "engine", "--workload", str(workload), "--json", "--limit", "3",
-                      "--config", str(config), "--random-weights", "--rounds", "1"],
-                     minimill_home)
+                      "--config", str(config), "--random-weights", "--rounds", "1",
+                      "--kv-cache-gib", "1", "--no-kv-prefault"], minimill_home)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["model"] == "tiny" and report["random_weights"] is True
+    # The KV pool is the size asked for (the peer's would be too), to within one block:
+    # 1 GiB of this shape's 2 layers x (K, V) x 2 heads x 32 dims a token.
+    token_bytes = 2 * 2 * 2 * 32 * (4 if report["kv_dtype"] == "float32" else 2)
+    assert report["kv_cache_gib"] == 1
+    assert 0.999 < report["kv_pool_gib"] <= 1
+    assert report["kv_pool_tokens"] == pytest.approx((1 << 30) / token_bytes, abs=16)
     assert len(report["rounds"]) == 1
     assert report["output_tokens"] == 72
     # transformers runs the same random weights (remade from the seed) beside the engine.

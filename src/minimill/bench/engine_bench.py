@@ -44,6 +44,10 @@ class WorkItem:
     temperature: float
 
 
+# vLLM's CPU build takes this much KV space unless told otherwise (VLLM_CPU_KVCACHE_SPACE).
+KV_CACHE_GIB = 4
+
+
 @dataclass(frozen=True, slots=True)
 class EngineBenchOptions:
     workload: Path
@@ -58,6 +62,10 @@ class EngineBenchOptions:
     kernels: str = "auto"
     kv_dtype: str = "auto"
     kv_prefault: bool = True
+    # The KV pool of both engines on a CPU, GiB: minimill's and vLLM's (VLLM_CPU_KVCACHE_SPACE,
+    # whose default this is; whole GiB, as it takes them), so that neither runs fewer requests at
+    # once for want of room.
+    kv_cache_gib: int = KV_CACHE_GIB
     lanes: bool = True
     # Random-weights mixtures of experts: routers redrawn to spread tokens as trained ones do
     # (bench/routing.py); False keeps them as drawn.
@@ -204,8 +212,12 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
             add_special_tokens=False)] for i in items]
         routers = _balance_routers(options, loaded, config, prompts)
         started = time.perf_counter()
+        # On a GPU the engine's pool takes what the weights leave, as vLLM's does there.
+        kv_bytes = (options.kv_cache_gib << 30 if config.device == "cpu"
+                    else None)
         llm = LLM(loaded, dtype=config.dtype, kernels=config.kernels, kv_dtype=config.kv_dtype,
-                  prefault_kv=options.kv_prefault, lanes=config.lanes)
+                  prefault_kv=options.kv_prefault, lanes=config.lanes,
+                  kv_cache_memory_bytes=kv_bytes)
         start_s = time.perf_counter() - started
     runner = llm.engine.runner
     params = [SamplingParams(max_tokens=i.max_tokens, temperature=i.temperature,
@@ -255,10 +267,16 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
     sol = median.sol
     assert sol is not None
     output_tok_s, sol_tok_s = median.output_tok_s, median.sol_tok_s
+    pool_blocks = llm.config.num_kv_blocks or 0  # derived by the config: set once it is made
     report: dict[str, Any] = {
         "model": measured, "random_weights": options.random_weights,
         "dtype": config.dtype, "dtype_reason": config.dtype_reason, "kv_dtype": config.kv_dtype,
         "kv_prefault": options.kv_prefault,
+        "kv_cache_gib": options.kv_cache_gib if config.device == "cpu" else None,
+        # The pool the engine made of it: what bounds how many requests run at once.
+        "kv_pool_gib": round(pool_blocks * llm.config.kv_block_bytes(llm.model_config)
+                             / (1 << 30), 4),
+        "kv_pool_tokens": pool_blocks * llm.config.block_size,
         "routers": ("balanced" if routers else "as drawn")
         if loaded.config.num_experts and options.random_weights else None,
         "lanes": config.lanes, "split_steps": runner.split_steps,
@@ -336,7 +354,7 @@ def _peer(options: EngineBenchOptions, loaded: Any, config: Any, prompts: list[l
             StealMeter() as steal:
         result = run_peer(options.peer, python, loaded, config.torch_dtype,
                           prompts, [i.max_tokens for i in items], config.max_num_seqs,
-                          drop_weights=True)
+                          drop_weights=True, kv_cache_gib=options.kv_cache_gib)
     return {"peer": result.get("peer"), "peer_version": result.get("version"),
             "peer_output_tok_s": result["output_tok_s"], "peer_steal_share": steal.share,
             "peer_speedup": round(output_tok_s / result["output_tok_s"], 3),

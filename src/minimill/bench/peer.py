@@ -67,11 +67,12 @@ def check_peer(peer: str, python: str | None) -> str:
 
 def run_peer(peer: str, python: str, loaded: LoadedModel, dtype: torch.dtype,
              prompts: list[list[int]], max_tokens: list[int], max_num_seqs: int,
-             timeout_s: float = 3600.0, drop_weights: bool = False) -> dict[str, Any]:
+             timeout_s: float = 3600.0, drop_weights: bool = False,
+             kv_cache_gib: int = 4) -> dict[str, Any]:
     """Run the peer over the same prompts; returns its JSON figures (output_tok_s, ...).
     `drop_weights`: empty `loaded.weights` once written for the peer (a caller that needs
     them no more leaves the peer the memory: a model the size of the machine's share fits
-    once, not twice)."""
+    once, not twice). `kv_cache_gib`: the peer's KV space on a CPU."""
     check_peer(peer, python)
     runner = Path(__file__).with_name("vllm_runner.py")
     with tempfile.TemporaryDirectory(prefix="minimill-peer-") as tmp:
@@ -84,7 +85,7 @@ def run_peer(peer: str, python: str, loaded: LoadedModel, dtype: torch.dtype,
         longest = max(len(p) + n for p, n in zip(prompts, max_tokens, strict=True))
         spec = {"model_dir": str(model_dir), "dtype": str(dtype).removeprefix("torch."),
                 "prompts": prompts, "max_tokens": max_tokens, "max_num_seqs": max_num_seqs,
-                "max_model_len": max(2048, longest)}
+                "max_model_len": max(2048, longest), "kv_cache_gib": kv_cache_gib}
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(json.dumps(spec))
         env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "ACTIVE")}

@@ -57,6 +57,10 @@ def bench_engine(
         help="Back the KV pool with memory before the run (as `serve --kv-prefault`, and as "
         "an engine that allocates its cache up front): steady-state speed, not the OS "
         "zeroing pages during the first pass."),
+    kv_cache_gib: int = typer.Option(
+        4, min=1,
+        help="CPU: the KV pool of minimill and of the peer (vLLM's VLLM_CPU_KVCACHE_SPACE, "
+        "whose default this is), GiB: both engines get the same room for requests at once."),
     lanes: bool = typer.Option(
         True, "--lanes/--no-lanes",
         help="CPU: let each core step its own share of the requests on its own clock "
@@ -79,8 +83,9 @@ def bench_engine(
     run_engine_bench(EngineBenchOptions(
         workload=workload, json_out=json_out, model=model, dtype=dtype, limit=limit,
         skip_hf=skip_hf, shape=shape, config=config, random_weights=random_weights,
-        kernels=kernels, kv_dtype=kv_dtype, kv_prefault=kv_prefault, lanes=lanes,
-        balanced_routers=balanced_routers, peer=peer, peer_python=peer_python, rounds=rounds))
+        kernels=kernels, kv_dtype=kv_dtype, kv_prefault=kv_prefault,
+        kv_cache_gib=kv_cache_gib, lanes=lanes, balanced_routers=balanced_routers, peer=peer,
+        peer_python=peer_python, rounds=rounds))
 
 
 @bench_app.command("sessions")
