@@ -118,6 +118,7 @@ def test_bench_engine_prints_figures_and_their_yardsticks(minimill_home: Path,
     assert report["sol_fraction"] == pytest.approx(
         report["output_tok_s"] / report["sol_tok_s"], rel=0.01)
     assert report["sol_detail"]["memory_gb_s"] > 0
+    assert report["yardstick_measurements"] >= 2  # the best of two at least, every run
     # Three timed rounds of the same work by default; the headline is the median round's.
     rounds = report["rounds"]
     assert len(rounds) == 3

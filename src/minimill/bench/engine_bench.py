@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 TARGET_SOL_FRACTION = 0.75
 # Measurements of the yardstick after the first, while a fraction comes out above 1.
 YARDSTICK_RETRIES = 2
+# Measurements of the yardstick before its check (best of them at every shape).
+YARDSTICK_FIRST_MEASUREMENTS = 2
 TARGET_HF_SPEEDUP = 2.0
 TARGET_PEER_SPEEDUP = 1.15
 # HF generate batch widths tried on a sample of the workload; the best one runs it all.
@@ -252,7 +254,12 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
 
     with stage(err, "measuring the speed of light ..."):
         all_steps = [s for r in runs for s in r.steps]
+        # Always the best of two: one measured while a neighbour held a core reads the rates
+        # low (seen: the dense GEMMs at 92 GFLOP/s where the runs beside it read 188), and a
+        # yardstick too slow flatters the fraction without tripping the check below.
         stick = measure(runner.model, all_steps)
+        for _ in range(YARDSTICK_FIRST_MEASUREMENTS - 1):
+            stick = best_of(stick, measure(runner.model, all_steps))
         for attempt in range(1 + YARDSTICK_RETRIES):
             if attempt:  # a fraction above 1: measured while something else ran; again
                 stick = best_of(stick, measure(runner.model, all_steps))
@@ -260,7 +267,7 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
                 r.sol = speed_of_light(runner.model, r.steps, stick)
             if all(r.output_tok_s <= r.sol_tok_s for r in runs):
                 break
-        yardstick_measurements = attempt + 1
+        yardstick_measurements = attempt + YARDSTICK_FIRST_MEASUREMENTS
     # The median round by throughput is the headline, with its own yardstick and fraction.
     median = sorted(runs, key=lambda r: r.output_tok_s)[(len(runs) - 1) // 2]
     steps, seconds, output_tokens = median.steps, median.seconds, median.output_tokens
