@@ -215,8 +215,7 @@ def _bench(options: EngineBenchOptions, err: Any) -> dict[str, Any]:
         routers = _balance_routers(options, loaded, config, prompts)
         started = time.perf_counter()
         # On a GPU the engine's pool takes what the weights leave, as vLLM's does there.
-        kv_bytes = (options.kv_cache_gib << 30 if config.device == "cpu"
-                    else None)
+        kv_bytes = options.kv_cache_gib << 30 if config.device == "cpu" else None
         llm = LLM(loaded, dtype=config.dtype, kernels=config.kernels, kv_dtype=config.kv_dtype,
                   prefault_kv=options.kv_prefault, lanes=config.lanes,
                   kv_cache_memory_bytes=kv_bytes)
@@ -361,7 +360,7 @@ def _peer(options: EngineBenchOptions, loaded: Any, config: Any, prompts: list[l
             StealMeter() as steal:
         result = run_peer(options.peer, python, loaded, config.torch_dtype,
                           prompts, [i.max_tokens for i in items], config.max_num_seqs,
-                          drop_weights=True, kv_cache_gib=options.kv_cache_gib)
+                          options.kv_cache_gib, drop_weights=True)
     return {"peer": result.get("peer"), "peer_version": result.get("version"),
             "peer_output_tok_s": result["output_tok_s"], "peer_steal_share": steal.share,
             "peer_speedup": round(output_tok_s / result["output_tok_s"], 3),

@@ -67,8 +67,8 @@ def check_peer(peer: str, python: str | None) -> str:
 
 def run_peer(peer: str, python: str, loaded: LoadedModel, dtype: torch.dtype,
              prompts: list[list[int]], max_tokens: list[int], max_num_seqs: int,
-             timeout_s: float = 3600.0, drop_weights: bool = False,
-             kv_cache_gib: int = 4) -> dict[str, Any]:
+             kv_cache_gib: int, timeout_s: float = 3600.0,
+             drop_weights: bool = False) -> dict[str, Any]:
     """Run the peer over the same prompts; returns its JSON figures (output_tok_s, ...).
     `drop_weights`: empty `loaded.weights` once written for the peer (a caller that needs
     them no more leaves the peer the memory: a model the size of the machine's share fits

@@ -19,7 +19,7 @@ def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", spec.get("cpu_bind", "0-1"))
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(spec.get("kv_cache_gib", 4))  # as minimill's pool
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(spec["kv_cache_gib"])  # as minimill's pool
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
