@@ -161,3 +161,30 @@ def test_sites_list_command_shows_draining_and_effective_cost(store_url: str,
     assert row["effective_usd_per_mtok"] == pytest.approx(0.05 / 3600 / 100 * 1e6)
     table = subprocess.run(run, capture_output=True, text=True, timeout=60)
     assert table.returncode == 0 and "draining" in table.stdout and "windy" in table.stdout
+
+
+def test_the_view_reads_each_sites_own_models_sessions_and_schedule(store: Store) -> None:
+    """The view of the fleet parses each distinct JSON text once and shares the result: every
+    site still gets its own values, null ones included, and list_sites agrees with it."""
+    from minimill.control.price_schedule import PriceSchedule
+    from minimill.control.sites import set_price_schedule
+
+    now = time.time()
+    a, b, c = site(store, "a"), site(store, "b"), site(store, "c")
+    with store.write() as conn:
+        touch_site(conn, a.id, now, 30.0, models=["m", "x"], held_sessions=["s1"])
+        touch_site(conn, b.id, now, 30.0, models=["m"], held_sessions=[])
+        touch_site(conn, c.id, now, 30.0, models=["x", "m"])
+    schedule = PriceSchedule(start_at=0.0, hourly_usd=(1.0, 2.0))
+    set_price_schedule(store, "b", schedule)
+    with store.read() as conn:
+        states = site_states(conn)
+    assert states[a.id].models == frozenset({"m", "x"}) == states[c.id].models
+    assert states[b.id].models == frozenset({"m"})
+    assert states[a.id].sessions == frozenset({"s1"})
+    assert states[b.id].sessions == frozenset() == states[c.id].sessions
+    assert states[b.id].price_schedule == schedule
+    assert states[a.id].price_schedule is None and states[c.id].price_schedule is None
+    listed = {s.name: s for s in list_sites(store, now)}
+    assert listed["b"].price_now == schedule.price_at(now)
+    assert listed["a"].price_now == listed["a"].price_per_hour == a.price_per_hour
