@@ -39,15 +39,24 @@ _STATE_COLUMNS = (
     sites.c.chip, cast(sites.c.price_schedule, Text).label("price_schedule"),
     cast(sites.c.held_sessions, Text).label("held_sessions"))
 _STATE_NAMES = frozenset(c.name for c in _STATE_COLUMNS)
-# Many distinct texts are few: a fleet's model lists, session sets and price schedules.
-_PARSED_TEXTS = 4096
+# Distinct model lists and price schedules are few in a fleet: each text is parsed once.
+_PARSED_TEXTS = 1024
 
 
-@functools.lru_cache(maxsize=_PARSED_TEXTS)
-def _names(text: str | None) -> frozenset[str] | None:
-    """A JSON list column's names (None: null, or not a list)."""
+def _list(text: str | None) -> frozenset[str] | None:
+    """A JSON list column's values (None: null, or not a list)."""
     data = None if text is None else json.loads(text)
     return frozenset(str(m) for m in data) if isinstance(data, list) else None
+
+
+_models = functools.lru_cache(maxsize=_PARSED_TEXTS)(_list)
+
+
+def _sessions(text: str | None) -> frozenset[str]:
+    """The session tags a site holds: parsed row by row (they differ from site to site and
+    change as it works, so a cache of them would hold much and hit little), the usual empty
+    ones without parsing."""
+    return frozenset() if text is None or text in ("[]", "null") else _list(text) or frozenset()
 
 
 @functools.lru_cache(maxsize=_PARSED_TEXTS)
@@ -69,10 +78,10 @@ def _state(values: Sequence[Any], held: int, windows: list[Outage]) -> SiteState
         site_id=site_id, price_per_hour=price_per_hour, tokens_per_s=tokens_per_s,
         in_flight=held, last_seen_at=last_seen_at,
         outages=tuple(sorted(windows, key=lambda o: o.start_at)) if windows else (),
-        free_capacity=free_capacity, capacity_at=capacity_at, models=_names(models),
+        free_capacity=free_capacity, capacity_at=capacity_at, models=_models(models),
         first_seen_at=first_seen_at, up_s=up_s, leases_granted=leases_granted,
         leases_expired=leases_expired, chip=chip, price_schedule=_schedule(schedule),
-        sessions=_names(sessions) or frozenset())
+        sessions=_sessions(sessions))
 
 
 def _held_and_windows(conn: Connection) -> tuple[dict[str, int], dict[str, list[Outage]]]:
