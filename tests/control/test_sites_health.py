@@ -164,8 +164,9 @@ def test_sites_list_command_shows_draining_and_effective_cost(store_url: str,
 
 
 def test_the_view_reads_each_sites_own_models_sessions_and_schedule(store: Store) -> None:
-    """The view of the fleet parses each distinct JSON text once and shares the result: every
-    site still gets its own values, null ones included, and list_sites agrees with it."""
+    """The view of the fleet parses each distinct model list and price schedule once and shares
+    the result: every site still gets its own values, null ones included, and list_sites
+    agrees with it."""
     from minimill.control.price_schedule import PriceSchedule
     from minimill.control.sites import set_price_schedule
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Text, bindparam, cast, func, select
+from sqlalchemy import Connection, Select, Text, bindparam, cast, func, select
 
 from minimill.control import metering, price_schedule, site_health
 from minimill.control.peer_ranks import FleetRanks, RankIndex
@@ -93,19 +93,17 @@ def _held_and_windows(conn: Connection) -> tuple[dict[str, int], dict[str, list[
     return held, windows
 
 
-def _load(conn: Connection) -> list[tuple[Any, SiteState]]:
-    """Every site's whole row (the state's JSON columns as text) and its state."""
+def _load(conn: Connection, statement: Select[Any]) -> list[tuple[Any, SiteState]]:
+    """Every site's row as `statement` (one that starts with `_STATE_COLUMNS`) reads it, and
+    its state."""
     held, windows = _held_and_windows(conn)
-    return [(r, _state(r, int(held.get(r.id, 0)), windows.get(r.id, [])))
-            for r in conn.execute(_ROWS)]
+    return [(r, _state(r, int(held.get(r[0], 0)), windows.get(r[0], [])))
+            for r in conn.execute(statement)]
 
 
 def site_states(conn: Connection) -> dict[str, SiteState]:
     """Every registered site as placement sees it, by site id."""
-    held, windows = _held_and_windows(conn)
-    states = (_state(values, int(held.get(values[0], 0)), windows.get(values[0], []))
-              for values in conn.execute(_STATES))
-    return {state.site_id: state for state in states}
+    return {state.site_id: state for _, state in _load(conn, _STATES)}
 
 
 def site_state(conn: Connection, site_id: str) -> SiteState | None:
@@ -239,7 +237,7 @@ def site_status(state: SiteState, now: float, policy: PlacementPolicy = DEFAULT_
 def list_sites(store: Store, now: float,
                policy: PlacementPolicy = DEFAULT_POLICY) -> list[SiteStatus]:
     with store.read() as conn:
-        loaded = _load(conn)
+        loaded = _load(conn, _ROWS)  # the whole row: operators see more than placement
     return [_status(row, state, now, policy) for row, state in loaded]
 
 
